@@ -1,0 +1,121 @@
+"""The FastAPI app: lifespan (Redis, transport, model registry, metrics), auth, body limit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+
+import redis.asyncio as aioredis
+from fastapi import Depends, FastAPI, HTTPException, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmq.api.errors import error_response, install_error_handlers
+from llmq.api.metrics import Metrics
+from llmq.api.models import ModelRegistry
+from llmq.common.errors import AuthenticationFailed, BodyTooLarge
+from llmq.common.settings import Settings, get_settings
+from llmq.common.store import Store
+from llmq.common.transport import AsyncTransport, Keys
+
+log = logging.getLogger("llmq.api")
+
+
+class BodyLimit:
+    """Refuses bodies over the limit with 413 before they are parsed: by Content-Length when
+    given, else by counting the bytes as they arrive."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.paths = paths or {}  # larger limits for some routes (file uploads)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.paths.get(scope.get("path", ""), self.max_bytes)
+        too_large = BodyTooLarge(f"the request body is over the limit of {limit} bytes")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    if int(value) > limit:
+                        return await error_response(too_large)(scope, receive, send)
+                except ValueError:
+                    pass
+        received = 0
+
+        async def limited() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # FastAPI passes HTTPExceptions raised while reading the body through.
+                    raise HTTPException(413, too_large.message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def require_api_key(request: Request) -> None:
+    key = request.app.state.settings.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise AuthenticationFailed("a valid API key is required: Authorization: Bearer <key>")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # A blocking pool: a burst waits for a free connection instead of failing with
+        # "Too many connections" (redis-py's default pool raises past 100).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url_or_default(),
+            max_connections=settings.redis_max_connections,
+            timeout=10,
+            socket_connect_timeout=5,
+            health_check_interval=10,
+        )
+        client = aioredis.Redis(connection_pool=pool)
+        transport = AsyncTransport(client, Keys(settings.key_prefix))
+        app.state.redis = client
+        app.state.transport = transport
+        app.state.registry = ModelRegistry(transport, settings)
+        app.state.store = Store(client, transport.keys)
+        preload = asyncio.create_task(app.state.registry.preload())
+        try:
+            yield
+        finally:
+            preload.cancel()
+            await transport.close()
+            await client.aclose()
+
+    app = FastAPI(
+        title="llmq",
+        version="0.1.0",
+        description="OpenAI-compatible LLM serving on Celery and Redis.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    install_error_handlers(app)
+
+    from llmq.api import batches_routes, embeddings_routes, health, openai_routes, playground
+
+    app.include_router(health.router)
+    app.include_router(playground.router)
+    app.include_router(openai_routes.router, dependencies=[Depends(require_api_key)])
+    app.include_router(embeddings_routes.router, dependencies=[Depends(require_api_key)])
+    app.include_router(batches_routes.router, dependencies=[Depends(require_api_key)])
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        paths={"/v1/files": settings.max_file_bytes + 64 * 1024},
+    )
+    return app

@@ -1,0 +1,143 @@
+"""The OpenAI Files and Batch APIs: /v1/files and /v1/batches. Batches run as Celery tasks
+(queue ``llmq.batch``) that clients poll."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmq.common.errors import BodyTooLarge, InvalidRequest, NotFound
+from llmq.common.store import BATCH_ENDPOINTS, Store
+
+router = APIRouter()
+
+FILE_PURPOSES = ("batch", "batch_output", "fine-tune", "assistants", "user_data", "evals")
+
+
+def _store(request: Request) -> Store:
+    return request.app.state.store
+
+
+# ---- files -------------------------------------------------------------------------------
+@router.post("/v1/files")
+async def create_file(
+    request: Request,
+    file: Annotated[UploadFile, File(description="The JSONL file")],
+    purpose: Annotated[str, Form()],
+) -> dict:
+    if purpose not in FILE_PURPOSES:
+        raise InvalidRequest(f"purpose must be one of {', '.join(FILE_PURPOSES)}", "purpose")
+    limit = request.app.state.settings.max_file_bytes
+    content = await file.read(limit + 1)
+    if len(content) > limit:
+        raise BodyTooLarge(f"the file is over the limit of {limit} bytes")
+    return await _store(request).create_file(file.filename or "upload.jsonl", purpose, content)
+
+
+@router.get("/v1/files")
+async def list_files(request: Request, purpose: str | None = None) -> dict:
+    files = await _store(request).list_files(purpose)
+    return {"object": "list", "data": files, "has_more": False}
+
+
+async def _file(request: Request, file_id: str) -> dict:
+    f = await _store(request).get_file(file_id)
+    if f is None:
+        raise NotFound(f"no file with id {file_id!r}", "file_id", "file_not_found")
+    return f
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, request: Request) -> dict:
+    return await _file(request, file_id)
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, request: Request) -> Response:
+    f = await _file(request, file_id)
+    content = await _store(request).file_content(file_id) or b""
+    return Response(
+        content,
+        media_type="application/jsonl"
+        if f["filename"].endswith(".jsonl")
+        else "application/octet-stream",
+    )
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, request: Request) -> dict:
+    await _file(request, file_id)
+    await _store(request).delete_file(file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+# ---- batches -----------------------------------------------------------------------------
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    completion_window: Annotated[str, Field(pattern=r"^\d+h$")] = "24h"
+    metadata: dict[str, str] | None = None
+
+
+@router.post("/v1/batches")
+async def create_batch(body: BatchCreate, request: Request) -> dict:
+    store = _store(request)
+    f = await store.get_file(body.input_file_id)
+    if f is None:
+        raise NotFound(f"no file with id {body.input_file_id!r}", "input_file_id", "file_not_found")
+    if f["purpose"] != "batch":
+        raise InvalidRequest("the input file's purpose must be 'batch'", "input_file_id")
+    assert body.endpoint in BATCH_ENDPOINTS
+    batch = await store.create_batch(
+        body.input_file_id, body.endpoint, body.completion_window, body.metadata
+    )
+    from llmq.worker.batch_tasks import dispatch
+
+    await asyncio.to_thread(dispatch, batch["id"])
+    return batch
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    request: Request,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict:
+    batches, has_more = await _store(request).list_batches(after, limit)
+    return {
+        "object": "list",
+        "data": batches,
+        "first_id": batches[0]["id"] if batches else None,
+        "last_id": batches[-1]["id"] if batches else None,
+        "has_more": has_more,
+    }
+
+
+async def _batch(request: Request, batch_id: str) -> dict:
+    batch = await _store(request).get_batch(batch_id)
+    if batch is None:
+        raise NotFound(f"no batch with id {batch_id!r}", "batch_id", "batch_not_found")
+    return batch
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, request: Request) -> dict:
+    return await _batch(request, batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, request: Request) -> dict:
+    await _batch(request, batch_id)
+    store = _store(request)
+    prev = await store.transition(batch_id, "cancelling", ("validating", "in_progress"))
+    if prev is None:
+        status = await store.status(batch_id)
+        if status not in ("cancelling", "cancelled"):
+            raise InvalidRequest(f"a batch that is {status} cannot be cancelled", "batch_id")
+    return await _batch(request, batch_id)

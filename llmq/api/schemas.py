@@ -1,0 +1,145 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic). Responses are built as plain dicts
+in the routers: OpenAI's shapes, nothing more."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from llmq.worker.engine.sampling_params import SamplingParams
+
+MAX_N = 8
+MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What chat and completions share. Unknown fields are accepted and ignored, as OpenAI-style
+    clients (LangChain and others) send extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="Model to use; default: the one served.")
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info: ValidationInfo):
+        # A field validator (not a model one), so the error names the field: param "top_logprobs".
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs: true")
+        return v
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_tokens if "max_tokens" in self.model_fields_set else 16
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return list(p)

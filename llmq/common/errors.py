@@ -1,0 +1,79 @@
+"""Errors a client can act on, each with its HTTP status and OpenAI error type and code."""
+
+from __future__ import annotations
+
+
+class LLMQError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(LLMQError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(LLMQError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(LLMQError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class BodyTooLarge(LLMQError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class QueueFull(LLMQError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    retry_after = 1
+
+
+class Unavailable(LLMQError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_worker"
+    retry_after = 5
+
+
+class DeadlineExceeded(LLMQError):
+    status = 504
+    type = "timeout"
+    code = "deadline_exceeded"
+
+
+class EngineFailure(LLMQError):
+    status = 500
+    type = "server_error"
+    code = "engine_error"

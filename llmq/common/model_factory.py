@@ -1,0 +1,144 @@
+"""`llmq make-model`: a model with random weights and a locally trained tokenizer.
+
+No machine of this project can download weights, so tests, benchmarks and offline smoke tests
+use a folder written here with ``save_pretrained``; it then loads through exactly the code path a
+Hugging Face model id takes. The init is wide (``initializer_range`` 0.2, random q/k/v biases for
+Qwen2) because a default-init random model repeats one token, which would hide attention bugs.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import Literal
+
+Arch = Literal["llama", "qwen2"]
+Size = Literal["tiny", "smollm2-135m"]
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SHAPES: dict[Size, dict] = {
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+    # The shape of HuggingFaceTB/SmolLM2-135M(-Instruct).
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+    ),
+}
+
+# Characters of stdlib source fed to the tokenizer trainer, per target vocabulary size.
+_TEXT_BUDGET = {1024: 2_000_000, 49152: 40_000_000}
+
+
+def _training_text(budget: int):
+    """Python's own stdlib sources: local, deterministic, plenty of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    used = 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        yield text
+        used += len(text)
+        if used >= budget:
+            return
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (so every string round-trips) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(_TEXT_BUDGET.get(vocab_size, 40_000_000)), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token=EOS_TOKEN,
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed: int = 0) -> Path:
+    """Write a random-weight model and its tokenizer to ``path``; return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    path = Path(path)
+    shape = dict(SHAPES[size])
+    tokenizer = train_tokenizer(shape["vocab_size"])
+    shape["vocab_size"] = len(tokenizer)
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if arch == "llama":
+        config = LlamaConfig(**shape, **ids)
+    elif arch == "qwen2":
+        config = Qwen2Config(**shape, **ids, use_sliding_window=False)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+
+    # Marks the folder as a demo: /v1/models and the playground label it "random weights".
+    config.llmq_random_weights = True
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":
+        # Biases start at zero; random ones make a bias bug visible in the exactness tests.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0.0, shape["initializer_range"])
+    if size != "tiny":
+        model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(**ids)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

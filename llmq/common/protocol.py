@@ -1,0 +1,102 @@
+"""What travels between the API (or a batch task) and the engines, as plain dataclasses.
+``common/transport.py`` turns them into Redis stream entries and pub/sub messages (JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from llmq.worker.engine.sampling_params import SamplingParams
+
+# Lower runs first: interactive requests ahead of batch-job lines.
+PRIORITY_INTERACTIVE = 0
+PRIORITY_BATCH = 10
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation (or embedding) request as an engine receives it."""
+
+    id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    kind: str = "generate"  # or "embed"
+    model: str = ""
+    priority: int = PRIORITY_INTERACTIVE
+    deadline: float | None = None  # unix time after which the request fails
+    created: float = 0.0
+    # Embedding requests: one token-id list per input, and options (dimensions, ...).
+    inputs: list[list[int]] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> EngineRequest:
+        data = json.loads(raw)
+        data["params"] = SamplingParams.from_dict(data.get("params") or {})
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(slots=True)
+class EngineError:
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+
+
+@dataclass(slots=True)
+class OutputMessage:
+    """One message on a request's output channel.
+
+    ``index`` is the position of the first of ``tokens`` in the request's output: a client
+    drops what it has already seen and detects a gap, so a request resumed on another worker
+    continues the stream without a repeat or a hole."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None  # per token: {token_id, logprob, top}
+    usage: dict[str, int] | None = None  # with the final message
+    error: EngineError | None = None
+    worker: str | None = None
+    # Embedding results: one base64 string of little-endian float32 per input, in order.
+    embeddings: list[str] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {"index": self.index, "tokens": self.tokens}
+        if self.finish_reason is not None:
+            data["finish_reason"] = self.finish_reason
+        if self.logprobs is not None:
+            data["logprobs"] = self.logprobs
+        if self.usage is not None:
+            data["usage"] = self.usage
+        if self.error is not None:
+            data["error"] = asdict(self.error)
+        if self.worker is not None:
+            data["worker"] = self.worker
+        if self.embeddings is not None:
+            data["embeddings"] = self.embeddings
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> OutputMessage:
+        data = json.loads(raw)
+        error = data.get("error")
+        return cls(
+            index=data.get("index", 0),
+            tokens=data.get("tokens") or [],
+            finish_reason=data.get("finish_reason"),
+            logprobs=data.get("logprobs"),
+            usage=data.get("usage"),
+            error=EngineError(**error) if error else None,
+            worker=data.get("worker"),
+            embeddings=data.get("embeddings"),
+        )

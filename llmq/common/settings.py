@@ -1,0 +1,117 @@
+"""The one place llmq reads its configuration: environment (prefix ``LLMQ_``), a ``.env`` file,
+and CLI flags that override both. Nothing else reads ``os.environ``."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="LLMQ_", env_file=".env", extra="ignore", protected_namespaces=()
+    )
+
+    # What is served
+    model: str = Field(DEFAULT_MODEL, description="Hugging Face model id or local path to serve.")
+    served_model_name: str | None = Field(
+        None, description="Name clients use in `model`; defaults to the model id or folder name."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV cache dtype; auto: bfloat16 on CPU, float16 on CUDA."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; auto picks cuda when available."
+    )
+    max_model_len: int | None = Field(
+        None, description="Longest prompt plus output in tokens; defaults to the model's own limit."
+    )
+
+    # Engine budgets
+    block_size: int = Field(16, description="Tokens per KV cache block.")
+    kv_blocks: int | None = Field(
+        None, description="Number of KV cache blocks; unset: derived from kv_cache_memory_gb."
+    )
+    kv_cache_memory_gb: float = Field(
+        2.0, description="Memory budget for the KV cache (GiB) when kv_blocks is unset."
+    )
+    max_batch_size: int = Field(64, description="Most sequences in one engine step.")
+    max_batch_tokens: int = Field(
+        512, description="Most tokens in one engine step (prefill chunks plus decodes)."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV blocks of shared prompt prefixes."
+    )
+    torch_threads: int | None = Field(
+        None, description="torch intra-op threads for the worker; unset: torch's default."
+    )
+
+    # Redis and processes
+    redis_url: str | None = Field(
+        None,
+        description="Redis URL (redis:// or rediss://); unset: `llmq up` starts an embedded Redis.",
+    )
+    key_prefix: str = Field("llmq", description="Prefix of every Redis key llmq uses.")
+    worker_name: str | None = Field(
+        None, description="Name of this worker in heartbeats and streams; default host:pid."
+    )
+    heartbeat_ttl: float = Field(
+        5.0, description="Seconds a worker's heartbeat lives; a silent worker is dead after it."
+    )
+    max_deliveries: int = Field(
+        3, description="Times a request may be delivered to workers before it is dead-lettered."
+    )
+    request_ttl: int = Field(
+        120, description="Seconds a finished request's record and tokens stay in Redis."
+    )
+    shutdown_grace: float = Field(
+        5.0, description="Seconds a stopping worker finishes running requests before handing back."
+    )
+
+    # API
+    host: str = Field("127.0.0.1", description="Address the API binds to.")
+    port: int = Field(8000, description="Port the API listens on.")
+    api_key: str | None = Field(None, description="Bearer token clients must send; unset: no auth.")
+    max_queue: int = Field(
+        1024, description="Requests waiting in the queue beyond which the API answers 429."
+    )
+    request_timeout: float = Field(
+        600.0, description="Seconds a request may take end to end before it fails with an error."
+    )
+    inactivity_timeout: float = Field(
+        60.0, description="Seconds without output after which a running request fails."
+    )
+    max_body_bytes: int = Field(8 * 1024 * 1024, description="Largest HTTP request body accepted.")
+    redis_max_connections: int = Field(
+        256, description="Redis connections one API process opens at most (more requests wait)."
+    )
+
+    # Batch API
+    max_file_bytes: int = Field(
+        200 * 1024 * 1024, description="Largest file accepted by POST /v1/files."
+    )
+    batch_concurrency: int = Field(
+        4, description="Lines of one batch job in flight at once (at batch priority)."
+    )
+
+    # Flower
+    flower_port: int = Field(5555, description="Port `llmq flower` listens on.")
+    flower_host: str = Field("127.0.0.1", description="Address `llmq flower` binds to.")
+    flower_user: str = Field("admin", description="Flower basic-auth user.")
+    flower_password: str | None = Field(
+        None, description="Flower basic-auth password; unset: a random one, printed at start."
+    )
+
+    def redis_url_or_default(self) -> str:
+        """The Redis to use: LLMQ_REDIS_URL, else a local one (what `llmq up` starts)."""
+        return self.redis_url or "redis://127.0.0.1:6379/0"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

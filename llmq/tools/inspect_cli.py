@@ -1,0 +1,93 @@
+"""`llmq inspect`: one screen on the queue, the engines and the batches in progress."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from llmq.common.settings import Settings
+from llmq.common.transport import GROUP, Keys
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def snapshot(client: redis.Redis, keys: Keys) -> dict:
+    now = time.time()
+    streams = sorted({_s(k) for k in client.scan_iter(match=keys.requests_pattern, count=100)})
+    queues = []
+    for stream in streams:
+        if client.type(stream) != b"stream":
+            continue
+        info = {"stream": stream, "length": client.xlen(stream), "pending": 0, "consumers": []}
+        try:
+            for g in client.xinfo_groups(stream):
+                if _s(g["name"]) != GROUP:
+                    continue
+                info["pending"] = g["pending"]
+                info["lag"] = g.get("lag")
+            for c in client.xinfo_consumers(stream, GROUP):
+                info["consumers"].append(
+                    {"name": _s(c["name"]), "pending": c["pending"], "idle_s": c["idle"] / 1000}
+                )
+        except redis.ResponseError:
+            pass
+        first = client.xrange(stream, count=1)
+        info["oldest_age_s"] = now - int(_s(first[0][0]).split("-")[0]) / 1000 if first else 0.0
+        queues.append(info)
+    engines = []
+    for key in client.scan_iter(match=keys.engines_pattern, count=100):
+        hb = {_s(k): _s(v) for k, v in client.hgetall(key).items()}
+        if hb:
+            hb["name"] = _s(key).split(":", 2)[-1]
+            engines.append(hb)
+    batches = []
+    for batch_id in client.smembers(keys.batches_active):
+        raw = {_s(k): _s(v) for k, v in client.hgetall(keys.batch(_s(batch_id))).items()}
+        if raw:
+            batches.append(raw)
+    return {"queues": queues, "engines": engines, "batches": batches}
+
+
+def render(snap: dict) -> str:
+    out = ["QUEUES"]
+    if not snap["queues"]:
+        out.append("  (no request stream yet)")
+    for q in snap["queues"]:
+        out.append(
+            f"  {q['stream']}: {q['length']} in stream, {q['pending']} being served, "
+            f"oldest {q['oldest_age_s']:.1f}s"
+        )
+        for c in q["consumers"]:
+            out.append(f"    consumer {c['name']}: {c['pending']} pending, idle {c['idle_s']:.1f}s")
+    out.append("ENGINES")
+    if not snap["engines"]:
+        out.append("  (no live worker)")
+    for e in sorted(snap["engines"], key=lambda e: e["name"]):
+        used, total = int(e.get("kv_blocks_used", 0)), int(e.get("kv_blocks_total", 0) or 0)
+        kv = f"KV {used}/{total} ({100 * used / total:.0f}%)" if total else "KV -"
+        out.append(
+            f"  {e['name']}: {e.get('model')} [{e.get('kind')}] {kv}, running {e.get('running')}, "
+            f"waiting {e.get('waiting')}, {e.get('tokens_per_s', '0')} tok/s, "
+            f"{e.get('steps_per_s', '0')} steps/s"
+        )
+    out.append("BATCHES IN PROGRESS")
+    if not snap["batches"]:
+        out.append("  (none)")
+    for b in snap["batches"]:
+        out.append(
+            f"  {b.get('id')}: {b.get('status')} {b.get('completed', 0)}/{b.get('total', 0)} done, "
+            f"{b.get('failed', 0)} failed ({b.get('endpoint')})"
+        )
+    return "\n".join(out)
+
+
+def run(settings: Settings, as_json: bool = False) -> int:
+    import json
+
+    client = redis.Redis.from_url(settings.redis_url_or_default(), socket_connect_timeout=5)
+    snap = snapshot(client, Keys(settings.key_prefix))
+    print(json.dumps(snap, indent=2) if as_json else render(snap))
+    return 0

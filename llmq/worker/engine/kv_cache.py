@@ -1,0 +1,173 @@
+"""The KV block manager: which cache blocks each sequence owns. Pure bookkeeping (no torch).
+
+Blocks hold ``block_size`` tokens. A full block is registered under the hash of its tokens
+chained with its predecessor's hash, so a later sequence with the same prefix reuses it (prefix
+caching). Blocks are shared by reference count; a block whose count drops to zero goes to the
+free queue but keeps its contents, so a cache hit can still revive it until it is evicted, least
+recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from llmq.worker.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set while the block is registered in the prefix cache
+    tokens: tuple[int, ...] = ()  # its tokens while registered, to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the first is reused first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_hits = 0  # tokens served from the prefix cache, for metrics and tests
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- hashing -------------------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Hash chain of the sequence's first ``num_full_blocks`` blocks, memoized on it."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else 0
+            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+        return hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks that hold a prefix of the sequence's tokens. At least one token
+        is always left to compute, since the step that computes it yields the next token."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(self._block_hashes(seq, max_blocks)):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            if self.blocks[block_id].tokens != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Give the sequence blocks for ``num_new_tokens`` more tokens (after ``cached_blocks``,
+        taken from ``find_cached_prefix`` for a sequence that holds no blocks yet). Returns
+        False and changes nothing when there are not enough free blocks."""
+        num_cached = len(cached_blocks) * self.block_size
+        total = seq.num_computed_tokens + num_cached + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks + revived > len(self._free):
+            return False
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        if cached_blocks:
+            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            seq.num_registered_blocks = len(cached_blocks)
+            self.prefix_hits += num_cached
+        for _ in range(max(num_new_blocks, 0)):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that became full with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        start = seq.num_registered_blocks
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        bs = self.block_size
+        for i in range(start, num_full):
+            h = hashes[i]
+            if h not in self._cached:
+                block = self.blocks[seq.block_table[i]]
+                block.hash = h
+                block.tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self._cached[h] = block.block_id
+        seq.num_registered_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks. Registered blocks go to the back of the free queue,
+        tail blocks first, so a shared prefix is evicted last; unregistered ones go to the
+        front, to be reused first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def _evict(self, block: Block) -> None:
+        if block.hash is not None:
+            if self._cached.get(block.hash) == block.block_id:
+                del self._cached[block.hash]
+            block.hash = None
+            block.tokens = ()
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self._free:
+            self._evict(self.blocks[block_id])
+
+    # ---- checking ------------------------------------------------------------------------
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Raise AssertionError when the bookkeeping is inconsistent with ``live`` sequences."""
+        owners = [0] * self.num_blocks
+        for seq in live:
+            assert len(set(seq.block_table)) == len(seq.block_table), (
+                "a sequence owns a block twice"
+            )
+            for b in seq.block_table:
+                owners[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == owners[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != owners {owners[block.block_id]}"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._free)
+        for h, b in self._cached.items():
+            assert self.blocks[b].hash == h

@@ -1,0 +1,186 @@
+"""Continuous batching: which sequences run in the next step and how many tokens each.
+
+Pure: no torch, no Redis, no clock. Each step is built under three budgets: sequences per
+step (``max_batch_size``), tokens per step (``max_batch_tokens``, which chunks long prefills)
+and free KV blocks. Running sequences come first (decodes and unfinished prefill chunks, by
+priority then arrival); waiting ones fill what is left. When blocks run out the scheduler
+preempts the running sequence that would run last, frees its blocks and recomputes it later:
+nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from llmq.worker.engine.kv_cache import BlockManager
+from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    start: int  # tokens already in the KV cache before this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's tokens and so yields a token."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass(slots=True)
+class SequenceUpdate:
+    """What one step did for one sequence that produced a token."""
+
+    seq: Sequence
+    token_id: int
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ):
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            return
+        self._finish(seq, FinishReason.ABORT)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batch_tokens
+        bm = self.block_manager
+        self.running.sort(key=Sequence.sort_key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+
+        # A step that had to preempt admits nothing new: the pool is already short. A step
+        # that admits a request admits none of lower priority beside it: batch-job prefills
+        # would lengthen the step that gives an interactive request its first token.
+        first_priority: int | None = None
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_batch_size
+        ):
+            seq = self.waiting[0]
+            if first_priority is not None and seq.priority > first_priority:
+                break
+            cached = bm.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+            if not bm.allocate(seq, num_new, cached):
+                break
+            self.waiting.pop(0)
+            first_priority = seq.priority if first_priority is None else first_priority
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[SequenceUpdate]:
+        """Apply one step's results: ``sampled[i]`` is the token drawn for ``out.scheduled[i]``
+        (None where that entry was a prefill chunk that does not sample)."""
+        updates: list[SequenceUpdate] = []
+        bm = self.block_manager
+        for item, token in zip(out.scheduled, sampled, strict=True):
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            bm.cache_full_blocks(seq)
+            if not item.samples:
+                continue
+            assert token is not None
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            updates.append(SequenceUpdate(seq, token, reason))
+        return updates
+
+    # ---- internals -----------------------------------------------------------------------
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens and (
+            (token in self.eos_token_ids and not params.ignore_eos)
+            or token in params.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,63 @@
+"""A request inside the engine: its tokens, its sampling parameters and its KV blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+
+from llmq.worker.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs first
+    arrival: int = 0  # order of arrival among equal priorities; given by the caller
+    # Tokens generated before this sequence reached this engine (a request resumed after its
+    # worker died): they are recomputed like prompt tokens but count as output.
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks
+    num_registered_blocks: int = 0  # leading blocks already in the prefix cache
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)

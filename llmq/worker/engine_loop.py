@@ -1,0 +1,278 @@
+"""The engine loop: Redis in, model steps, Redis out. Runs in its own thread in the worker.
+
+Each turn: pull as many requests as the engine has room for (blocking only when idle), drain
+cancels, run one engine step, publish every sequence's new tokens in one round trip, refresh
+the heartbeat, and now and then take over the requests of workers whose heartbeat expired.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, OutputMessage
+from llmq.common.transport import Emission, EngineTransport, PulledRequest
+from llmq.worker.backends import Backend
+from llmq.worker.llm_engine import RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Active:
+    request_id: str
+    entry_id: str
+    deadline: float | None
+    created: float = 0.0
+    started: float = field(default_factory=time.time)
+    priority: int = PRIORITY_INTERACTIVE
+    held: OutputMessage | None = None  # batch-priority tokens not yet sent
+
+
+# Batch-job requests publish (and record) their tokens in groups: nobody watches them token by
+# token, and every message costs the worker process Python time that interactive requests need.
+BATCH_EMIT_EVERY = 16
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        backend: Backend,
+        transport: EngineTransport,
+        heartbeat_info: dict,
+        heartbeat_ttl: float = 5.0,
+        max_deliveries: int = 3,
+        idle_block_ms: int = 100,
+    ):
+        self.backend = backend
+        self.transport = transport
+        self.heartbeat_info = heartbeat_info
+        self.heartbeat_ttl = heartbeat_ttl
+        self.max_deliveries = max_deliveries
+        self.idle_block_ms = idle_block_ms
+        self.active: dict[str, Active] = {}
+        self.stopping = threading.Event()
+        self.stopped = threading.Event()
+        self._last_heartbeat = 0.0
+        self._last_claim = 0.0
+        self._last_deadline_check = 0.0
+        self._steps_window: list[tuple[float, int, int]] = []  # (time, steps, tokens)
+        self.grace_period = 5.0
+        self._unsent: list[Emission] = []  # emissions a Redis outage kept from going out
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until ``stop()``; survives Redis outages by retrying."""
+        backoff = 0.2
+        setup_done = False
+        try:
+            while not self.stopping.is_set():
+                try:
+                    if not setup_done:
+                        self.transport.setup(
+                            {
+                                k: self.heartbeat_info.get(k)
+                                for k in ("source", "kind", "max_model_len")
+                            }
+                        )
+                        self._resume(
+                            self.transport.pull(
+                                self.backend.max_batch_size * 4, None, own_pending=True
+                            )
+                        )
+                        setup_done = True
+                    if self._unsent:
+                        self._publish([])
+                    self._turn()
+                    backoff = 0.2
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                    self.transport.close()
+                    setup_done = False
+                    self.stopping.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+            self._drain()
+        except Exception:
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            self.stopped.set()
+
+    def stop(self, grace_period: float | None = None) -> None:
+        if grace_period is not None:
+            self.grace_period = grace_period
+        self.stopping.set()
+
+    def _drain(self) -> None:
+        """Warm shutdown: take nothing new, finish what fits in the grace period, and leave the
+        rest un-acked (with the heartbeat removed) so a live worker resumes it."""
+        deadline = time.monotonic() + self.grace_period
+        try:
+            while self.backend.has_unfinished() and time.monotonic() < deadline:
+                self._step()
+            left = list(self.active)
+            for rid in left:
+                self.backend.abort(rid)
+            if left:
+                log.warning("handing back %d unfinished requests", len(left))
+            self.transport.remove_heartbeat()
+        except (redis.ConnectionError, redis.TimeoutError):
+            log.warning("redis unavailable during shutdown; unfinished requests stay pending")
+        finally:
+            self.transport.close()
+
+    # ---- one turn ------------------------------------------------------------------------
+    def _turn(self) -> None:
+        now = time.time()
+        busy = self.backend.has_unfinished()
+        room = self.backend.room()
+        if room > 0:
+            pulled = self.transport.pull(room, None if busy else self.idle_block_ms)
+            if pulled:
+                self._admit(pulled)
+        cancelled = self.transport.drain_cancels()
+        for rid in cancelled:
+            self._abort(rid, reason=None)
+        if cancelled:
+            self._last_heartbeat = 0.0  # show the freed blocks now, not a second later
+        if now - self._last_deadline_check > 0.5:
+            self._check_deadlines(now)
+        if self.backend.has_unfinished():
+            self._step()
+        if now - self._last_heartbeat > min(1.0, self.heartbeat_ttl / 3):
+            self._heartbeat(now)
+        if now - self._last_claim > self.heartbeat_ttl / 2:
+            self._last_claim = now
+            self._resume(
+                self.transport.claim_orphans(int(self.heartbeat_ttl * 1000), max(room, 1) * 4)
+            )
+
+    def _step(self) -> None:
+        try:
+            news = self.backend.step()
+        except Exception as exc:  # one bad step must not stop the engine for everyone
+            log.exception("engine step failed; failing the requests it held")
+            error = EngineError(
+                f"the engine failed on this request: {exc}", "server_error", "engine_error"
+            )
+            for rid in list(self.active):
+                self._abort(rid, error)
+            return
+        emissions = [e for rid, msg in news if (e := self._emission(rid, msg)) is not None]
+        if emissions or self._unsent:
+            self._publish(emissions)
+
+    def _publish(self, emissions: list[Emission]) -> None:
+        """Send emissions, after any an outage held back; on failure keep them all for the
+        next try (writes are idempotent and clients drop repeats)."""
+        self._unsent.extend(emissions)
+        self.transport.emit(self._unsent)
+        self._unsent = []
+
+    def _emission(self, request_id: str, msg: OutputMessage) -> Emission | None:
+        active = self.active[request_id]
+        if active.priority > PRIORITY_INTERACTIVE and msg.error is None:
+            if active.held is not None:
+                held = active.held
+                held.tokens = held.tokens + msg.tokens
+                if held.logprobs is not None or msg.logprobs is not None:
+                    held.logprobs = (held.logprobs or []) + (msg.logprobs or [])
+                held.finish_reason, held.usage = msg.finish_reason, msg.usage
+                msg = held
+            if not msg.done and len(msg.tokens) < BATCH_EMIT_EVERY:
+                active.held = msg
+                return None
+            active.held = None
+        if msg.done:
+            del self.active[request_id]
+            msg.worker = self.transport.worker
+            if msg.usage is not None and active.created:
+                msg.usage["queue_time"] = round(max(0.0, active.started - active.created), 4)
+        return Emission(request_id, active.entry_id, msg)
+
+    # ---- admission -----------------------------------------------------------------------
+    def _resume(self, pulled: list[PulledRequest]) -> None:
+        fresh = [p for p in pulled if p.request is None or p.request.id not in self.active]
+        for p in fresh:
+            if p.deliveries > self.max_deliveries:
+                log.error("request %s delivered %d times; dead-lettered", p.entry_id, p.deliveries)
+                self.transport.dead_letter(p, f"delivered {p.deliveries} times without finishing")
+        self._admit([p for p in fresh if p.deliveries <= self.max_deliveries])
+
+    def _admit(self, pulled: list[PulledRequest]) -> None:
+        now = time.time()
+        admitted: list[PulledRequest] = []
+        for p in pulled:
+            req = p.request
+            if req is None:
+                self.transport.fail(None, p.entry_id, 0, EngineError("malformed request"))
+                continue
+            if p.cancelled:
+                self.transport.fail(
+                    req.id,
+                    p.entry_id,
+                    len(p.prior_tokens),
+                    EngineError("cancelled", "cancelled", "cancelled"),
+                )
+                continue
+            if req.deadline is not None and now > req.deadline:
+                self.transport.fail(req.id, p.entry_id, len(p.prior_tokens), _deadline_error())
+                continue
+            try:
+                self.backend.add(req, p.prior_tokens)
+            except RequestError as exc:
+                self.transport.fail(
+                    req.id,
+                    p.entry_id,
+                    len(p.prior_tokens),
+                    EngineError(str(exc), "invalid_request_error"),
+                )
+                continue
+            if p.prior_tokens:
+                log.info("resuming %s after %d tokens", req.id, len(p.prior_tokens))
+            self.active[req.id] = Active(
+                req.id, p.entry_id, req.deadline, req.created, priority=req.priority
+            )
+            admitted.append(p)
+        if admitted:
+            self.transport.mark_running(admitted)
+
+    def _abort(self, request_id: str, reason: EngineError | None) -> None:
+        active = self.active.pop(request_id, None)
+        msg = self.backend.abort(request_id)
+        if active is None or msg is None:
+            return
+        msg.error = reason
+        self._publish([Emission(request_id, active.entry_id, msg)])
+
+    def _check_deadlines(self, now: float) -> None:
+        self._last_deadline_check = now
+        for rid, a in list(self.active.items()):
+            if a.deadline is not None and now > a.deadline:
+                log.info("request %s passed its deadline", rid)
+                self._abort(rid, _deadline_error())
+
+    def _heartbeat(self, now: float) -> None:
+        stats = self.backend.stats()
+        steps, tokens = stats.get("steps_total", 0), stats.get("tokens_total", 0)
+        self._steps_window.append((now, steps, tokens))
+        self._steps_window = [w for w in self._steps_window if now - w[0] <= 10.0]
+        t0, s0, g0 = self._steps_window[0]
+        span = now - t0
+        info = dict(self.heartbeat_info)
+        info.update(stats)
+        info.update(
+            steps_per_s=round((steps - s0) / span, 2) if span > 0 else 0.0,
+            tokens_per_s=round((tokens - g0) / span, 2) if span > 0 else 0.0,
+            updated=round(now, 3),
+        )
+        self.transport.heartbeat(info, self.heartbeat_ttl)
+        self._last_heartbeat = now
+
+
+def _deadline_error() -> EngineError:
+    return EngineError("the request passed its deadline", "timeout", "deadline_exceeded")

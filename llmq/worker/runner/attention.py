@@ -1,0 +1,219 @@
+"""Paged attention over the KV block pool, plugged into transformers' attention seam.
+
+transformers routes every attention call of Llama/Qwen2/Mistral-style models through a function
+looked up by name (``AttentionInterface``); extra keyword arguments of the model's forward reach
+it unchanged. llmq registers ``llmq_paged`` and passes the step's :class:`StepMetadata` as the
+``llmq_step`` keyword. The model sees one packed row of all scheduled tokens: decodes first (one
+token each, sorted by context length), then prefill chunks.
+
+Decodes use grouped query heads folded into query rows and two batched matmuls over KV gathered
+whole-block into a preallocated buffer (SDPA with ``enable_gqa`` is far slower at query length
+one on CPU). They run in a few chunks of similar context length (:class:`DecodeChunk`), each
+padded only to its own longest sequence, so a batch of mixed lengths gathers little padding.
+Prefill chunks use SDPA per sequence.
+
+Everything that depends only on the step (block tables, masks, chunking) is built once per step
+by the model runner; each layer only gathers, multiplies and writes, into reused buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "llmq_paged"
+
+
+class KVPool:
+    """Per-layer key and value caches, laid out [kv_heads, slots, head_dim] (``k``, ``v``: views
+    of one ``kv`` tensor) so a gather of whole blocks along the slot axis lands contiguous,
+    batch-major, ready for batched matmuls."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # Keys and values of a layer side by side, [2 * kv_heads, slots, head_dim], so that one
+        # gather fetches both. Zeroed: masked-out slots are multiplied by zero probabilities,
+        # and 0 * NaN is NaN.
+        self.kv = torch.zeros(
+            (num_layers, 2 * num_kv_heads, num_blocks * block_size, head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        self.k = self.kv[:, :num_kv_heads]  # [layers, kv_heads, slots, head_dim] views
+        self.v = self.kv[:, num_kv_heads:]
+        # Per layer, viewed as whole blocks: [2 * kv_heads, blocks, block_size * head_dim].
+        self.kv_blocks = [kv.view(2 * num_kv_heads, num_blocks, -1) for kv in self.kv]
+        self._gather = torch.empty(0, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.itemsize
+
+    def gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reusable buffers for ``num_blocks`` gathered blocks of keys and of values, each
+        [kv_heads, num_blocks, block_size * head_dim] (grown, never shrunk)."""
+        kv = self.gather_buffer(num_blocks)
+        return kv[: self.num_kv_heads], kv[self.num_kv_heads :]
+
+    def gather_buffer(self, num_blocks: int) -> torch.Tensor:
+        """A reusable [2 * kv_heads, num_blocks, block_size * head_dim] buffer: keys then
+        values, as a gather from ``kv_blocks`` lays them out."""
+        numel = 2 * self.num_kv_heads * num_blocks * self.block_size * self.head_dim
+        if self._gather.numel() < numel:
+            # Grown with headroom, so a batch whose contexts creep up does not reallocate (and
+            # page-fault a fresh buffer) every few steps.
+            self._gather = torch.empty(
+                numel + numel // 4, dtype=self.kv.dtype, device=self.kv.device
+            )
+        shape = (2 * self.num_kv_heads, num_blocks, self.block_size * self.head_dim)
+        return self._gather[:numel].view(shape)
+
+
+@dataclass(slots=True)
+class DecodeChunk:
+    """Decode rows ``[start, end)`` of the packed batch, attended together."""
+
+    start: int
+    end: int
+    num_blocks: int  # blocks gathered per sequence: the chunk's longest context
+    block_ids: torch.Tensor  # [(end - start) * num_blocks], row-major, padded with block 0
+    mask: (
+        torch.Tensor | None
+    )  # [1, end - start, 1, num_blocks * block_size] additive; None: no padding
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    q_start: int  # offset of its tokens in the packed row
+    q_len: int
+    ctx_len: int  # tokens in the cache after this step, its new ones included
+    block_ids: torch.Tensor  # blocks covering ctx_len
+    mask: (
+        torch.Tensor | None
+    )  # [q_len, ctx_len] (bool, or additive in the model's dtype); None: fresh causal prefill
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    pool: KVPool
+    slot_mapping: torch.Tensor  # [T] cache slot of every packed token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks]; used when decode_chunks is empty
+    decode_mask: torch.Tensor | None  # [1, B, 1, max_blocks * block_size], additive
+    prefills: list[PrefillChunk]
+    decode_chunks: list[DecodeChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    llmq_step: StepMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    step = llmq_step
+    if step is None:
+        raise RuntimeError("llmq_paged attention called without step metadata")
+    pool = step.pool
+    layer = module.layer_idx
+    k_cache, v_cache = pool.k[layer], pool.v[layer]  # [Hkv, slots, D]
+    k_cache.index_copy_(1, step.slot_mapping, key[0])
+    v_cache.index_copy_(1, step.slot_mapping, value[0])
+
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+
+    b = step.num_decodes
+    if b:
+        chunks = step.decode_chunks
+        if not chunks:  # metadata built the old way: one chunk over the whole decode batch
+            tables = step.decode_block_tables
+            mask = step.decode_mask  # [1, B, 1, ctx] -> [Hkv * B, 1, ctx]
+            mask = mask[0].expand(num_kv_heads, -1, -1, -1).reshape(-1, 1, mask.shape[-1])
+            chunks = [DecodeChunk(0, b, tables.shape[1], tables.reshape(-1), mask)]
+        # [Hq, B, D] -> [Hkv, G, B, D]: the G query heads sharing a KV head become G rows.
+        q_all = query[0, :, :b].unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
+        for chunk in chunks:
+            _decode_chunk(chunk, q_all, out, pool, layer, scale)
+
+    for chunk in step.prefills:
+        s, n = chunk.q_start, chunk.q_len
+        q = query[:, :, s : s + n]
+        if chunk.mask is None:
+            k = key[:, :, s : s + n]
+            v = value[:, :, s : s + n]
+        else:
+            k = _gather_context(k_cache, pool, chunk)
+            v = _gather_context(v_cache, pool, chunk)
+        attn = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, Hq, n, D]
+        out[s : s + n] = attn[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _decode_chunk(
+    chunk: DecodeChunk,
+    q_all: torch.Tensor,  # [Hkv, G, B, D]
+    out: torch.Tensor,  # [T, Hq, D]
+    pool: KVPool,
+    layer: int,
+    scale: float,
+) -> None:
+    s, e = chunk.start, chunk.end
+    n = e - s
+    num_kv_heads, group, _, head_dim = q_all.shape
+    ctx = chunk.num_blocks * pool.block_size
+    # [Hkv * n, G, D], contiguous (one copy out of the packed row)
+    q = q_all[:, :, s:e].transpose(1, 2).reshape(num_kv_heads * n, group, head_dim)
+    kv = pool.gather_buffer(n * chunk.num_blocks)
+    torch.index_select(pool.kv_blocks[layer], 1, chunk.block_ids, out=kv)
+    keys = kv[:num_kv_heads].view(num_kv_heads * n, ctx, head_dim)
+    values = kv[num_kv_heads:].view(num_kv_heads * n, ctx, head_dim)
+    # scale * q @ k^T + mask in one call: [Hkv * n, G, ctx]
+    scores = torch.baddbmm(chunk.mask, q, keys.transpose(1, 2), alpha=scale)
+    # In the model's dtype: on CPU a reduced-precision softmax accumulates in float32 inside.
+    probs = torch.softmax(scores, dim=-1)
+    attn = torch.bmm(probs, values)  # [Hkv * n, G, D]
+    out[s:e].view(n, num_kv_heads, group, head_dim).copy_(
+        attn.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+    )
+
+
+def _gather_context(cache: torch.Tensor, pool: KVPool, chunk: PrefillChunk) -> torch.Tensor:
+    num_kv_heads, _, head_dim = cache.shape
+    blocks = cache.view(num_kv_heads, pool.num_blocks, pool.block_size, head_dim)
+    gathered = blocks.index_select(1, chunk.block_ids).view(num_kv_heads, -1, head_dim)
+    return gathered[:, : chunk.ctx_len].unsqueeze(0)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -1,0 +1,256 @@
+"""The only code that runs the model: one forward pass per engine step over a packed ragged
+batch, with attention reading and writing the paged KV pool; logits only where a token is
+sampled.
+
+Per step the runner builds, once, everything the attention layers need: the cache slot of every
+new token, the decodes' block tables and masks (decodes sorted by context length and cut into a
+few chunks of similar length, so little padding is gathered) and the prefill chunks' masks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+import torch
+
+from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
+from llmq.worker.runner.attention import (
+    ATTN_IMPLEMENTATION,
+    DecodeChunk,
+    KVPool,
+    PrefillChunk,
+    StepMetadata,
+)
+
+log = logging.getLogger(__name__)
+
+# Fixed cost of one decode chunk (a handful of tensor ops per layer), in gathered token slots:
+# splitting the decodes into one more chunk pays off only when it saves more padding than this.
+CHUNK_COST_SLOTS = 1024
+MAX_DECODE_CHUNKS = 4
+
+
+def model_dims(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder config."""
+    config = config.get_text_config()
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+_malloc_tuned = False
+
+
+def _tune_malloc() -> None:
+    """Keep glibc from returning freed memory to the kernel and mapping it back in every layer.
+
+    A forward pass allocates and frees the same megabyte-sized temporaries (activations, logits)
+    over and over. glibc serves big ones with mmap and trims the heap top eagerly, so each reuse
+    page-faults its memory back in, zero-filled: measured 3x slower decode steps at batch 64.
+    Fixed thresholds (the largest glibc accepts) keep them on the heap, warm."""
+    global _malloc_tuned
+    if _malloc_tuned or not sys.platform.startswith("linux"):
+        return
+    _malloc_tuned = True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 << 20)
+        libc.mallopt(m_trim_threshold, 256 << 20)
+    except (OSError, AttributeError):  # not glibc
+        log.debug("mallopt unavailable; malloc left as it is")
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        num_layers, num_kv_heads, head_dim = model_dims(model.config)
+        if self.device.type == "cpu":
+            _tune_malloc()
+        self.pool = KVPool(
+            num_layers, num_kv_heads, head_dim, num_blocks, block_size, self.dtype, self.device
+        )
+        # This changes the config in place: never share it with a reference model.
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self._arange = torch.arange(0)
+        self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
+
+    def _positions(self, n: int) -> torch.Tensor:
+        if self._arange.numel() < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.numel()))
+        return self._arange[:n]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns float32 logits, one row per sampling entry, and the indices
+        of those entries in ``out.scheduled``."""
+        scheduled = out.scheduled
+        bs = self.block_size
+        decodes: list[int] = []
+        prefills: list[int] = []
+        for i, item in enumerate(scheduled):
+            (decodes if item.num_new_tokens == 1 else prefills).append(i)
+        # Decodes by context length, so that chunks of similar length are contiguous rows.
+        decodes.sort(key=lambda i: scheduled[i].start)
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        sampled_entries: list[int] = []
+        for row, i in enumerate(decodes):
+            item = scheduled[i]
+            seq, p = item.seq, item.start
+            input_ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            if item.samples:
+                keep.append(row)
+                sampled_entries.append(i)
+        chunks: list[tuple[ScheduledSequence, int]] = []
+        for i in prefills:
+            item = scheduled[i]
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            q_start = len(input_ids)
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            first, last = start // bs, (start + n - 1) // bs
+            for b in range(first, last + 1):
+                base = table[b] * bs
+                lo = start - b * bs if b == first else 0
+                hi = start + n - b * bs if b == last else bs
+                slots.extend(range(base + lo, base + hi))
+            chunks.append((item, q_start))
+            if item.samples:
+                keep.append(len(input_ids) - 1)
+                sampled_entries.append(i)
+
+        dev = self.device
+        meta = StepMetadata(
+            pool=self.pool,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=[],
+        )
+        if decodes:
+            meta.decode_chunks = self._decode_chunks([scheduled[i] for i in decodes])
+        for item, q_start in chunks:
+            ctx_len = item.start + item.num_new_tokens
+            n_blocks = -(-ctx_len // bs)
+            mask = None
+            if item.start:
+                # Additive, in the model's dtype: SDPA on CPU takes it as is (a bool mask it
+                # first converts). Query i sits at position start + i and sees keys 0..start+i.
+                q_pos = self._positions(ctx_len)[item.start :]
+                hidden = self._positions(ctx_len)[None, :] > q_pos[:, None]
+                mask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev)
+                mask.masked_fill_(hidden, float("-inf"))
+            meta.prefills.append(
+                PrefillChunk(
+                    q_start=q_start,
+                    q_len=item.num_new_tokens,
+                    ctx_len=ctx_len,
+                    block_ids=torch.tensor(item.seq.block_table[:n_blocks], device=dev),
+                    mask=mask,
+                )
+            )
+
+        logits = self.model(
+            input_ids=torch.tensor([input_ids], device=dev),
+            position_ids=torch.tensor([positions], device=dev),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            llmq_step=meta,
+        ).logits[0]
+        return logits.float(), sampled_entries
+
+    def _decode_chunks(self, items: list[ScheduledSequence]) -> list[DecodeChunk]:
+        """Cut the decodes (sorted by context) into chunks, each gathered up to its own longest
+        context; where to cut minimizes gathered slots plus a fixed cost per chunk."""
+        bs = self.block_size
+        ctxs = [item.start + 1 for item in items]
+        nbs = [-(-c // bs) for c in ctxs]
+        # Runs of equal block counts: a cut inside one never saves anything.
+        ends: list[int] = []  # end row of each run
+        for i in range(1, len(nbs)):
+            if nbs[i] != nbs[i - 1]:
+                ends.append(i)
+        ends.append(len(nbs))
+        cuts = self._best_cuts(ends, nbs)
+
+        dev = self.device
+        chunks: list[DecodeChunk] = []
+        start = 0
+        for end in cuts:
+            nb = nbs[end - 1]
+            flat: list[int] = []
+            for item, n_i in zip(items[start:end], nbs[start:end], strict=True):
+                table = item.seq.block_table
+                flat.extend(table[:n_i])
+                if n_i < nb:
+                    flat.extend([0] * (nb - n_i))
+            chunk_ctx = ctxs[start:end]
+            if chunk_ctx[0] == nb * bs:  # sorted: the shortest is first; no padding at all
+                mask = self._no_mask
+            else:
+                ctx = torch.tensor(chunk_ctx, device=dev)
+                hidden = self._positions(nb * bs)[None, :] >= ctx[:, None]
+                mask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev)
+                mask.masked_fill_(hidden, float("-inf"))
+                # One row per (kv head, sequence), as the attention batches them.
+                mask = mask.repeat(self.pool.num_kv_heads, 1).unsqueeze(1)
+            chunks.append(
+                DecodeChunk(
+                    start=start,
+                    end=end,
+                    num_blocks=nb,
+                    block_ids=torch.tensor(flat, dtype=torch.long, device=dev),
+                    mask=mask,
+                )
+            )
+            start = end
+        return chunks
+
+    def _best_cuts(self, ends: list[int], nbs: list[int]) -> list[int]:
+        """End rows of the chunks (a subset of the run ends ``ends``, the last one included)."""
+        cost_chunk = CHUNK_COST_SLOTS
+        bs = self.block_size
+        k = len(ends)
+        if k == 1:
+            return ends
+        # best[j]: least cost of rows [0, ends[j]); prev[j]: the run end before its last chunk.
+        inf = float("inf")
+        best = [inf] * k
+        prev = [-1] * k
+        for j in range(k):
+            hi = ends[j]
+            width = nbs[hi - 1] * bs
+            for i in range(-1, j):
+                lo = ends[i] if i >= 0 else 0
+                c = (best[i] if i >= 0 else 0) + cost_chunk + (hi - lo) * width
+                if c < best[j]:
+                    best[j] = c
+                    prev[j] = i
+        cuts: list[int] = []
+        j = k - 1
+        while j >= 0:
+            cuts.append(ends[j])
+            j = prev[j]
+        cuts.reverse()
+        while len(cuts) > MAX_DECODE_CHUNKS:
+            # Merge the chunk whose rows, padded to the next chunk's width, cost least.
+            extra = [
+                (cuts[m] - (cuts[m - 1] if m else 0)) * (nbs[cuts[m + 1] - 1] - nbs[cuts[m] - 1])
+                for m in range(len(cuts) - 1)
+            ]
+            del cuts[extra.index(min(extra))]
+        return cuts

@@ -1,0 +1,171 @@
+"""Token sampling, vectorized over the batch.
+
+Greedy rows cost one argmax (:func:`fast_argmax`: torch's CPU argmax is a scalar loop, several
+times slower than a vectorized max over the same logits). Random rows draw with the exponential
+race (argmax of p / E, E ~ Exp(1)), which samples from p exactly. A seeded request draws its
+noise from a generator seeded by (seed, number of tokens generated so far): its tokens do not
+depend on what shares its batch, and a request resumed on another worker draws the same noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmq.worker.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely tokens, most likely first
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: well-spread per-step seeds
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()):
+        self.eos_token_ids = sorted(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """``logits``: float32 [N, V], row i for ``seqs[i]``."""
+        n = len(seqs)
+        params = [s.params for s in seqs]
+        raw = logits
+        if any(p.min_tokens or p.has_penalties for p in params):
+            logits = logits.clone()
+            for i, seq in enumerate(seqs):
+                p = seq.params
+                if seq.num_output_tokens < p.min_tokens:
+                    banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                    if banned:
+                        logits[i, banned] = float("-inf")
+                if p.has_penalties:
+                    _apply_penalties(logits[i], seq)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = fast_argmax(logits).tolist()
+        else:
+            token_ids = self._sample_random(logits, seqs, greedy)
+
+        want = [p.logprobs for p in params]
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        if any(k is not None for k in want):
+            logp = torch.log_softmax(raw, dim=-1)
+            max_k = max(k or 0 for k in want)
+            top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k else (None, None)
+            chosen = logp.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])[:, 0]
+            chosen = chosen.tolist()
+            for i, k in enumerate(want):
+                if k is None:
+                    continue
+                top = []
+                if k:
+                    top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+                logprobs[i] = TokenLogprobs(token_ids[i], chosen[i], top)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample_random(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]
+    ) -> list[int]:
+        dev = logits.device
+        params = [s.params for s in seqs]
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device=dev
+        )
+        logits = logits / temps[:, None]
+
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            thresh = (
+                torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            )
+            probs = probs.masked_fill(probs < thresh, 0.0)
+
+        noise = torch.empty_like(probs).exponential_()
+        for i, seq in enumerate(seqs):
+            seed = seq.params.seed
+            if seed is not None and not greedy[i]:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed((seed + _SEED_STRIDE * (seq.num_output_tokens + 1)) % (1 << 63))
+                noise[i].exponential_(generator=gen)
+        drawn = fast_argmax(probs.div_(noise))
+        if any(greedy):
+            rows = torch.tensor(greedy, device=dev)
+            drawn = torch.where(rows, fast_argmax(logits), drawn)
+        return drawn.tolist()
+
+
+_ARGMAX_BLOCK = 256
+
+
+def fast_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices (first maximum; NaN counts as the
+    maximum, as in torch), computed as a vectorized max per block of columns, the argmax of
+    those block maxima, then an argmax inside the one winning block of each row."""
+    n, v = x.shape
+    c = _ARGMAX_BLOCK
+    if x.device.type != "cpu" or v < 4 * c or x.stride(1) != 1:
+        return x.argmax(dim=-1)
+    main = v - v % c
+    maxima = x[:, :main].unflatten(1, (main // c, c)).amax(dim=-1)  # [n, blocks]
+    block = maxima.argmax(dim=-1)
+    rows = torch.arange(n, device=x.device)
+    starts = block * c
+    cols = starts[:, None] + torch.arange(c, device=x.device)
+    idx = starts + x.gather(1, cols).argmax(dim=-1)
+    if main < v:  # the columns after the last whole block
+        best = maxima[rows, block]
+        tail = x[:, main:]
+        tail_idx = tail.argmax(dim=-1)
+        tail_best = tail[rows, tail_idx]
+        later = (tail_best > best) | (tail_best.isnan() & ~best.isnan())
+        idx = torch.where(later, tail_idx + main, idx)
+    return idx
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    """vLLM's semantics: repetition over prompt and output tokens, presence and frequency over
+    output tokens."""
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        out = torch.tensor(seq.output_token_ids, device=row.device)
+        counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    dev = logits.device
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # Rows with top_p = 1 keep everything: float32 rounding can bring the running sum to 1.0
+    # before the tail, which must not cut a row that asked for no filtering.
+    before = probs.cumsum(dim=-1) - probs
+    p = torch.tensor(top_p, device=dev)[:, None]
+    drop |= (before >= p) & (p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

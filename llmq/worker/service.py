@@ -1,0 +1,95 @@
+"""Builds a worker's engine loop from Settings: model, engine, Redis transport, heartbeat."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from llmq.common.settings import Settings
+from llmq.common.transport import EngineTransport, Keys
+from llmq.worker.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+def served_name(settings: Settings) -> str:
+    return settings.served_model_name or settings.model
+
+
+def redis_client(url: str):
+    import redis
+
+    return redis.Redis.from_url(
+        url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=10
+    )
+
+
+def build_backend(settings: Settings):
+    """The generation engine, or the embeddings engine for a sentence-transformers model."""
+    from llmq.common.model_loader import embedding_config, load_tokenizer
+
+    tokenizer = load_tokenizer(settings.model)
+    emb = embedding_config(settings.model)
+    if emb is not None:
+        from llmq.common.model_loader import load_encoder
+        from llmq.worker.backends import EmbeddingBackend
+        from llmq.worker.runner.embedding_runner import EmbeddingRunner
+
+        model = load_encoder(settings.model, settings.dtype, settings.device)
+        limits = [emb.max_seq_length, getattr(model.config, "max_position_embeddings", None)]
+        max_len = min(x for x in [*limits, settings.max_model_len] if x)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        backend = EmbeddingBackend(
+            EmbeddingRunner(model, emb, pad),
+            settings.max_batch_size,
+            settings.max_batch_tokens * 16,
+            max_len,
+        )
+        return backend, model, max_len
+
+    from llmq.common.model_loader import eos_token_ids, load_causal_lm
+    from llmq.worker.backends import GenerationBackend
+    from llmq.worker.llm_engine import EngineConfig, LLMEngine
+
+    model = load_causal_lm(settings.model, settings.dtype, settings.device)
+    engine = LLMEngine(model, EngineConfig.from_settings(settings), eos_token_ids(model, tokenizer))
+    return GenerationBackend(engine), model, engine.max_model_len
+
+
+def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
+    import torch
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    backend, model, max_model_len = build_backend(settings)
+    name = served_name(settings)
+    transport = EngineTransport(
+        redis_client(settings.redis_url_or_default()),
+        Keys(settings.key_prefix),
+        worker_name,
+        name,
+        settings.request_ttl,
+    )
+    info = {
+        "model": name,
+        "source": settings.model,
+        "kind": backend.kind,
+        "max_model_len": max_model_len,
+        "vocab_size": model.config.vocab_size,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": round(time.time(), 3),
+        "torch_threads": torch.get_num_threads(),
+        "random_weights": int(bool(getattr(model.config, "llmq_random_weights", False))),
+    }
+    return EngineLoop(
+        backend,
+        transport,
+        info,
+        heartbeat_ttl=settings.heartbeat_ttl,
+        max_deliveries=settings.max_deliveries,
+    )

@@ -1,0 +1,127 @@
+"""Real processes for integration tests: redis-server, `llmq worker`, `llmq api`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+LLMQ = str(Path(sys.executable).parent / "llmq")
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Proc:
+    """A child process with its log in a file, shown when something fails."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path):
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            args, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self, tail: int = 4000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-tail:]
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: nothing gets to clean up."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+
+def base_env(redis_url: str, model: str | Path, **settings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        LLMQ_REDIS_URL=redis_url,
+        LLMQ_MODEL=str(model),
+        LLMQ_DTYPE="float32",
+        LLMQ_DEVICE="cpu",
+        LLMQ_TORCH_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update({f"LLMQ_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+def start_worker(
+    redis_url: str, model: str | Path, name: str, log_dir: Path, wait: bool = True, **settings
+) -> Proc:
+    env = base_env(redis_url, model, **settings)
+    proc = Proc([LLMQ, "worker", "--name", name], env, log_dir / f"worker-{name}.log")
+    if wait:
+        wait_worker(redis_url, name, proc, settings.get("key_prefix", "llmq"))
+    return proc
+
+
+def wait_worker(redis_url: str, name: str, proc: Proc, prefix: str = "llmq", timeout=90.0) -> None:
+    client = redis.Redis.from_url(redis_url)
+
+    def ready():
+        if not proc.alive():
+            raise RuntimeError(f"worker {name} exited:\n{proc.log()}")
+        return client.exists(f"{prefix}:engines:{name}")
+
+    wait_for(ready, timeout, f"worker {name}")
+
+
+def heartbeat(redis_url: str, name: str, prefix: str = "llmq") -> dict[str, str]:
+    raw = redis.Redis.from_url(redis_url).hgetall(f"{prefix}:engines:{name}")
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def start_api(
+    redis_url: str, model: str | Path, log_dir: Path, name: str = "api", **settings
+) -> tuple[Proc, str]:
+    """Run `llmq api` (a real uvicorn server) on a free port; returns it and its base URL once
+    /health answers."""
+    import httpx
+
+    from llmq.common.redis_server import free_port
+
+    port = free_port()
+    env = base_env(redis_url, model, **settings)
+    proc = Proc([LLMQ, "api", "--port", str(port)], env, log_dir / f"{name}.log")
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if not proc.alive():
+            raise RuntimeError(f"api {name} exited:\n{proc.log()}")
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 30, f"api {name}", 0.1)
+    return proc, base

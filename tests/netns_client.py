@@ -1,0 +1,68 @@
+"""The client host of the scale-out test: runs inside its own network namespace.
+
+Streams chat completions from the API, prints RUNNING (with how many requests each worker is
+serving) once every stream has produced a few chunks, then prints one JSON line with each
+stream's text and the number of chunks it received."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import openai
+import redis
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--api")
+    ap.add_argument("--redis")
+    ap.add_argument("--model")
+    ap.add_argument("--prompts", help="JSON list of user messages")
+    ap.add_argument("--max-tokens", type=int)
+    args = ap.parse_args()
+    prompts = json.loads(args.prompts)
+    client = openai.AsyncOpenAI(base_url=args.api, api_key="x", max_retries=0, timeout=300)
+    started = [asyncio.Event() for _ in prompts]
+
+    async def one(i: int, text: str) -> dict:
+        stream = await client.chat.completions.create(
+            model=args.model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=args.max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        parts, chunks, reason = [], 0, None
+        async for chunk in stream:
+            chunks += 1
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                reason = chunk.choices[0].finish_reason or reason
+            if chunks == 4:
+                started[i].set()
+        started[i].set()
+        return {"text": "".join(parts), "chunks": chunks, "finish_reason": reason}
+
+    tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+    r = redis.Redis.from_url(args.redis)
+    workers: dict[str, int] = {}
+    for key in r.scan_iter(match="llmq:req:*", count=1000):
+        if key.endswith(b":tokens"):
+            continue
+        if r.hget(key, "state") == b"running":
+            w = (r.hget(key, "worker") or b"?").decode()
+            workers[w] = workers.get(w, 0) + 1
+    print("RUNNING " + json.dumps(workers), flush=True)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    out = [r if isinstance(r, dict) else {"error": repr(r)} for r in results]
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+    sys.exit(0)

