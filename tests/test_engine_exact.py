@@ -136,6 +136,8 @@ VARIANTS = {
     "tight": EngineConfig(num_blocks=16, max_batch_size=4, max_batch_tokens=40),
     # Blocks of 3 tokens: block boundaries fall everywhere, and 80 blocks force preemption.
     "odd_blocks": EngineConfig(block_size=3, num_blocks=80, max_batch_tokens=50),
+    # transformers' own forward (with the paged attention) instead of the lean decoder.
+    "hf_forward": EngineConfig(num_blocks=16, max_batch_tokens=40, fast_forward=False),
 }
 
 
@@ -153,9 +155,10 @@ def test_greedy_equals_generate(arch_case, variant):
     ]
     assert not mismatched, f"{len(mismatched)} prompts differ from generate(): {mismatched[:3]}"
 
+    assert (engine.runner.forward is None) == (variant == "hf_forward")
     if variant == "plain":
         assert engine.block_manager.prefix_hits == 0
-    if variant in ("preemption", "tight", "odd_blocks"):
+    if variant in ("preemption", "tight", "odd_blocks", "hf_forward"):
         assert engine.scheduler.num_preemptions > 0
     if variant in ("chunked", "tight"):
         budget = engine.scheduler.max_batch_tokens

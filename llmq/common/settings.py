@@ -48,7 +48,15 @@ class Settings(BaseSettings):
         True, description="Reuse KV blocks of shared prompt prefixes."
     )
     torch_threads: int | None = Field(
-        None, description="torch intra-op threads for the worker; unset: torch's default."
+        None,
+        description="torch intra-op threads for a CPU worker; unset: one per core but one "
+        "(at least one), which leaves a core to Redis and the API on a shared machine.",
+    )
+    fast_forward: bool = Field(
+        True,
+        description="Llama/Qwen2/Mistral models run llmq's lean decoder forward (fused "
+        "projections, no per-module overhead); false: transformers' forward, with llmq's "
+        "paged attention. Both give the same tokens.",
     )
 
     # Redis and processes

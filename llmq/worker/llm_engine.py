@@ -28,6 +28,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    fast_forward: bool = True  # llmq's lean decoder forward where the architecture allows
 
     @classmethod
     def from_settings(cls, settings) -> EngineConfig:
@@ -39,6 +40,7 @@ class EngineConfig:
             max_batch_tokens=settings.max_batch_tokens,
             max_model_len=settings.max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
+            fast_forward=settings.fast_forward,
         )
 
 
@@ -95,7 +97,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, fast_forward=config.fast_forward
+        )
         self.sampler = Sampler(eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0

@@ -23,6 +23,7 @@ from llmq.worker.runner.attention import (
     PrefillChunk,
     StepMetadata,
 )
+from llmq.worker.runner.decoder_forward import DecoderForward, supports
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,13 @@ def _tune_malloc() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        fast_forward: bool = True,
+    ):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -78,6 +85,11 @@ class ModelRunner:
         )
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.forward = DecoderForward(model) if fast_forward and supports(model) else None
+        log.info(
+            "model runner: %s forward",
+            "llmq's lean decoder" if self.forward is not None else "transformers'",
+        )
         self._arange = torch.arange(0)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
@@ -164,13 +176,22 @@ class ModelRunner:
                 )
             )
 
-        logits = self.model(
-            input_ids=torch.tensor([input_ids], device=dev),
-            position_ids=torch.tensor([positions], device=dev),
-            use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
-            llmq_step=meta,
-        ).logits[0]
+        keep_rows = torch.tensor(keep, dtype=torch.long, device=dev)
+        if self.forward is not None:
+            logits = self.forward(
+                torch.tensor(input_ids, device=dev),
+                torch.tensor(positions, device=dev),
+                keep_rows,
+                meta,
+            )
+        else:
+            logits = self.model(
+                input_ids=torch.tensor([input_ids], device=dev),
+                position_ids=torch.tensor([positions], device=dev),
+                use_cache=False,
+                logits_to_keep=keep_rows,
+                llmq_step=meta,
+            ).logits[0]
         return logits.float(), sampled_entries
 
     def _decode_chunks(self, items: list[ScheduledSequence]) -> list[DecodeChunk]:
