@@ -29,6 +29,9 @@ def _override(**values) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    # Idle OpenMP threads sleep instead of spinning (read when torch loads): the engine's
+    # threads then leave the cores to Redis and the API between parallel regions.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _override(
         model=args.model,
         worker_name=args.name,

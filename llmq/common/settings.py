@@ -49,8 +49,8 @@ class Settings(BaseSettings):
     )
     torch_threads: int | None = Field(
         None,
-        description="torch intra-op threads for a CPU worker; unset: one per core but one "
-        "(at least one), which leaves a core to Redis and the API on a shared machine.",
+        description="torch intra-op threads for the worker's large steps; unset: torch's "
+        "default (one per core). CPU steps of few tokens run on one thread.",
     )
     fast_forward: bool = Field(
         True,

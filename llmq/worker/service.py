@@ -59,16 +59,11 @@ def build_backend(settings: Settings):
 
 
 def torch_threads(settings: Settings) -> int:
-    """Intra-op threads: as set, or on CPU one per core but one. The engine's threads spin
-    between ops; sharing every core with Redis and the API process stalls each step at its
-    barriers (measured on 2 cores: 1 thread gave 31 tok/s to one stream where 2 gave 19)."""
+    """Intra-op threads for the engine's large steps: as set, or torch's default (one per
+    core). Small steps run on one thread (see ModelRunner)."""
     import torch
 
-    if settings.torch_threads:
-        return settings.torch_threads
-    if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()):
-        return torch.get_num_threads()
-    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))) - 1)
+    return settings.torch_threads or torch.get_num_threads()
 
 
 def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:

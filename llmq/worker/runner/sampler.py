@@ -1,10 +1,10 @@
 """Token sampling, vectorized over the batch.
 
 Greedy rows cost one argmax (:func:`fast_argmax`: torch's CPU argmax is a scalar loop, several
-times slower than a vectorized max over the same logits). Random rows draw with the exponential
-race (argmax of p / E, E ~ Exp(1)), which samples from p exactly. A seeded request draws its
-noise from a generator seeded by (seed, number of tokens generated so far): its tokens do not
-depend on what shares its batch, and a request resumed on another worker draws the same noise.
+times slower than a vectorized max over the same logits). Random rows draw by inverse CDF (one
+uniform against the running sum of p), which samples from p exactly. A seeded request draws its
+uniform from a generator seeded by (seed, number of tokens generated so far): its tokens do not
+depend on what shares its batch, and a request resumed on another worker draws the same.
 """
 
 from __future__ import annotations
@@ -97,14 +97,19 @@ class Sampler:
             )
             probs = probs.masked_fill(probs < thresh, 0.0)
 
-        noise = torch.empty_like(probs).exponential_()
+        # Inverse CDF: one uniform a row against the running sum (a vocabulary of exponential
+        # draws, the other exact method, cost 27 ms a step at batch 32 on 2 cores; this, 1 ms).
+        cdf = probs.cumsum(dim=-1)
+        u = torch.rand(len(seqs), 1, device=dev)
         for i, seq in enumerate(seqs):
             seed = seq.params.seed
             if seed is not None and not greedy[i]:
                 gen = torch.Generator(device=dev)
                 gen.manual_seed((seed + _SEED_STRIDE * (seq.num_output_tokens + 1)) % (1 << 63))
-                noise[i].exponential_(generator=gen)
-        drawn = fast_argmax(probs.div_(noise))
+                u[i] = torch.rand(1, generator=gen, device=dev)
+        # right=True: token i wins when cdf[i-1] <= u < cdf[i]; zero-probability tokens never.
+        drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+        drawn = drawn.clamp_(max=probs.shape[-1] - 1)
         if any(greedy):
             rows = torch.tensor(greedy, device=dev)
             drawn = torch.where(rows, fast_argmax(logits), drawn)
