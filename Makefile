@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format up install clean
+.PHONY: test lint format up install clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: lint
 
 up: $(STAMP)
 	$(BIN)/llmq up
+
+# Debian's Chromium, for the playground's browser test (skipped without it).
+browser:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -54,6 +54,10 @@ class EngineLoop:
         self.heartbeat_ttl = heartbeat_ttl
         self.max_deliveries = max_deliveries
         self.idle_block_ms = idle_block_ms
+        # Requests taken per turn, at most: a burst is split among the engines serving the
+        # model as they turn, not swallowed whole by the first one that finds it (measured:
+        # two workers on 64 streams ran 0.92x one worker when each could take all 64).
+        self.pull_per_turn = max(1, backend.max_batch_size // 8)
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
         self.stopped = threading.Event()
@@ -131,7 +135,9 @@ class EngineLoop:
         busy = self.backend.has_unfinished()
         room = self.backend.room()
         if room > 0:
-            pulled = self.transport.pull(room, None if busy else self.idle_block_ms)
+            pulled = self.transport.pull(
+                min(room, self.pull_per_turn), None if busy else self.idle_block_ms
+            )
             if pulled:
                 self._admit(pulled)
         cancelled = self.transport.drain_cancels()
