@@ -403,6 +403,7 @@ class AsyncTransport:
         self._subscribed: dict[str, asyncio.Event] = {}
         self._lock = asyncio.Lock()
         self._closing = False
+        self._wake = asyncio.Event()
 
     async def start(self) -> None:
         if self._listener is None:
@@ -442,6 +443,7 @@ class AsyncTransport:
         self._subscribed[channel] = event
         async with self._lock:
             await self._pubsub.subscribe(channel)
+        self._wake.set()
         await asyncio.wait_for(event.wait(), timeout)
         return queue
 
@@ -459,7 +461,11 @@ class AsyncTransport:
         while not self._closing:
             try:
                 if not self._pubsub.subscribed:
-                    await asyncio.sleep(0.01)
+                    # Nothing to read until the next subscribe, which wakes this at once (a
+                    # polling sleep here added its period to the first token of lone requests).
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 1.0)
                     continue
                 msg = await self._pubsub.get_message(timeout=1.0)
                 backoff = 0.1

@@ -95,8 +95,6 @@ class ModelRunner:
             "model runner: %s forward",
             "llmq's lean decoder" if self.forward is not None else "transformers'",
         )
-        self.max_threads = torch.get_num_threads()
-        self._threads = self.max_threads
         self._arange = torch.arange(0)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
@@ -152,8 +150,6 @@ class ModelRunner:
                 sampled_entries.append(i)
 
         dev = self.device
-        if dev.type == "cpu":
-            self._use_threads(1 if len(input_ids) < SMALL_STEP_TOKENS else self.max_threads)
         meta = StepMetadata(
             pool=self.pool,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -186,6 +182,25 @@ class ModelRunner:
             )
 
         keep_rows = torch.tensor(keep, dtype=torch.long, device=dev)
+        threads = torch.get_num_threads()
+        one_thread = dev.type == "cpu" and threads > 1 and len(input_ids) < SMALL_STEP_TOKENS
+        if one_thread:
+            torch.set_num_threads(1)
+        try:
+            logits = self._forward(input_ids, positions, keep_rows, meta)
+        finally:
+            if one_thread:
+                torch.set_num_threads(threads)
+        return logits.float(), sampled_entries
+
+    def _forward(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        keep_rows: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        dev = self.device
         if self.forward is not None:
             logits = self.forward(
                 torch.tensor(input_ids, device=dev),
@@ -201,12 +216,7 @@ class ModelRunner:
                 logits_to_keep=keep_rows,
                 llmq_step=meta,
             ).logits[0]
-        return logits.float(), sampled_entries
-
-    def _use_threads(self, n: int) -> None:
-        if n != self._threads:
-            torch.set_num_threads(n)
-            self._threads = n
+        return logits
 
     def _decode_chunks(self, items: list[ScheduledSequence]) -> list[DecodeChunk]:
         """Cut the decodes (sorted by context) into chunks, each gathered up to its own longest
