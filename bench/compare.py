@@ -16,11 +16,13 @@ process tree, every 0.5 s), stops it cleanly and starts the next. Loads:
 * c: one stream of 128 / 64
 
 It prints one table (output tok/s, TTFT p50/p99, ITL p50/p99, peak RSS) with llmq's ratio to
-each peer, and writes bench/out/compare.json and bench/out/compare.png (with matplotlib).
+each peer, and writes bench/out/compare.json and bench/out/compare.png (with matplotlib:
+``pip install -e '.[bench]'``).
 
     .venv/bin/python bench/compare.py                          # all servers, all loads
     .venv/bin/python bench/compare.py --servers llmq --scale 0.5
     .venv/bin/python bench/compare.py --loads a,c --servers llmq,vllm
+    .venv/bin/python bench/compare.py --chart-from bench/out/compare.json --png docs/compare.png
 
 The machine is shared: the table also shows how many cores the server used and how busy the
 whole machine was during each load, so that a figure taken while something else ran can be seen.
@@ -515,7 +517,17 @@ def main(argv=None) -> int:
     p.add_argument("--progress", action="store_true", help="progress lines of each load")
     p.add_argument("--json", default=str(ROOT / "bench/out/compare.json"))
     p.add_argument("--png", default=str(ROOT / "bench/out/compare.png"))
+    p.add_argument(
+        "--chart-from",
+        metavar="JSON",
+        help="only draw the chart (--png) from an earlier run's JSON, measuring nothing",
+    )
     args = p.parse_args(argv)
+    if args.chart_from:
+        report = json.loads(Path(args.chart_from).read_text())
+        msg = chart(report["results"], report["config"]["loads"], Path(args.png))
+        print(msg or f"wrote {args.png}")
+        return 1 if msg else 0
     logging.basicConfig(level=logging.WARNING)
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
