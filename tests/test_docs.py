@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_readme_settings_table_is_generated_from_settings():
     readme = (ROOT / "README.md").read_text()
     section = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert section == settings_table(), "run: python -m llmq.tools.settings_doc"
+    assert section == settings_table(), "run: python -m llmq.tools.settings_doc --write README.md"
 
 
 def test_readme_shows_the_two_commands():

@@ -248,3 +248,28 @@ def test_repetition_penalty_matches_generate(arch_case):
     # The penalty does change the output (else this test would prove nothing).
     plain = engine.generate(chosen, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert plain != got
+
+
+def test_packed_bfloat16_weights_give_the_unpacked_tokens(arch_case):
+    """bfloat16 on CPU packs the projection weights for oneDNN: the same tokens (and logits,
+    bit for bit) as the unpacked projections, and the model's own weight copies released."""
+    _, path, prompts, max_tokens, _, _ = arch_case
+    unpacked = LLMEngine(
+        load_causal_lm(path, "bfloat16", "cpu"),
+        EngineConfig(num_blocks=256, pack_weights=False),
+        eos_token_ids={EOS},
+    )
+    model = load_causal_lm(path, "bfloat16", "cpu")
+    packed = LLMEngine(model, EngineConfig(num_blocks=256), eos_token_ids={EOS})
+    if not packed.runner.forward.packed:
+        pytest.skip("this CPU's oneDNN has no bfloat16 matmul with F.linear's bits")
+    assert not unpacked.runner.forward.packed
+    attn = model.model.layers[0].self_attn
+    assert (
+        attn.q_proj.weight.numel() == 0 and model.model.layers[-1].mlp.down_proj.weight.numel() == 0
+    )
+
+    expected, _, _ = drive(unpacked, prompts, max_tokens)
+    results, _, _ = drive(packed, prompts, max_tokens)
+    assert results == expected
+    assert len({tuple(t) for t in results.values()}) == len(prompts)  # not degenerate

@@ -58,6 +58,12 @@ class Settings(BaseSettings):
         "projections, no per-module overhead); false: transformers' forward, with llmq's "
         "paged attention. Both give the same tokens.",
     )
+    pack_weights: bool = Field(
+        True,
+        description="With fast_forward, bfloat16 on CPU: projection weights packed once in "
+        "oneDNN's blocked layout (the same results as unpacked, faster matmuls; the model's "
+        "own copies are released).",
+    )
 
     # Redis and processes
     redis_url: str | None = Field(

@@ -1,7 +1,11 @@
 """The README's settings table, generated from the Settings class so it cannot drift:
-`python -m llmq.tools.settings_doc` prints it; a test checks the README holds it."""
+`python -m llmq.tools.settings_doc` prints it (``--write README.md`` puts it there); a test
+checks the README holds it."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from llmq.common.settings import Settings
 
@@ -18,5 +22,15 @@ def settings_table() -> str:
     return "\n".join(rows)
 
 
+def write(readme: Path) -> None:
+    text = readme.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{settings_table()}\n{END}{tail}")
+
+
 if __name__ == "__main__":
-    print(settings_table())
+    if sys.argv[1:2] == ["--write"]:
+        write(Path(sys.argv[2] if len(sys.argv) > 2 else "README.md"))
+    else:
+        print(settings_table())

@@ -29,6 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     fast_forward: bool = True  # llmq's lean decoder forward where the architecture allows
+    pack_weights: bool = True  # bfloat16 on CPU: projection weights packed for oneDNN
 
     @classmethod
     def from_settings(cls, settings) -> EngineConfig:
@@ -41,6 +42,7 @@ class EngineConfig:
             max_model_len=settings.max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
             fast_forward=settings.fast_forward,
+            pack_weights=settings.pack_weights,
         )
 
 
@@ -98,7 +100,11 @@ class LLMEngine:
             eos_token_ids=eos_token_ids,
         )
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, fast_forward=config.fast_forward
+            model,
+            num_blocks,
+            config.block_size,
+            fast_forward=config.fast_forward,
+            pack_weights=config.pack_weights,
         )
         self.sampler = Sampler(eos_token_ids)
         self.requests: dict[str, Sequence] = {}

@@ -6,7 +6,8 @@ goes through module calls, output-capturing hooks and kwargs plumbing for every 
 per layer, which measured about two thirds of a batch-1 decode step on 2 cores. This walks the
 layers itself with the models' own weights: query, key and value projections in one matmul
 (one read of the activations, one kernel launch), gate and up in another, rotary embedding
-applied to queries and keys together, and attention through the paged kernel. The elementwise
+applied to queries and keys together, and attention through the paged kernel. In bfloat16 on
+CPU the projections' weights are packed once for oneDNN (``packed_linear``). The elementwise
 arithmetic is transformers' own, so float32 greedy output stays equal to ``generate``.
 
 Models it does not know (other architectures, or options such as sliding windows that it does
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from llmq.worker.runner.attention import StepMetadata, paged_attention
+from llmq.worker.runner.packed_linear import Linear, can_pack
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 
@@ -32,12 +34,10 @@ class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.nn.Linear
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_proj: torch.nn.Linear
+    qkv_proj: Linear
+    o_proj: Linear
+    gate_up_proj: Linear
+    down_proj: Linear
     scaling: float
 
 
@@ -55,34 +55,33 @@ def supports(model: torch.nn.Module) -> bool:
     return inner is not None and hasattr(inner, "layers") and hasattr(model, "lm_head")
 
 
-def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
-    """One weight for several projections of the same input; the modules' own weights become
-    views of it, so the model's memory does not grow."""
+def _fuse(*linears: torch.nn.Linear, pack: bool) -> Linear:
+    """One projection for several of the same input (one read of the activations, one kernel).
+
+    Unpacked, the modules' own weights become views of the fused one, so the model's memory does
+    not grow; packed, the modules' weights are released (this forward is then the only one)."""
     fused = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                for b, lin in zip(biases, linears, strict=True)
+            ]
+        )
     row = 0
     for lin in linears:
         n = lin.out_features
-        lin.weight.data = fused[row : row + n]
+        lin.weight.data = fused.new_empty(0) if pack else fused[row : row + n]
         row += n
-    return fused
-
-
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    biases = [lin.bias for lin in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat(
-        [
-            b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
-            for b, lin in zip(biases, linears, strict=True)
-        ]
-    )
+    return Linear(fused, bias, pack)
 
 
 class DecoderForward:
     """``__call__(input_ids, positions, keep, step)`` -> logits of the kept rows."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, pack: bool = True):
         config = model.config
         self.model = model
         self.inner = model.model
@@ -95,8 +94,12 @@ class DecoderForward:
         kv = self.num_kv_heads * self.head_dim
         self.split = (q, kv, kv)
         self.intermediate = config.intermediate_size
+        layers = self.inner.layers[: config.num_hidden_layers]
+        # bfloat16 on CPU: weights packed once for oneDNN, where that gives F.linear's bits.
+        self.packed = pack and can_pack(layers[0].mlp.down_proj.weight)
+        pack = self.packed
         self.layers: list[_Layer] = []
-        for layer in self.inner.layers[: config.num_hidden_layers]:
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
@@ -104,17 +107,22 @@ class DecoderForward:
                     input_norm=layer.input_layernorm.weight,
                     post_norm=layer.post_attention_layernorm.weight,
                     eps=layer.input_layernorm.variance_epsilon,
-                    qkv_weight=_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
-                    qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                    o_proj=attn.o_proj,
-                    gate_up_weight=_fuse(mlp.gate_proj, mlp.up_proj),
-                    gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                    down_proj=mlp.down_proj,
+                    qkv_proj=_fuse(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack),
+                    o_proj=_fuse(attn.o_proj, pack=pack),
+                    gate_up_proj=_fuse(mlp.gate_proj, mlp.up_proj, pack=pack),
+                    down_proj=_fuse(mlp.down_proj, pack=pack),
                     scaling=attn.scaling,
                 )
             )
         self.final_norm = self.inner.norm.weight
         self.final_eps = self.inner.norm.variance_epsilon
+        head = model.lm_head
+        tied = head.weight.data_ptr() == self.inner.embed_tokens.weight.data_ptr()
+        # A head tied to the embedding keeps its weight (the embedding reads it); packed, the
+        # head holds a copy in the blocked layout.
+        self.lm_head = Linear(head.weight.detach(), head.bias, pack)
+        if pack and not tied:
+            head.weight.data = head.weight.new_empty(0)
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,7 +152,7 @@ class DecoderForward:
         for layer in self.layers:
             residual = h
             x = self._rms_norm(h, layer.input_norm, layer.eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(t, hq + 2 * hkv, d)
+            qkv = layer.qkv_proj(x).view(t, hq + 2 * hkv, d)
             qk = qkv[:, : hq + hkv]
             # Rotary embedding on queries and keys at once: q * cos + rotate_half(q) * sin.
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
@@ -158,7 +166,7 @@ class DecoderForward:
             h = residual + layer.o_proj(attn.reshape(t, hq * d))
             residual = h
             x = self._rms_norm(h, layer.post_norm, layer.eps)
-            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            gate_up = layer.gate_up_proj(x)
             h = residual + layer.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         h = self._rms_norm(h[keep], self.final_norm, self.final_eps)
-        return self.model.lm_head(h)
+        return self.lm_head(h)

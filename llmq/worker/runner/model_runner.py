@@ -77,6 +77,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         fast_forward: bool = True,
+        pack_weights: bool = True,
     ):
         self.model = model
         self.device = next(model.parameters()).device
@@ -90,10 +91,15 @@ class ModelRunner:
         )
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.forward = DecoderForward(model) if fast_forward and supports(model) else None
+        self.forward = (
+            DecoderForward(model, pack=pack_weights) if fast_forward and supports(model) else None
+        )
         log.info(
-            "model runner: %s forward",
+            "model runner: %s forward%s",
             "llmq's lean decoder" if self.forward is not None else "transformers'",
+            ", weights packed for oneDNN"
+            if self.forward is not None and self.forward.packed
+            else "",
         )
         self._arange = torch.arange(0)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
