@@ -25,6 +25,7 @@ import redis
 from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
 from llmq.common.redis_server import RedisServer, free_port
 from llmq.common.transport import GROUP, Keys
+from llmq.up import plan_workers
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests.harness import LLMQ, Proc, heartbeat, start_api, start_worker, wait_for, wait_worker
@@ -967,13 +968,24 @@ def test_503_when_every_worker_is_gone(small):
 
 
 # ---- 6. llmq up ------------------------------------------------------------------------------
+def test_llmq_up_plans_workers_per_gpu_or_two_on_a_cpu():
+    assert plan_workers(None, "auto", 2, 0, None) == [{"LLMQ_TORCH_THREADS": "1"}] * 2
+    assert plan_workers(None, "cpu", 16, 4, None) == [{"LLMQ_TORCH_THREADS": "8"}] * 2
+    assert plan_workers(None, "auto", 1, 0, None) == [{"LLMQ_TORCH_THREADS": "1"}]
+    assert plan_workers(3, "cpu", 8, 0, 4) == [{"LLMQ_TORCH_THREADS": "4"}] * 3
+    assert plan_workers(None, "auto", 16, 2, None) == [
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+    ]
+
+
 def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
     env.update(
         LLMQ_MODEL=str(llama_dir),
         LLMQ_PORT=str(port),
-        LLMQ_TORCH_THREADS="1",
+        LLMQ_WORKERS="2",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
@@ -1006,7 +1018,18 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path):
         assert resp.usage.completion_tokens >= 1
         children = psutil.Process(up.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) for p in children)
-        assert "redis-server" in names and "worker" in names, names
+        assert "redis-server" in names, names
+        workers = [p for p in children if p.cmdline()[-1:] == ["worker"]]
+        assert len(workers) == 2, names
+        # Both serve: /ready counts their live heartbeats.
+        ready = wait_for(
+            lambda: (
+                (r := httpx.get(f"http://127.0.0.1:{port}/ready")).json().get("engines") == 2 and r
+            ),
+            60,
+            "two engines ready",
+        )
+        assert ready.status_code == 200
 
         os.killpg(up.pid, signal.SIGINT)
         stopping = time.monotonic()

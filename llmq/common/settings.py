@@ -86,6 +86,12 @@ class Settings(BaseSettings):
     shutdown_grace: float = Field(
         5.0, description="Seconds a stopping worker finishes running requests before handing back."
     )
+    workers: int | None = Field(
+        None,
+        description="Engine workers `llmq up` starts; unset: one per GPU on CUDA, two on a CPU "
+        "of two or more cores (each with half the cores as torch threads: one process leaves "
+        "cores idle while Python dispatches ops, two keep them busy).",
+    )
 
     # API
     host: str = Field("127.0.0.1", description="Address the API binds to.")
