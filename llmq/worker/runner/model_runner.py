@@ -101,12 +101,12 @@ class ModelRunner:
             if self.forward is not None and self.forward.packed
             else "",
         )
-        self._arange = torch.arange(0)
+        self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
     def _positions(self, n: int) -> torch.Tensor:
         if self._arange.numel() < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.numel()))
+            self._arange = torch.arange(max(n, 2 * self._arange.numel()), device=self.device)
         return self._arange[:n]
 
     @torch.inference_mode()
