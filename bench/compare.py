@@ -186,7 +186,9 @@ class Sampler:
 
 
 # ---- servers ---------------------------------------------------------------------------------
-def server_command(name: str, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
+def server_command(
+    name: str, model: Path, port: int, llmq_env: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
@@ -198,10 +200,10 @@ def server_command(name: str, model: Path, port: int) -> tuple[list[str], dict[s
             LLMQ_MODEL=str(model),
             LLMQ_DTYPE="bfloat16",
             LLMQ_DEVICE="cpu",
-            LLMQ_TORCH_THREADS=n,
             LLMQ_PORT=str(port),
             LLMQ_HOST="127.0.0.1",
         )
+        env.update(llmq_env or {})
         return [str(Path(sys.executable).parent / "llmq"), "--log-level", "WARNING", "up"], env
     if name == "vllm":
         env.setdefault("OMP_NUM_THREADS", n)
@@ -212,9 +214,27 @@ def server_command(name: str, model: Path, port: int) -> tuple[list[str], dict[s
     raise ValueError(name)
 
 
+def llmq_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.startswith("LLMQ_"):
+            raise SystemExit(f"--llmq-env takes LLMQ_NAME=VALUE, not {pair!r}")
+        env[name] = value
+    return env
+
+
 class Server:
-    def __init__(self, name: str, model: Path, log_dir: Path, start_timeout: float):
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        log_dir: Path,
+        start_timeout: float,
+        llmq_env: dict[str, str] | None = None,
+    ):
         self.name = name
+        self.llmq_env = llmq_env
         self.model = model
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -225,7 +245,7 @@ class Server:
         self.startup_s = None
 
     def start(self) -> None:
-        args, env = server_command(self.name, self.model, self.port)
+        args, env = server_command(self.name, self.model, self.port, self.llmq_env)
         self._log = open(self.log_path, "w")  # noqa: SIM115
         t = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -324,7 +344,7 @@ def run_bench(argv: list[str], progress: bool) -> dict:
 
 def measure_server(name: str, args, loads: dict[str, dict], log_dir: Path) -> dict:
     model = Path(args.model_dir).resolve()
-    server = Server(name, model, log_dir, args.start_timeout)
+    server = Server(name, model, log_dir, args.start_timeout, llmq_env(args.llmq_env))
     out: dict = {"loads": {}}
     log(f"{name}: starting (log {server.log_path})")
     try:
@@ -513,6 +533,13 @@ def main(argv=None) -> int:
         default=900.0,
         help="seconds a server may take to become ready (first start of a peer "
         "builds its venv) (900)",
+    )
+    p.add_argument(
+        "--llmq-env",
+        action="append",
+        default=[],
+        metavar="LLMQ_NAME=VALUE",
+        help="a setting for the llmq server (repeatable); default: llmq up's own defaults",
     )
     p.add_argument("--progress", action="store_true", help="progress lines of each load")
     p.add_argument("--json", default=str(ROOT / "bench/out/compare.json"))

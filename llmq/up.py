@@ -71,7 +71,10 @@ def plan_workers(
         return [{"CUDA_VISIBLE_DEVICES": str(i % max(1, gpus))} for i in range(n)]
     n = workers or (2 if cores >= 2 else 1)
     threads = torch_threads or max(1, cores // n)
-    return [{"LLMQ_TORCH_THREADS": str(threads)} for _ in range(n)]
+    # A worker with few streams (steps of few tokens) takes all the cores: the others are
+    # then mostly idle, and a lone stream's latency is what matters.
+    env = {"LLMQ_TORCH_THREADS": str(threads), "LLMQ_SMALL_STEP_THREADS": str(cores)}
+    return [dict(env) for _ in range(n)]
 
 
 def _gpu_count() -> int:

@@ -254,7 +254,11 @@ class TokenGeneratorPipeline:
                     f"the request did not finish within {request.deadline - request.created:.0f}s"
                 )
             try:
-                msg: OutputMessage = await asyncio.wait_for(queue.get(), min(_POLL, remaining))
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
+                # that lands as the queue yields a message, and a client that disconnected
+                # mid-stream then left its request running to the end on the engine.
+                async with asyncio.timeout(min(_POLL, remaining)):
+                    msg: OutputMessage = await queue.get()
             except TimeoutError:
                 msg, state = await self._recover(request, expected)
                 if msg is None:

@@ -49,8 +49,14 @@ class Settings(BaseSettings):
     )
     torch_threads: int | None = Field(
         None,
-        description="torch intra-op threads for the worker's large steps; unset: torch's "
-        "default (one per core). CPU steps of few tokens run on one thread.",
+        description="torch intra-op threads of the worker; unset: torch's default (one per "
+        "core). See small_step_threads for steps of few tokens.",
+    )
+    small_step_threads: int | None = Field(
+        None,
+        description="torch threads for CPU steps of fewer than 16 tokens (few streams: "
+        "latency-bound) with packed weights; unset: torch_threads. `llmq up` sets it to all "
+        "the cores for its CPU workers.",
     )
     fast_forward: bool = Field(
         True,

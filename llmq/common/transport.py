@@ -190,7 +190,6 @@ class EngineTransport:
         self.stream = keys.requests(model)
         self.request_ttl = request_ttl
         self._pubsub = None
-        self._record = client.register_script(_RECORD)
 
     def setup(self, model_info: dict | None = None) -> None:
         ensure_group(self.r, self.stream)
@@ -286,9 +285,9 @@ class EngineTransport:
             msg = e.message
             rid = e.request_id
             if msg.tokens:
-                self._record(
-                    keys=[self.keys.tokens(rid)], args=[msg.index, *msg.tokens], client=pipe
-                )
+                # EVAL, not a registered script: in a pipeline redis-py checks SCRIPT EXISTS
+                # first, a second round trip every step. Redis caches the compiled body.
+                pipe.eval(_RECORD, 1, self.keys.tokens(rid), msg.index, *msg.tokens)
             pipe.publish(self.keys.out(rid), msg.to_json())
             if msg.done:
                 self._finish(pipe, rid, e.entry_id, msg, now)

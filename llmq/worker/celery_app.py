@@ -72,13 +72,32 @@ class EngineStep(bootsteps.StartStopStep):
         self.supervisor_stop = threading.Event()
 
     def start(self, worker) -> None:
-        from llmq.worker.service import build_engine_loop
-
         settings = get_settings()
         name = settings.worker_name or worker.hostname or f"{socket.gethostname()}:{id(worker)}"
-        self.loop = build_engine_loop(settings, name)
-        self.thread = threading.Thread(target=self.loop.run, name="llmq-engine", daemon=True)
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            # The model loads and runs on this one thread. OpenMP keeps a thread team per
+            # thread that runs parallel regions; a second team (the model loaded on the main
+            # thread) puts more OpenMP threads than cores in the process, and libgomp then
+            # sleeps between regions instead of spinning: a two-thread step took 2x as long.
+            from llmq.worker.service import build_engine_loop
+
+            try:
+                self.loop = build_engine_loop(settings, name)
+            except BaseException as exc:
+                failure.append(exc)
+                return
+            finally:
+                built.set()
+            self.loop.run()
+
+        self.thread = threading.Thread(target=serve, name="llmq-engine", daemon=True)
         self.thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
         log.info("engine loop started as %s", name)
         from llmq.worker.batch_tasks import supervise
 

@@ -30,6 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     fast_forward: bool = True  # llmq's lean decoder forward where the architecture allows
     pack_weights: bool = True  # bfloat16 on CPU: projection weights packed for oneDNN
+    small_step_threads: int | None = None  # CPU steps of few tokens; None: the worker's
 
     @classmethod
     def from_settings(cls, settings) -> EngineConfig:
@@ -43,6 +44,7 @@ class EngineConfig:
             enable_prefix_caching=settings.enable_prefix_caching,
             fast_forward=settings.fast_forward,
             pack_weights=settings.pack_weights,
+            small_step_threads=settings.small_step_threads,
         )
 
 
@@ -105,6 +107,7 @@ class LLMEngine:
             config.block_size,
             fast_forward=config.fast_forward,
             pack_weights=config.pack_weights,
+            small_step_threads=config.small_step_threads,
         )
         self.sampler = Sampler(eos_token_ids)
         self.requests: dict[str, Sequence] = {}

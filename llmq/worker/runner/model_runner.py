@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 
 import torch
@@ -24,6 +25,7 @@ from llmq.worker.runner.attention import (
     StepMetadata,
 )
 from llmq.worker.runner.decoder_forward import DecoderForward, supports
+from llmq.worker.runner.spare_cores import SpareCores
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +33,12 @@ log = logging.getLogger(__name__)
 # splitting the decodes into one more chunk pays off only when it saves more padding than this.
 CHUNK_COST_SLOTS = 1024
 MAX_DECODE_CHUNKS = 4
-# CPU steps of fewer tokens than this run on one thread: their ops are too small for a
-# second thread to pay for waking it (~1200 parallel regions a step), and the other cores
-# serve Redis and the API meanwhile. Measured on 2 cores: one stream 31 tok/s on one
-# thread, 22 on two; 32 streams 292 tok/s on two, 255 on one.
+# CPU steps of fewer tokens than this are latency-bound matrix-vector products. Unpacked, they
+# run on one thread: F.linear's do not pay for waking a second one (one stream 31 tok/s on one
+# thread, 22 on two, on 2 cores). Packed oneDNN weights scale (a 1-12 token step 10-20% faster
+# on two threads), so they run on ``small_step_threads``: `llmq up` gives its single-threaded
+# CPU workers all the cores for these, taken only where the rest of the machine leaves them
+# idle (a lone stream: 16 ms a token instead of 18-20 on 2 cores).
 SMALL_STEP_TOKENS = 16
 
 
@@ -78,7 +82,10 @@ class ModelRunner:
         block_size: int,
         fast_forward: bool = True,
         pack_weights: bool = True,
+        small_step_threads: int | None = None,
     ):
+        self.small_step_threads = small_step_threads
+        self._spare_cores = SpareCores(len(os.sched_getaffinity(0)))
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -189,15 +196,30 @@ class ModelRunner:
 
         keep_rows = torch.tensor(keep, dtype=torch.long, device=dev)
         threads = torch.get_num_threads()
-        one_thread = dev.type == "cpu" and threads > 1 and len(input_ids) < SMALL_STEP_TOKENS
-        if one_thread:
-            torch.set_num_threads(1)
+        step_threads = self._step_threads(len(input_ids), threads) if dev.type == "cpu" else threads
+        if step_threads != threads:
+            torch.set_num_threads(step_threads)
         try:
             logits = self._forward(input_ids, positions, keep_rows, meta)
         finally:
-            if one_thread:
+            if step_threads != threads:
                 torch.set_num_threads(threads)
         return logits.float(), sampled_entries
+
+    def _step_threads(self, num_tokens: int, threads: int) -> int:
+        """Threads for a CPU step: the worker's own, but small steps (latency-bound) follow
+        their own rule."""
+        if num_tokens >= SMALL_STEP_TOKENS:
+            return threads
+        if self.forward is None or not self.forward.packed:
+            return 1
+        wanted = self.small_step_threads or threads
+        if wanted > threads:
+            # More than its own share: only cores the rest of the machine leaves idle, counting
+            # a core that is idle three quarters of the time (the API and Redis come and go).
+            extra = int(self._spare_cores.spare() - threads + 0.75)
+            wanted = max(threads, min(wanted, threads + extra))
+        return wanted
 
     def _forward(
         self,
