@@ -1,8 +1,8 @@
 """Side-by-side throughput of the llmq engine against transformers on the same model and cores.
 
 Builds (once) a random-weight model of the SmolLM2-135M shape with ``make_model``, loads it in
-bfloat16 and, in one run, generates the same requests (random prompts, fixed output length,
-EOS ignored) through:
+bfloat16 (or --dtype float32) and, in one run, generates the same requests (random prompts,
+fixed output length, EOS ignored) through:
 
 * llmq's LLMEngine (continuous batching over the paged KV cache), run first and again last so
   that a machine whose load drifts during the run does not favour either side;
@@ -95,6 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="comma-separated paths to leave out: single,static,hf_cb,raw,steps",
     )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="bfloat16 (default; slow where the CPU emulates it: see LLMQ_DTYPE) or float32",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quick",
@@ -166,10 +172,10 @@ def ensure_model(path: Path) -> Path:
     return make_model(path, arch="llama", size="smollm2-135m")
 
 
-def load(path: Path):
+def load(path: Path, dtype: str):
     from llmq.common.model_loader import load_causal_lm
 
-    return load_causal_lm(str(path), "bfloat16", "cpu")
+    return load_causal_lm(str(path), dtype, "cpu")
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -487,14 +493,14 @@ def main(argv=None) -> int:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
 
     model_dir = ensure_model(Path(args.model_dir))
-    hf = load(model_dir)
+    hf = load(model_dir, args.dtype)
     vocab = hf.config.get_text_config().vocab_size
     pad_id = hf.generation_config.pad_token_id or 0
     prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, args.seed)
     mean_prompt = sum(map(len, prompts)) / len(prompts)
     full_batch = min(args.max_batch_size, len(prompts))
     log(
-        f"model {model_dir.name} bf16, {threads} torch threads, {len(prompts)} requests, "
+        f"model {model_dir.name} {args.dtype}, {threads} torch threads, {len(prompts)} requests, "
         f"prompts {args.min_prompt}..{args.max_prompt} (mean {mean_prompt:.0f}), "
         f"{args.output_tokens} output tokens, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, load average {os.getloadavg()[0]:.1f}"
@@ -502,7 +508,7 @@ def main(argv=None) -> int:
     report: dict = {
         "config": {
             "model": str(model_dir),
-            "dtype": "bfloat16",
+            "dtype": args.dtype,
             "threads": threads,
             "cores": cores(),
             "requests": len(prompts),
@@ -521,7 +527,9 @@ def main(argv=None) -> int:
     }
     thr = report["throughput"]
 
-    eng_model = load(model_dir)  # its config is switched to the paged attention in place
+    eng_model = load(
+        model_dir, args.dtype
+    )  # its config is switched to the paged attention in place
     engine_runs = []
     log("llmq engine ...")
     engine_runs.append(run_engine(eng_model, prompts, args))
@@ -537,7 +545,7 @@ def main(argv=None) -> int:
         log(f"  {thr['hf_static_batch']['tok_s']:.1f} tok/s")
     if "hf_cb" not in skip:
         log("transformers continuous batching ...")
-        cb_model = load(model_dir)
+        cb_model = load(model_dir, args.dtype)
         try:
             thr["hf_continuous_batching"] = run_hf_cb(cb_model, prompts, args)
             log(f"  {thr['hf_continuous_batching']['tok_s']:.1f} tok/s")
@@ -612,7 +620,7 @@ def print_table(report: dict, args, threads: int, n: int, mean_prompt: float) ->
     lines = [
         "",
         f"{n} requests, prompts {args.min_prompt}..{args.max_prompt} random tokens (mean "
-        f"{mean_prompt:.0f}), {args.output_tokens} output tokens each (EOS ignored), bf16, "
+        f"{mean_prompt:.0f}), {args.output_tokens} output tokens each (EOS ignored), {args.dtype}, "
         f"{threads} threads",
         f"{'path':<{w}}{'tok/s':>9}{'engine/path':>13}{'tok/cpu-s':>11}{'engine/path':>13}"
         f"{'target':>9}{'load':>11}",

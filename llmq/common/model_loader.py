@@ -23,12 +23,33 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
+def cpu_has_native_bfloat16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX on x86, the BF16
+    extension on Arm). Without it oneDNN emulates bfloat16 matmuls, several times slower than
+    float32 (measured on an AVX2-only EPYC: 8 against 52 GFLOP/s on one core)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags = set(value.split())
+            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return False
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """auto: bfloat16 on CPU (about twice float32's speed on these CPUs), float16 on CUDA."""
+    """auto: float16 on CUDA; on CPU bfloat16 where the CPU has it in hardware (about twice
+    float32's speed there), else float32."""
     import torch
 
     if dtype == "auto":
-        return torch.float16 if device.startswith("cuda") else torch.bfloat16
+        if device.startswith("cuda"):
+            return torch.float16
+        return torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(sorted(_DTYPES))}")
     return getattr(torch, dtype)

@@ -23,7 +23,9 @@ class Settings(BaseSettings):
         None, description="Name clients use in `model`; defaults to the model id or folder name."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and KV cache dtype; auto: bfloat16 on CPU, float16 on CUDA."
+        "auto",
+        description="Weights and KV cache dtype; auto: float16 on CUDA, bfloat16 on a CPU with "
+        "bfloat16 in hardware (AVX512-BF16, AMX, Arm BF16), else float32.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the model runs; auto picks cuda when available."
