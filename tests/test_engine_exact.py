@@ -41,8 +41,8 @@ def make_prompts(vocab_size: int) -> tuple[list[list[int]], list[int]]:
 
 def reference_generate(model, prompt: list[int], n: int) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=n,
         do_sample=False,
         eos_token_id=None,  # do not stop at eos, as ignore_eos

@@ -72,6 +72,12 @@ class Settings(BaseSettings):
         "oneDNN's blocked layout (the same results as unpacked, faster matmuls; the model's "
         "own copies are released).",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="With fast_forward on CUDA: decode-only steps replayed from CUDA graphs "
+        "captured once per batch and context bucket (one launch per step instead of hundreds); "
+        "contexts past 4096 tokens run eagerly.",
+    )
 
     # Redis and processes
     redis_url: str | None = Field(

@@ -31,6 +31,7 @@ class EngineConfig:
     fast_forward: bool = True  # llmq's lean decoder forward where the architecture allows
     pack_weights: bool = True  # bfloat16 on CPU: projection weights packed for oneDNN
     small_step_threads: int | None = None  # CPU steps of few tokens; None: the worker's
+    cuda_graphs: bool = True  # decode-only steps on CUDA replayed from captured graphs
 
     @classmethod
     def from_settings(cls, settings) -> EngineConfig:
@@ -45,6 +46,7 @@ class EngineConfig:
             fast_forward=settings.fast_forward,
             pack_weights=settings.pack_weights,
             small_step_threads=settings.small_step_threads,
+            cuda_graphs=settings.cuda_graphs,
         )
 
 
@@ -108,6 +110,9 @@ class LLMEngine:
             fast_forward=config.fast_forward,
             pack_weights=config.pack_weights,
             small_step_threads=config.small_step_threads,
+            cuda_graphs=config.cuda_graphs,
+            max_batch_size=config.max_batch_size,
+            max_model_len=self.max_model_len,
         )
         self.sampler = Sampler(eos_token_ids)
         self.requests: dict[str, Sequence] = {}

@@ -83,6 +83,9 @@ class ModelRunner:
         fast_forward: bool = True,
         pack_weights: bool = True,
         small_step_threads: int | None = None,
+        cuda_graphs: bool = False,
+        max_batch_size: int = 64,
+        max_model_len: int = 2048,
     ):
         self.small_step_threads = small_step_threads
         self._spare_cores = SpareCores(len(os.sched_getaffinity(0)))
@@ -93,8 +96,16 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = model_dims(model.config)
         if self.device.type == "cpu":
             _tune_malloc()
+        use_graphs = cuda_graphs and self.device.type == "cuda" and fast_forward and supports(model)
+        # Graphs pad their batches into one extra block that no sequence owns.
         self.pool = KVPool(
-            num_layers, num_kv_heads, head_dim, num_blocks, block_size, self.dtype, self.device
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            num_blocks + int(use_graphs),
+            block_size,
+            self.dtype,
+            self.device,
         )
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -108,6 +119,13 @@ class ModelRunner:
             if self.forward is not None and self.forward.packed
             else "",
         )
+        self.graphs = None
+        if use_graphs:
+            from llmq.worker.runner.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                self.forward, self.pool, num_blocks, max_batch_size, max_model_len
+            )
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
@@ -161,6 +179,17 @@ class ModelRunner:
             if item.samples:
                 keep.append(len(input_ids) - 1)
                 sampled_entries.append(i)
+
+        if (
+            self.graphs is not None
+            and decodes
+            and not prefills
+            and len(keep) == len(decodes)
+            and self.graphs.fits(len(decodes), -(-(positions[-1] + 1) // bs))
+        ):
+            tables = [scheduled[i].seq.block_table for i in decodes]
+            logits = self.graphs.run(input_ids, positions, slots, tables)
+            return logits.float(), sampled_entries
 
         dev = self.device
         meta = StepMetadata(
