@@ -260,7 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except (OSError, redis_errors()) as exc:  # a missing file, a Redis not there: one line
+        print(f"llmq {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def redis_errors() -> type[Exception]:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return RedisConnectionError
 
 
 if __name__ == "__main__":

@@ -88,40 +88,42 @@ def _gpu_count() -> int:
 
 def run_up(log_level: str = "INFO") -> int:
     from llmq.common.redis_server import RedisServer
+    from llmq.common.settings import publish_embedded_redis
 
     settings = get_settings()
     model = resolve_model()
     os.environ["LLMQ_MODEL"] = model
     redis_server = None
     if not settings.redis_url:
-        redis_server = RedisServer(appendonly=True).start()
+        redis_server = RedisServer(appendonly=True, own_session=True).start()
         os.environ["LLMQ_REDIS_URL"] = redis_server.url
+        publish_embedded_redis(redis_server.url)  # `llmq inspect` and friends find it
         print(f"llmq: embedded Redis at {redis_server.url}", flush=True)
-    get_settings.cache_clear()
-    settings = get_settings()
-
-    plan = plan_workers(
-        settings.workers,
-        settings.device,
-        len(os.sched_getaffinity(0)),
-        _gpu_count() if settings.device != "cpu" else 0,
-        settings.torch_threads,
-    )
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "llmq.cli", "--log-level", log_level, "worker"],
-            env={**os.environ, **extra},
-            start_new_session=True,  # Ctrl-C reaches us; we stop the workers warm, in order
-        )
-        for extra in plan
-    ]
-    shown = ", ".join(f"{k}={v}" for k, v in plan[0].items())
-    print(f"llmq: {len(workers)} worker(s) starting (model {model}; {shown})", flush=True)
-    print(
-        f"llmq: API on http://{settings.host}:{settings.port}  (Ctrl-C stops everything)",
-        flush=True,
-    )
+    workers: list[subprocess.Popen] = []
     try:
+        get_settings.cache_clear()
+        settings = get_settings()
+        plan = plan_workers(
+            settings.workers,
+            settings.device,
+            len(os.sched_getaffinity(0)),
+            _gpu_count() if settings.device != "cpu" else 0,
+            settings.torch_threads,
+        )
+        workers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "llmq.cli", "--log-level", log_level, "worker"],
+                env={**os.environ, **extra},
+                start_new_session=True,  # Ctrl-C reaches us; we stop the workers warm, in order
+            )
+            for extra in plan
+        ]
+        shown = ", ".join(f"{k}={v}" for k, v in plan[0].items())
+        print(f"llmq: {len(workers)} worker(s) starting (model {model}; {shown})", flush=True)
+        print(
+            f"llmq: API on http://{settings.host}:{settings.port}  (Ctrl-C stops everything)",
+            flush=True,
+        )
         import uvicorn
 
         from llmq.api.app import create_app
@@ -144,6 +146,7 @@ def run_up(log_level: str = "INFO") -> int:
                 worker.kill()
                 worker.wait()
         if redis_server is not None:
+            publish_embedded_redis(None)
             redis_server.close()
         print("llmq: stopped", flush=True)
     return 0

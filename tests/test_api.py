@@ -292,6 +292,11 @@ def test_completions_greedy_equals_engine(main, ref):
     assert r.usage.prompt_tokens == len(ids) + len(ids2)
     assert r.usage.completion_tokens == 48
 
+    # Two choices of one prompt: the prompt counted once.
+    r = c.completions.create(prompt=ids, n=2, **kw)
+    assert [ch.text for ch in r.choices] == [expected, expected]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 48)
+
     # Two prompts as token ids, streamed.
     texts, finish, usage = completion_stream(
         c.completions.create(
@@ -579,6 +584,17 @@ def test_400_bad_values(main):
     )
     comp = f"{main.base}/v1/completions"
     assert_error(httpx.post(comp, json={"prompt": "x", "logprobs": 21}), 400, param="logprobs")
+    # What this server does not do is refused, not ignored.
+    bias = {"messages": MESSAGES, "logit_bias": {"5": 100}}
+    assert_error(httpx.post(chat, json=bias), 400, param="logit_bias")
+    assert_error(httpx.post(comp, json={"prompt": "x", "best_of": 3}), 400, param="best_of")
+    assert_error(httpx.post(comp, json={"prompt": "x", "suffix": "end"}), 400, param="suffix")
+    # JSON may carry a lone surrogate; it is no text to tokenize.
+    headers = {"content-type": "application/json"}
+    body = b'{"prompt": "hi \\ud800 x", "max_tokens": 2}'
+    assert_error(httpx.post(comp, content=body, headers=headers), 400, param="prompt")
+    body = b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'
+    assert_error(httpx.post(chat, content=body, headers=headers), 400, param="messages")
     vocab = int(main.heartbeat()["vocab_size"])
     assert_error(httpx.post(comp, json={"prompt": [1, vocab]}), 400, param="prompt")
     # A stop token past the vocabulary is refused here; it would fail in the worker's sampler.

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmq.common.errors import InvalidRequest
+from llmq.common.pipeline import check_text
 
 router = APIRouter()
 
@@ -119,6 +120,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     if truncate is not None and (truncate == -1 or truncate > limit):
         truncate = limit
     texts = [(i, t) for i, t in enumerate(items) if isinstance(t, str)]
+    for i, t in texts:
+        check_text(t, f"input[{i}]")
     encoded: list[list[int]] = [[] if isinstance(t, str) else t for t in items]
     tok = pipeline.tokenizer
     if texts:

@@ -482,7 +482,8 @@ async def completions(body: CompletionRequest, request: Request):
     streams = await _submit_metered(request, model, pipeline, choices, body.stop_list())
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    prompt_tokens = sum(len(ids) for ids, _ in encoded) * body.n
+    # Each prompt counted once, however many choices it has (as chat, OpenAI and vLLM count).
+    prompt_tokens = sum(len(ids) for ids, _ in encoded)
 
     def envelope(choice_rows: list[dict], **extra) -> dict:
         return {

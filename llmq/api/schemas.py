@@ -42,6 +42,15 @@ class SamplingFields(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        # Refused, not ignored: a caller relying on a bias must not get unbiased text silently.
+        if v:
+            raise ValueError("logit_bias is not supported by this server")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -129,6 +138,22 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info: ValidationInfo):
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of is not supported (every choice is returned: use n)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return v
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens if "max_tokens" in self.model_fields_set else 16

@@ -97,6 +97,25 @@ class EngineInfo:
     raw: dict
 
 
+def check_text(value, param: str) -> None:
+    """A 400 for text that is not valid Unicode (JSON allows lone surrogates such as "\\ud800";
+    tokenizers reject them with an internal error)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                f"{param} is not valid Unicode text: a lone surrogate at character {exc.start}",
+                param,
+            ) from None
+    elif isinstance(value, dict):
+        for v in value.values():
+            check_text(v, param)
+    elif isinstance(value, list):
+        for v in value:
+            check_text(v, param)
+
+
 class TokenGeneratorPipeline:
     def __init__(
         self,
@@ -119,12 +138,17 @@ class TokenGeneratorPipeline:
         self._engines_cache: tuple[float, list[EngineInfo]] = (0.0, [])
 
     # ---- tokenizing ------------------------------------------------------------------
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        check_text(text, param)
         return await asyncio.to_thread(
             lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         )
 
     async def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        check_text(messages, "messages")
+
         def run() -> list[int]:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidRequest("this model has no chat template; use /v1/completions")

@@ -57,7 +57,11 @@ class RedisServer:
         data_dir: str | Path | None = None,
         extra_args: list[str] | None = None,
         exec_prefix: list[str] | None = None,
+        own_session: bool = False,
     ):
+        # own_session: out of the caller's process group, so a terminal's Ctrl-C does not stop
+        # it before the processes that still need it (`llmq up` stops it last).
+        self.own_session = own_session
         self.host = host
         self.port = port or free_port(host)
         self.appendonly = appendonly
@@ -94,7 +98,10 @@ class RedisServer:
             args += ["--requirepass", self.password]
         args += self.extra_args
         self.proc = subprocess.Popen(
-            [*self.exec_prefix, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [*self.exec_prefix, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=self.own_session,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -3,7 +3,11 @@ and CLI flags that override both. Nothing else reads ``os.environ``."""
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -20,7 +24,9 @@ class Settings(BaseSettings):
     # What is served
     model: str = Field(DEFAULT_MODEL, description="Hugging Face model id or local path to serve.")
     served_model_name: str | None = Field(
-        None, description="Name clients use in `model`; defaults to the model id or folder name."
+        None,
+        description="Name clients use in `model`; unset: LLMQ_MODEL as given (a Hugging Face id "
+        "or the folder's path).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -142,8 +148,36 @@ class Settings(BaseSettings):
     )
 
     def redis_url_or_default(self) -> str:
-        """The Redis to use: LLMQ_REDIS_URL, else a local one (what `llmq up` starts)."""
-        return self.redis_url or "redis://127.0.0.1:6379/0"
+        """The Redis to use: LLMQ_REDIS_URL, else the embedded one of a running `llmq up` on
+        this machine, else a local Redis on its standard port."""
+        return self.redis_url or embedded_redis_url() or "redis://127.0.0.1:6379/0"
+
+
+def _embedded_redis_file() -> Path:
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / (
+        f"llmq-up-{os.getuid()}.json"
+    )
+
+
+def publish_embedded_redis(url: str | None) -> None:
+    """Where `llmq up` tells this machine's other llmq commands its embedded Redis lives
+    (None: it stopped)."""
+    path = _embedded_redis_file()
+    if url is None:
+        path.unlink(missing_ok=True)
+        return
+    path.write_text(json.dumps({"redis_url": url, "pid": os.getpid()}))
+    path.chmod(0o600)
+
+
+def embedded_redis_url() -> str | None:
+    """The URL of a running `llmq up`'s embedded Redis, if there is one."""
+    try:
+        state = json.loads(_embedded_redis_file().read_text())
+        os.kill(int(state["pid"]), 0)  # still running?
+        return str(state["redis_url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @lru_cache

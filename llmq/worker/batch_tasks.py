@@ -181,8 +181,11 @@ class BatchRun:
         limit = asyncio.Semaphore(self.settings.batch_concurrency)
         async with api.router.lifespan_context(api):
             transport = httpx.ASGITransport(app=api)
+            # The lines run as the batch's owner: the key that created the batch is the API's.
+            key = self.settings.api_key
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
             async with httpx.AsyncClient(
-                transport=transport, base_url="http://llmq-batch", timeout=None
+                transport=transport, base_url="http://llmq-batch", timeout=None, headers=headers
             ) as http:
                 cancelled = asyncio.Event()
                 lines_over = asyncio.Event()
@@ -250,6 +253,25 @@ class BatchRun:
             token = submit_context.set(SubmitContext(PRIORITY_BATCH, f"{self.batch_id}-{n}"))
             try:
                 response = await http.post(endpoint, json=body)
+            except Exception as exc:  # every line ends in one file or the other
+                bad_text = isinstance(exc, UnicodeEncodeError)
+                if not bad_text:
+                    log.exception("batch %s: line %d failed", self.batch_id, n)
+                error = {
+                    "message": f"line {n}: "
+                    + (
+                        "the body is not valid Unicode text"
+                        if bad_text
+                        else f"internal error: {exc}"
+                    ),
+                    "type": "invalid_request_error" if bad_text else "server_error",
+                    "param": None,
+                    "code": "invalid_line" if bad_text else None,
+                }
+                await self._record(
+                    n, custom_id, 400 if bad_text else 500, {"error": error}, ok=False
+                )
+                return
             finally:
                 submit_context.reset(token)
             try:
