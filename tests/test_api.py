@@ -641,6 +641,7 @@ def test_401_without_the_api_key(main):
         == main.model
     )
     assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.head(f"{base}/health").status_code == 200  # load balancers' probes
 
 
 def test_404_unknown_model(main):

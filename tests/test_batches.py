@@ -142,6 +142,7 @@ def create_batch(client: openai.OpenAI, lines: list[str], endpoint="/v1/chat/com
     content = ("\n".join(lines) + "\n").encode()
     f = client.files.create(file=("input.jsonl", content), purpose="batch")
     assert f.purpose == "batch" and f.bytes == len(content)
+    assert len(client.files.list(limit=1).data) == 1  # a page, newest first
     return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
 
 

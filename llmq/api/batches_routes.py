@@ -39,9 +39,24 @@ async def create_file(
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None) -> dict:
-    files = await _store(request).list_files(purpose)
-    return {"object": "list", "data": files, "has_more": False}
+async def list_files(
+    request: Request,
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+) -> dict:
+    files = await _store(request).list_files(purpose)  # newest first
+    if after is not None:
+        ids = [f["id"] for f in files]
+        files = files[ids.index(after) + 1 :] if after in ids else []
+    page = files[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(files) > limit,
+    }
 
 
 async def _file(request: Request, file_id: str) -> dict:
