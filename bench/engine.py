@@ -527,12 +527,14 @@ def main(argv=None) -> int:
     }
     thr = report["throughput"]
 
-    eng_model = load(
-        model_dir, args.dtype
-    )  # its config is switched to the paged attention in place
+    # The engine takes its model over (packed bfloat16 weights replace the modules' own), so
+    # every engine path gets a freshly loaded copy.
+    def eng_model():
+        return load(model_dir, args.dtype)
+
     engine_runs = []
     log("llmq engine ...")
-    engine_runs.append(run_engine(eng_model, prompts, args))
+    engine_runs.append(run_engine(eng_model(), prompts, args))
     log(f"  {engine_runs[-1]['tok_s']:.1f} tok/s")
 
     if "single" not in skip:
@@ -557,7 +559,7 @@ def main(argv=None) -> int:
 
     if args.engine_runs == 2:
         log("llmq engine, again ...")
-        engine_runs.append(run_engine(eng_model, prompts, args))
+        engine_runs.append(run_engine(eng_model(), prompts, args))
         log(f"  {engine_runs[-1]['tok_s']:.1f} tok/s")
     eng = thr["llmq_engine"] = combine_engine_runs(engine_runs, full_batch)
 
@@ -565,7 +567,7 @@ def main(argv=None) -> int:
         batch = full_batch
         ctx = round(eng.get("steady_mean_context", mean_prompt + args.output_tokens / 2))
         log(f"raw decode limit (HF forward + DynamicCache, batch {batch}, context {ctx}) ...")
-        paths = {"raw": HFDecode(hf, batch, ctx), "engine": EngineDecode(eng_model, batch, ctx)}
+        paths = {"raw": HFDecode(hf, batch, ctx), "engine": EngineDecode(eng_model(), batch, ctx)}
         secs = time_interleaved(paths, args.step_repeats)
         thr["raw_decode_limit"] = {
             "batch": batch,
@@ -586,7 +588,7 @@ def main(argv=None) -> int:
             log(f"decode step, batch {b}, context {args.step_context} ...")
             paths = {
                 "hf_dynamic_cache": HFDecode(hf, b, args.step_context),
-                "llmq_runner": EngineDecode(eng_model, b, args.step_context),
+                "llmq_runner": EngineDecode(eng_model(), b, args.step_context),
             }
             secs = time_interleaved(paths, args.step_repeats)
             eng_s, hf_s = secs["llmq_runner"], secs["hf_dynamic_cache"]

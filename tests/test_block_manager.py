@@ -329,6 +329,39 @@ def test_decodes_first_and_token_budget():
     assert out.scheduled[1].samples
 
 
+def test_prompt_tokens_beside_decodes_are_capped():
+    """A step with decodes takes at most max_prefill_tokens_with_decodes prompt tokens, over
+    running chunks and new admissions together; without decodes prompts get the whole budget."""
+    sched = make_sched(max_batch_tokens=64, max_prefill_tokens_with_decodes=12)
+    a = make_seq("a", prefix(10), arrival=0, max_tokens=50)
+    b = make_seq("b", prefix(30, 300), arrival=1, max_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    out, _ = run_step(sched)  # nothing decodes yet: both prompts in one step
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 10), ("b", 30)]
+    c = make_seq("c", prefix(40, 600), arrival=2, max_tokens=5)
+    d = make_seq("d", prefix(8, 900), arrival=3, max_tokens=5)
+    sched.add(c)
+    sched.add(d)
+    steps = []
+    for _ in range(4):
+        out, _ = run_step(sched)
+        steps.append([(i.seq.request_id, i.num_new_tokens) for i in out.scheduled])
+    assert steps == [
+        [("a", 1), ("b", 1), ("c", 12)],  # c chunked to the cap; d waits (no budget left)
+        [("a", 1), ("b", 1), ("c", 12)],  # c, running, takes the whole cap again
+        [("a", 1), ("b", 1), ("c", 12)],
+        [("a", 1), ("b", 1), ("c", 4), ("d", 8)],  # c's last 4, then d in what is left
+    ]
+    # Unset: the whole token budget, as before.
+    plain = make_sched(max_batch_tokens=64)
+    plain.add(make_seq("a", prefix(10), arrival=0, max_tokens=50))
+    run_step(plain)
+    plain.add(make_seq("c", prefix(40, 600), arrival=2, max_tokens=5))
+    out, _ = run_step(plain)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 1), ("c", 40)]
+
+
 def test_max_batch_size_limits_admission():
     sched = make_sched(max_batch_size=2, max_batch_tokens=256)
     seqs = [make_seq(str(i), prefix(5, 10 * i), arrival=i, max_tokens=3) for i in range(4)]
@@ -498,7 +531,14 @@ class Workload:
     sequence's whole context back from it. Checks everything it can after every step."""
 
     def __init__(
-        self, block_size, num_blocks, max_batch_size, max_batch_tokens, model_len_cap, caching
+        self,
+        block_size,
+        num_blocks,
+        max_batch_size,
+        max_batch_tokens,
+        model_len_cap,
+        caching,
+        prefill_cap=None,
     ):
         self.bm = BlockManager(num_blocks, block_size, caching)
         # As LLMEngine does: one sequence alone always fits, every decode fits the budget.
@@ -509,6 +549,7 @@ class Workload:
             max_batch_tokens=max(max_batch_tokens, max_batch_size),
             max_model_len=self.max_model_len,
             eos_token_ids={EOS},
+            max_prefill_tokens_with_decodes=prefill_cap,
         )
         self.seqs: list[Sequence] = []
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token held there
@@ -695,6 +736,7 @@ def test_random_workloads_seeded():
             r.randint(1, 48),
             r.randint(2, 120),
             r.random() < 0.7,
+            prefill_cap=[None, 1, 3, 16][trial % 4],
         )
         for _ in range(40):
             x = r.random()
@@ -736,3 +778,65 @@ def test_a_step_admitting_interactive_work_admits_no_batch_prefill_beside_it():
     sched.update(first, [5])
     second = sched.schedule()
     assert {s.seq.request_id for s in second.scheduled} == {"chat", "batch"}
+
+
+def test_a_chunked_batch_prompt_yields_its_prompt_budget_to_an_interactive_arrival():
+    """A long batch-job prompt chunked beside decodes does not keep an interactive arrival
+    waiting for its remaining chunks: the arrival is admitted next step, the batch chunk waits
+    that step out, then resumes."""
+    sched = make_sched(max_batch_tokens=64, max_prefill_tokens_with_decodes=16)
+    chat = make_seq("chat", prefix(4), arrival=0, max_tokens=50)
+    sched.add(chat)
+    run_step(sched)  # chat prefilled: it decodes from now on
+    batch = make_seq("batch", prefix(100, 300), arrival=1, priority=1, max_tokens=3)
+    sched.add(batch)
+    out, _ = run_step(sched)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [
+        ("chat", 1),
+        ("batch", 16),
+    ]
+    late = make_seq("late", prefix(20, 600), arrival=2, max_tokens=3)
+    sched.add(late)
+    steps = []
+    for _ in range(3):
+        out, _ = run_step(sched)
+        steps.append([(i.seq.request_id, i.start, i.num_new_tokens) for i in out.scheduled])
+    assert steps == [
+        [("chat", 5, 1), ("late", 0, 16)],  # the batch chunk waits out the admitting step
+        [("chat", 6, 1), ("late", 16, 4), ("batch", 16, 12)],  # late's rest, then batch
+        [("chat", 7, 1), ("late", 20, 1), ("batch", 28, 16)],
+    ]
+    sched.block_manager.check_invariants([chat, batch, late])
+
+
+def test_a_deferred_batch_prompt_gives_its_blocks_back_when_the_pool_is_full():
+    """No deadlock: a batch prompt mid-prefill holds blocks an interactive arrival needs, and
+    its own next chunk does not fit either: the batch prompt is preempted (recomputed later),
+    the arrival runs next step, and everything finishes."""
+    sched = make_sched(num_blocks=7, block_size=4, max_batch_tokens=16)
+    batch = make_seq("batch", prefix(24), arrival=0, priority=1, max_tokens=2)
+    sched.add(batch)
+    out, _ = run_step(sched)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("batch", 16)]
+    other = make_seq("other", prefix(4, 50), arrival=1, max_tokens=20)
+    sched.add(other)
+    out, _ = run_step(sched)  # other admitted; the batch chunk waits out that step
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("other", 4)]
+    chat = make_seq("chat", prefix(16, 80), arrival=2, max_tokens=2)
+    sched.add(chat)
+    out, _ = run_step(sched)  # chat's 4 blocks do not fit (1 free), nor do batch's next 2
+    assert out.preempted == [batch]
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("other", 1)]
+    out, _ = run_step(sched)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [
+        ("other", 1),
+        ("chat", 15),
+    ]
+    seqs = (batch, other, chat)
+    steps = 0
+    while sched.has_unfinished():
+        run_step(sched)
+        sched.block_manager.check_invariants([s for s in seqs if not s.is_finished])
+        steps += 1
+        assert steps < 60
+    assert [len(s.output_token_ids) for s in seqs] == [2, 20, 2]

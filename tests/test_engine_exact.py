@@ -131,6 +131,8 @@ VARIANTS = {
     "preemption": EngineConfig(num_blocks=16, max_batch_tokens=512),
     # A budget of 24 tokens a step: every prompt longer than that is prefilled in chunks.
     "chunked": EngineConfig(num_blocks=256, max_batch_size=8, max_batch_tokens=24),
+    # Prompt tokens beside decodes capped at 7 a step: prompts trickle in, chunked, as decodes run.
+    "prefill_cap": EngineConfig(num_blocks=256, max_prefill_tokens_with_decodes=7),
     "prefix_cache": EngineConfig(num_blocks=256),
     # Everything at once: small pool, small budget, few sequences, prefix cache.
     "tight": EngineConfig(num_blocks=16, max_batch_size=4, max_batch_tokens=40),

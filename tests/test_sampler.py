@@ -6,6 +6,7 @@ torch seed and compare empirical frequencies with the exact target distribution.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -307,6 +308,22 @@ def test_penalty_shifts_sampled_distribution():
     got = torch.tensor(Sampler()(logits, seqs).token_ids)
     # token 0 repeated: its weight drops from 1 to 1/3, so P(0) = 0.25
     assert abs(float((got == 0).double().mean()) - 0.25) < 0.02
+
+
+def test_logit_bias_forces_bans_and_shifts():
+    row = [0.0] * 10
+    row[5] = 3.0
+    g = dict(temperature=0)
+    assert pick(row, SamplingParams(**g)) == 5
+    assert pick(row, SamplingParams(**g, logit_bias={8: 100.0})) == 8
+    assert pick(row, SamplingParams(**g, logit_bias={5: -100.0, 2: 0.5})) == 2
+    # sampled: a bias of log 3 on one of two equal tokens gives it 3/4 of the draws
+    freqs = draw([0.0, 0.0], SamplingParams(temperature=1.0, logit_bias={1: math.log(3)}))
+    close(freqs, [0.25, 0.75])
+    # the wire format's string keys come back as ids
+    params = SamplingParams(logit_bias={7: 1.5})
+    wire = json.loads(json.dumps(params.to_dict()))
+    assert SamplingParams.from_dict(wire).logit_bias == {7: 1.5}
 
 
 def test_min_tokens_bans_eos_and_stop_tokens():

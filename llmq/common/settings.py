@@ -52,6 +52,12 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(
         512, description="Most tokens in one engine step (prefill chunks plus decodes)."
     )
+    max_prefill_tokens_with_decodes: int | None = Field(
+        None,
+        ge=1,
+        description="Most prompt tokens in a step that also decodes (its length is every "
+        "running stream's gap between tokens); unset: 128 on a CPU, max_batch_tokens on a GPU.",
+    )
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks of shared prompt prefixes."
     )

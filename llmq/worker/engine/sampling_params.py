@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def greedy(self) -> bool:
@@ -36,6 +37,15 @@ class SamplingParams:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this row's logits before choosing (``min_tokens``'s bans
+        are per step and checked apart)."""
+        return self.has_penalties or bool(self.logit_bias)
+
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        params = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        # JSON object keys are strings: token ids come back as ints.
+        params.logit_bias = {int(k): float(v) for k, v in (params.logit_bias or {}).items()}
+        return params

@@ -2,10 +2,14 @@
 
 Pure: no torch, no Redis, no clock. Each step is built under three budgets: sequences per
 step (``max_batch_size``), tokens per step (``max_batch_tokens``, which chunks long prefills)
-and free KV blocks. Running sequences come first (decodes and unfinished prefill chunks, by
-priority then arrival); waiting ones fill what is left. When blocks run out the scheduler
-preempts the running sequence that would run last, frees its blocks and recomputes it later:
-nothing is dropped.
+and free KV blocks. A step that carries decodes takes at most
+``max_prefill_tokens_with_decodes`` prompt tokens: every running stream waits for the whole
+step, so a big prefill beside decodes is a long gap between tokens for all of them; alone,
+prompts get the whole token budget. Running sequences come first (decodes and unfinished
+prefill chunks, by priority then arrival), except prefill chunks of lower priority than the
+best waiting request, which go last; waiting ones fill what is left. When blocks run
+out the scheduler preempts the running sequence that would run last, frees its blocks and
+recomputes it later: nothing is dropped.
 """
 
 from __future__ import annotations
@@ -59,10 +63,13 @@ class Scheduler:
         max_batch_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        max_prefill_tokens_with_decodes: int | None = None,
     ):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        # None: no cap beyond max_batch_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes or max_batch_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
@@ -96,13 +103,33 @@ class Scheduler:
         budget = self.max_batch_tokens
         bm = self.block_manager
         self.running.sort(key=Sequence.sort_key)
+        # A sequence with one token left to compute decodes; any other is (still) prefilling.
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        prefill_budget = self.max_prefill_tokens_with_decodes if decoding else budget
 
+        # A running prompt of lower priority than the best waiting request yields the prompt
+        # budget to it: otherwise a long batch-job prompt, chunked beside decodes, would keep
+        # an interactive arrival waiting for every one of its chunks.
+        best_waiting = self.waiting[0].priority if self.waiting else None
+        deferred: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > 1:
+                if best_waiting is not None and best_waiting < seq.priority:
+                    deferred.append(seq)
+                    i += 1
+                    continue
+                num_new = min(num_new, prefill_budget)
+                if num_new < 1:  # this step's prompt tokens are spent: decodes only
+                    i += 1
+                    continue
+            num_new = min(num_new, budget)
             while not bm.allocate(seq, num_new):
                 victim = self.running.pop()
+                if victim in deferred:
+                    deferred.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -110,6 +137,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
+                if num_new > 1:
+                    prefill_budget -= num_new
                 i += 1
 
         # A step that had to preempt admits nothing new: the pool is already short. A step
@@ -119,14 +148,14 @@ class Scheduler:
         while (
             not out.preempted
             and self.waiting
-            and budget > 0
+            and min(budget, prefill_budget) > 0
             and len(self.running) < self.max_batch_size
         ):
             seq = self.waiting[0]
             if first_priority is not None and seq.priority > first_priority:
                 break
             cached = bm.find_cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget, prefill_budget)
             if not bm.allocate(seq, num_new, cached):
                 break
             self.waiting.pop(0)
@@ -135,6 +164,27 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
+            prefill_budget -= num_new
+
+        # The deferred prompts take what is left, unless higher-priority work was admitted
+        # beside them. Short of blocks, the last of them give theirs back (none is scheduled
+        # yet), so a waiting request that found the pool full gets in next step.
+        while deferred and (first_priority is None or deferred[0].priority <= first_priority):
+            seq = deferred.pop(0)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_budget)
+            if num_new < 1:
+                break
+            while not bm.allocate(seq, num_new):
+                victim = deferred.pop() if deferred else seq
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                prefill_budget -= num_new
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[SequenceUpdate]:

@@ -56,8 +56,11 @@ class KVPool:
         )
         self.k = self.kv[:, :num_kv_heads]  # [layers, kv_heads, slots, head_dim] views
         self.v = self.kv[:, num_kv_heads:]
-        # Per layer, viewed as whole blocks: [2 * kv_heads, blocks, block_size * head_dim].
-        self.kv_blocks = [kv.view(2 * num_kv_heads, num_blocks, -1) for kv in self.kv]
+        # Per layer, viewed as whole blocks of one head: [2 * kv_heads * blocks, block_size *
+        # head_dim]. A gather along dim 0 of this flat view (block ids offset per head) runs
+        # 2x faster on CPU than one along the blocks axis of [2 * kv_heads, blocks, ...].
+        self.kv_blocks = [kv.view(2 * num_kv_heads * num_blocks, -1) for kv in self.kv]
+        self.head_offsets = torch.arange(2 * num_kv_heads, device=device).mul_(num_blocks)[:, None]
         self._gather = torch.empty(0, dtype=dtype, device=device)
 
     @staticmethod
@@ -196,7 +199,8 @@ def _decode_chunk(
     # [Hkv * n, G, D], contiguous (one copy out of the packed row)
     q = q_all[:, :, s:e].transpose(1, 2).reshape(num_kv_heads * n, group, head_dim)
     kv = pool.gather_buffer(n * chunk.num_blocks)
-    torch.index_select(pool.kv_blocks[layer], 1, chunk.block_ids, out=kv)
+    ids = (pool.head_offsets + chunk.block_ids).view(-1)  # the blocks of every head, in turn
+    torch.index_select(pool.kv_blocks[layer], 0, ids, out=kv.view(ids.shape[0], -1))
     keys = kv[:num_kv_heads].view(num_kv_heads * n, ctx, head_dim)
     values = kv[num_kv_heads:].view(num_kv_heads * n, ctx, head_dim)
     # scale * q @ k^T + mask in one call: [Hkv * n, G, ctx]

@@ -41,10 +41,14 @@ class Sampler:
         n = len(seqs)
         params = [s.params for s in seqs]
         raw = logits
-        if any(p.min_tokens or p.has_penalties for p in params):
+        if any(p.min_tokens or p.adjusts_logits for p in params):
             logits = logits.clone()
             for i, seq in enumerate(seqs):
                 p = seq.params
+                if p.logit_bias:
+                    ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                    bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
+                    logits[i, ids] += bias
                 if seq.num_output_tokens < p.min_tokens:
                     banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                     if banned:
