@@ -571,6 +571,30 @@ def test_400_context_length(main, ref):
     assert exc.value.code == "context_length_exceeded"
 
 
+def test_logit_bias_steers_greedy_tokens_as_the_engine_does(main, ref):
+    ids = ref.ids(PROMPT)
+    plain = ref.greedy([ids], 6)[0]
+    forced = next(t for t in range(10, 100) if t not in plain)
+    cases = [{forced: 100.0}, {plain[0]: -100.0, plain[1]: -100.0}]
+    c = client(main.base)
+    for bias in cases:
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6, logit_bias=bias)
+        want = ref.engine.generate([ids], params)[0]
+        r = c.completions.create(
+            model=main.model,
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            logit_bias={str(t): b for t, b in bias.items()},
+        )
+        assert r.choices[0].text == ref.text(want)
+        if 100.0 in bias.values():
+            assert want == [forced] * 6
+        else:
+            assert plain[0] not in want and plain[1] not in want
+
+
 def test_400_bad_values(main):
     chat = f"{main.base}/v1/chat/completions"
     assert_error(httpx.post(chat, json={"messages": MESSAGES, "n": 9}), 400, param="n")
@@ -584,10 +608,28 @@ def test_400_bad_values(main):
     )
     comp = f"{main.base}/v1/completions"
     assert_error(httpx.post(comp, json={"prompt": "x", "logprobs": 21}), 400, param="logprobs")
+    vocab = int(main.heartbeat()["vocab_size"])
+    for bad in ({"x": 1}, {"-1": 1}, {str(vocab): 1}, {str(i): 1 for i in range(301)}):
+        body = {"messages": MESSAGES, "logit_bias": bad}
+        assert_error(httpx.post(chat, json=body), 400, param="logit_bias")
+    body = {"messages": MESSAGES, "logit_bias": {"5": 101}}
+    assert_error(httpx.post(chat, json=body), 400, param="logit_bias.5")
     # What this server does not do is refused, not ignored.
-    bias = {"messages": MESSAGES, "logit_bias": {"5": 100}}
-    assert_error(httpx.post(chat, json=bias), 400, param="logit_bias")
     assert_error(httpx.post(comp, json={"prompt": "x", "best_of": 3}), 400, param="best_of")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for name, value in (
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("tools", [tool]),
+        ("functions", [tool["function"]]),
+    ):
+        body = {"messages": MESSAGES, name: value}
+        msg = assert_error(httpx.post(chat, json=body), 400, param=name)["message"]
+        assert "not supported" in msg and f"{name}: {name}" not in msg, msg  # named once
+    # ... but what asks for plain text is served.
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [tool], "tool_choice": "none"}):
+        r = httpx.post(chat, json={"messages": MESSAGES, "max_tokens": 2, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
     assert_error(httpx.post(comp, json={"prompt": "x", "suffix": "end"}), 400, param="suffix")
     # JSON may carry a lone surrogate; it is no text to tokenize.
     headers = {"content-type": "application/json"}
@@ -595,8 +637,21 @@ def test_400_bad_values(main):
     assert_error(httpx.post(comp, content=body, headers=headers), 400, param="prompt")
     body = b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'
     assert_error(httpx.post(chat, content=body, headers=headers), 400, param="messages")
-    vocab = int(main.heartbeat()["vocab_size"])
     assert_error(httpx.post(comp, json={"prompt": [1, vocab]}), 400, param="prompt")
+    # A field of several shapes names them, not pydantic's union members.
+    shapes = "an array of token ids or an array of arrays of token ids"
+    for prompt in (5, [1.5], {"a": 1}, ["a", 3]):
+        err = assert_error(httpx.post(comp, json={"prompt": prompt}), 400, param="prompt")
+        assert err["message"].startswith("prompt must be a string,") and shapes in err["message"]
+    err = assert_error(httpx.post(comp, json={"prompt": []}), 400, param="prompt")
+    assert err["message"] == "prompt must not be empty"
+    bad = {"messages": [{"role": "user", "content": 5}]}
+    err = assert_error(httpx.post(chat, json=bad), 400, param="messages.0.content")
+    assert err["message"] == "messages.0.content must be a string or an array of text parts"
+    err = assert_error(httpx.post(chat, json={**bad, "messages": MESSAGES, "stop": 5}), 400)
+    assert (
+        err["param"] == "stop" and err["message"] == "stop must be a string or an array of strings"
+    )
     # A stop token past the vocabulary is refused here; it would fail in the worker's sampler.
     for url, extra in ((chat, {"messages": MESSAGES}), (comp, {"prompt": "x"})):
         assert_error(
@@ -810,6 +865,40 @@ def test_deadline_ends_a_request_with_an_error(main):
     assert "did not finish" in exc.value.message
     # The worker dropped it: nothing left running, its blocks free.
     main.wait_idle(timeout=3)
+
+
+def test_a_stream_cut_by_server_shutdown_ends_with_an_error_event(main):
+    """SIGTERM to an API process mid-stream: the stream gets a short drain, then an error event
+    and [DONE] instead of a silent cut (which the openai client takes for a whole answer), the
+    process exits cleanly and the request is cancelled on the worker."""
+    base = main.api("going-away")
+    main.warm(base)
+    proc, _ = main.apis.pop("going-away")
+    main.wait_idle()
+    body = {"prompt": PROMPT, "max_tokens": 1900, "stream": True, **IGNORE_EOS}
+    frames: list[str] = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            frames.append(line.removeprefix("data: "))
+            if len(frames) == 4:
+                # The worker frozen: no token can finish the answer during the drain.
+                os.kill(main.worker.proc.pid, signal.SIGSTOP)
+                proc.proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+    ended = time.monotonic() - signalled
+    os.kill(main.worker.proc.pid, signal.SIGCONT)
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
+    assert all("choices" in json.loads(f) for f in frames[:-2])
+    assert 2.0 < ended < 4.5, ended
+    # A clean exit (uvicorn re-raises the signal once shut down).
+    assert proc.proc.wait(10) in (0, -signal.SIGTERM), proc.log()
+    assert "Application shutdown complete" in proc.log()
+    main.wait_idle(timeout=5)  # the request was cancelled on the worker
 
 
 # ---- 3. a closed stream frees its KV blocks --------------------------------------------------

@@ -20,7 +20,7 @@ from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.transport import AsyncTransport, Keys
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from tests.harness import heartbeat, start_worker, wait_for
+from tests.harness import LLMQ, heartbeat, start_worker, wait_for
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -172,6 +172,44 @@ def test_redis_cli_shows_readable_json(served, llama_dir):
     fields = dict(zip(hb[::2], hb[1::2], strict=True))
     assert fields["model"] == str(llama_dir)
     assert int(fields["kv_blocks_total"]) > 0 and int(fields["max_model_len"]) > 0
+
+
+def test_llmq_inspect_shows_the_worker_serving_a_request(served, llama_dir):
+    server, _ = served
+
+    def inspect(*flags: str) -> str:
+        return subprocess.run(
+            [LLMQ, "inspect", "--redis-url", server.url, *flags],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+
+    def counted() -> bool:  # by the heartbeat (once a second)
+        return heartbeat(server.url, "w-main").get("running") == "1"
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            gen = p.generate([5, 6, 7], SamplingParams(max_tokens=1500, **GREEDY))
+            await gen.__anext__()
+            try:
+                await asyncio.to_thread(wait_for, counted, 5, "the request in the heartbeat")
+                return inspect("--json"), inspect()
+            finally:
+                await gen.aclose()
+
+    as_json, text = asyncio.run(run())
+    snap = json.loads(as_json)
+    (engine,) = [e for e in snap["engines"] if e["name"] == "w-main"]
+    assert engine["model"] == str(llama_dir)
+    # numbers as numbers, text as text
+    assert engine["running"] == 1 and engine["waiting"] == 0
+    assert isinstance(engine["kv_blocks_total"], int) and engine["kv_blocks_used"] > 0
+    assert isinstance(engine["tokens_per_s"], int | float)
+    (queue,) = [q for q in snap["queues"] if q["stream"] == stream_of(llama_dir)]
+    assert queue["pending"] == 1 and [c["pending"] for c in queue["consumers"]] == [1]
+    assert "w-main: " in text and "running 1" in text and f"{stream_of(llama_dir)}: " in text
 
 
 def test_nothing_left_behind(served, llama_dir):

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmq.common.errors import BodyTooLarge, InvalidRequest, NotFound
 from llmq.common.store import BATCH_ENDPOINTS, Store
@@ -96,8 +96,24 @@ class BatchCreate(BaseModel):
 
     input_file_id: str
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
-    completion_window: Annotated[str, Field(pattern=r"^\d+h$")] = "24h"
-    metadata: dict[str, str] | None = None
+    completion_window: Annotated[str, Field(pattern=r"^\d{1,3}h$")] = Field(
+        "24h", description="Hours the batch may take, 1h to 168h (OpenAI offers 24h)."
+    )
+    # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window(cls, v: str) -> str:
+        if not 1 <= int(v[:-1]) <= 168:
+            raise ValueError("completion_window must be between 1h and 168h")
+        return v
 
 
 @router.post("/v1/batches")

@@ -11,11 +11,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from llmq.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from llmq.common.errors import InvalidRequest, LLMQError, ModelNotFound
+from llmq.common.errors import InvalidRequest, LLMQError, ModelNotFound, ServerShuttingDown
 from llmq.common.pipeline import GenerationChunk, RequestStream, TokenGeneratorPipeline
 from llmq.worker.engine.sampling_params import SamplingParams
 
@@ -118,11 +119,17 @@ def _vocab(engine) -> int:
     return int(engine.raw.get("vocab_size", 0) or 0)
 
 
-def _check_stop_token_ids(body: SamplingFields, vocab: int) -> None:
+def _check_token_ids(body: SamplingFields, vocab: int) -> None:
     """An id past the vocabulary would fail in the worker's sampler: refuse it here."""
-    if vocab and any(t >= vocab for t in body.stop_token_ids or []):
+    if not vocab:
+        return
+    if any(t >= vocab for t in body.stop_token_ids or []):
         raise InvalidRequest(
             f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
+        )
+    if any(int(t) >= vocab for t in body.logit_bias or {}):
+        raise InvalidRequest(
+            f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias"
         )
 
 
@@ -267,6 +274,23 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# When the server shuts down, a stream gets this long to finish, then ends with a
+# server_shutting_down error event and [DONE] (within uvicorn's 5 s graceful shutdown), so that
+# a client tells a cut-off answer from a whole one and its request is cancelled on the worker.
+SHUTDOWN_DRAIN_S = 2.5
+
+
+async def _end_at_shutdown(shutdown: anyio.Event, streams: list[RequestStream]) -> None:
+    await shutdown.wait()
+    await asyncio.sleep(SHUTDOWN_DRAIN_S)
+    error = ServerShuttingDown(
+        f"the server shut down before the answer was complete ({SHUTDOWN_DRAIN_S}s after "
+        "shutdown began); retry on another replica"
+    )
+    for s in streams:
+        s.fail(error)
+
+
 def _sse(data: dict | str) -> dict:
     return {"data": data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))}
 
@@ -280,9 +304,12 @@ def _stream_response(
     chunk_body: Callable[[Choice, GenerationChunk], dict],
     usage_body: Callable[[], dict] | None,
 ) -> EventSourceResponse:
+    shutdown = anyio.Event()
+
     async def events():
         started = time.monotonic()
         marks = {c.index: [0.0, 0.0] for c in choices}
+        ender = asyncio.ensure_future(_end_at_shutdown(shutdown, streams))
         try:
             for body in first():
                 yield _sse(body)
@@ -295,12 +322,17 @@ def _stream_response(
         except LLMQError as exc:
             yield _sse(exc.to_dict())
         finally:
+            ender.cancel()
             for s in streams:
                 await s.aclose()
         yield _sse("[DONE]")
 
     return EventSourceResponse(
-        events(), ping=15, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        events(),
+        ping=15,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        shutdown_event=shutdown,
+        shutdown_grace_period=SHUTDOWN_DRAIN_S + 1.0,
     )
 
 
@@ -360,7 +392,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     pipeline, engine = await registry.get(body.model)
     model = pipeline.model
     vocab = _vocab(engine)
-    _check_stop_token_ids(body, vocab)
+    _check_token_ids(body, vocab)
     prompt_ids = await pipeline.encode_chat(body.template_messages())
     max_tokens = _max_tokens(body, body.wanted_max_tokens(), len(prompt_ids), engine.max_model_len)
     logprobs = body.wanted_logprobs()
@@ -456,7 +488,7 @@ async def completions(body: CompletionRequest, request: Request):
     pipeline, engine = await registry.get(body.model)
     model = pipeline.model
     vocab = _vocab(engine)
-    _check_stop_token_ids(body, vocab)
+    _check_token_ids(body, vocab)
     prompts = body.prompts()
     encoded: list[tuple[list[int], str]] = []
     for i, p in enumerate(prompts):

@@ -6,12 +6,21 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from llmq.worker.engine.sampling_params import SamplingParams
 
 MAX_N = 8
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # bounds one row's work per step
+
+
+def _refuse(value, what: str):
+    """Refused, not ignored: a caller relying on ``what`` must not get an answer without it."""
+    if value:
+        raise ValueError(f"{what} is not supported by this server")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -42,14 +51,20 @@ class SamplingFields(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None,
+        description="Token id (as a string) -> bias in [-100, 100] added to its logit before "
+        "sampling; -100 bans a token, 100 all but forces it.",
+    )
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        # Refused, not ignored: a caller relying on a bias must not get unbiased text silently.
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
+    def _logit_bias(cls, v):
+        if v and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for key in v or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, not {key[:32]!r}")
         return v
 
     @field_validator("stop")
@@ -79,6 +94,7 @@ class SamplingFields(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
 
 
@@ -107,6 +123,39 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Refused, not ignored: a caller relying on JSON output or tool calls must not get free
+    # text back as if it were that. Left out of the OpenAPI schema: nothing they describe is
+    # served.
+    response_format: SkipJsonSchema[dict[str, Any] | None] = None
+    tool_choice: SkipJsonSchema[str | dict[str, Any] | None] = None  # before tools: read there
+    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        kind = (v or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(
+                f"response_format {kind!r} is not supported by this server (no constrained "
+                "decoding); use 'text'"
+            )
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tool_calls(cls, v, info: ValidationInfo):
+        if v and info.data.get("tool_choice") != "none":
+            raise ValueError(
+                "tool calling is not supported by this server; send no tools, or tool_choice "
+                "'none' for a text answer"
+            )
+        return v
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, v):
+        return _refuse(v, "function calling")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -151,9 +200,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix (insertion) is not supported by this server")
-        return v
+        return _refuse(v, "suffix (insertion)")
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens if "max_tokens" in self.model_fields_set else 16

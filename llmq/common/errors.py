@@ -67,6 +67,10 @@ class Unavailable(LLMQError):
     retry_after = 5
 
 
+class ServerShuttingDown(Unavailable):
+    code = "server_shutting_down"
+
+
 class DeadlineExceeded(LLMQError):
     status = 504
     type = "timeout"

@@ -282,7 +282,7 @@ class TokenGeneratorPipeline:
                 # that lands as the queue yields a message, and a client that disconnected
                 # mid-stream then left its request running to the end on the engine.
                 async with asyncio.timeout(min(_POLL, remaining)):
-                    msg: OutputMessage = await queue.get()
+                    msg: OutputMessage | LLMQError = await queue.get()
             except TimeoutError:
                 msg, state = await self._recover(request, expected)
                 if msg is None:
@@ -296,6 +296,8 @@ class TokenGeneratorPipeline:
                             code="inactivity_timeout",
                         ) from None
                     continue
+            if isinstance(msg, LLMQError):  # put there by RequestStream.fail
+                raise msg
             if msg.error is not None:
                 raise _engine_error(msg)
             batch = [msg]
@@ -466,6 +468,10 @@ class RequestStream:
     async def aclose(self) -> None:
         await self._gen.aclose()
         await self._cleanup()
+
+    def fail(self, error: LLMQError) -> None:
+        """End the stream with ``error`` at its next read (the request is then cancelled)."""
+        self.queue.put_nowait(error)
 
     async def _cleanup(self) -> None:
         if self._closed:

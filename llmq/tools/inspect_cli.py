@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import redis
@@ -9,9 +10,32 @@ import redis
 from llmq.common.settings import Settings
 from llmq.common.transport import GROUP, Keys
 
+# Hash fields that are text even when they look like numbers (a model named "7", an id).
+_TEXT_FIELDS = frozenset({"id", "name", "model", "kind", "status", "endpoint", "hostname"})
+
 
 def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _number(value: str) -> int | float | str:
+    """``value`` as an int or a finite float where it reads as one, else unchanged."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return number if math.isfinite(number) else value
+
+
+def _typed(fields: dict) -> dict:
+    """A Redis hash (all strings) with its numbers as numbers, for ``--json`` readers."""
+    return {
+        k: v if k in _TEXT_FIELDS or k.endswith("_id") else _number(v) for k, v in fields.items()
+    }
 
 
 def snapshot(client: redis.Redis, keys: Keys) -> dict:
@@ -39,13 +63,13 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
         queues.append(info)
     engines = []
     for key in client.scan_iter(match=keys.engines_pattern, count=100):
-        hb = {_s(k): _s(v) for k, v in client.hgetall(key).items()}
+        hb = _typed({_s(k): _s(v) for k, v in client.hgetall(key).items()})
         if hb:
             hb["name"] = _s(key).split(":", 2)[-1]
             engines.append(hb)
     batches = []
     for batch_id in client.smembers(keys.batches_active):
-        raw = {_s(k): _s(v) for k, v in client.hgetall(keys.batch(_s(batch_id))).items()}
+        raw = _typed({_s(k): _s(v) for k, v in client.hgetall(keys.batch(_s(batch_id))).items()})
         if raw:
             batches.append(raw)
     return {"queues": queues, "engines": engines, "batches": batches}

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 
+from llmq.common.errors import InvalidRequest, LLMQError
 from llmq.common.pipeline import SubmitContext, submit_context
 from llmq.common.protocol import PRIORITY_BATCH
 from llmq.common.settings import get_settings
@@ -241,36 +242,23 @@ class BatchRun:
                 if not isinstance(body, dict):
                     raise ValueError("body must be a JSON object")
             except ValueError as exc:
-                error = {
-                    "message": f"line {n}: {exc}",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "invalid_line",
-                }
-                await self._record(n, custom_id, 400, {"error": error}, ok=False)
+                await self._record_error(
+                    n, custom_id, InvalidRequest(f"line {n}: {exc}", code="invalid_line")
+                )
                 return
             body = {**body, "stream": False}
             token = submit_context.set(SubmitContext(PRIORITY_BATCH, f"{self.batch_id}-{n}"))
             try:
                 response = await http.post(endpoint, json=body)
             except Exception as exc:  # every line ends in one file or the other
-                bad_text = isinstance(exc, UnicodeEncodeError)
-                if not bad_text:
+                if isinstance(exc, UnicodeEncodeError):
+                    error = InvalidRequest(
+                        f"line {n}: the body is not valid Unicode text", code="invalid_line"
+                    )
+                else:
                     log.exception("batch %s: line %d failed", self.batch_id, n)
-                error = {
-                    "message": f"line {n}: "
-                    + (
-                        "the body is not valid Unicode text"
-                        if bad_text
-                        else f"internal error: {exc}"
-                    ),
-                    "type": "invalid_request_error" if bad_text else "server_error",
-                    "param": None,
-                    "code": "invalid_line" if bad_text else None,
-                }
-                await self._record(
-                    n, custom_id, 400 if bad_text else 500, {"error": error}, ok=False
-                )
+                    error = LLMQError(f"line {n}: internal error: {exc}")
+                await self._record_error(n, custom_id, error)
                 return
             finally:
                 submit_context.reset(token)
@@ -288,6 +276,9 @@ class BatchRun:
             await self._record(
                 n, custom_id, response.status_code, payload, ok=response.status_code == 200
             )
+
+    async def _record_error(self, n: int, custom_id: str | None, error: LLMQError) -> None:
+        await self._record(n, custom_id, error.status, error.to_dict(), ok=False)
 
     async def _record(
         self, n: int, custom_id: str | None, status: int, body: dict, ok: bool
