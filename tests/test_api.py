@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -898,6 +899,38 @@ def test_a_stream_cut_by_server_shutdown_ends_with_an_error_event(main):
     # A clean exit (uvicorn re-raises the signal once shut down).
     assert proc.proc.wait(10) in (0, -signal.SIGTERM), proc.log()
     assert "Application shutdown complete" in proc.log()
+    main.wait_idle(timeout=5)  # the request was cancelled on the worker
+
+
+def test_a_request_cut_by_server_shutdown_gets_a_503(main):
+    """SIGTERM to an API process while a non-streamed request runs: after the drain it gets a
+    503 server_shutting_down (not a closed connection), and the worker drops the request."""
+    base = main.api("going-away-plain")
+    main.warm(base)
+    proc, _ = main.apis.pop("going-away-plain")
+    main.wait_idle()
+    body = {"prompt": PROMPT, "max_tokens": 1900, **IGNORE_EOS}
+
+    def stop_when_running() -> None:
+        wait_for(lambda: main.heartbeat().get("running") == "1", 10, "the request running")
+        os.kill(main.worker.proc.pid, signal.SIGSTOP)  # no token can finish it during the drain
+        proc.proc.send_signal(signal.SIGTERM)
+        signalled.append(time.monotonic())
+
+    signalled: list[float] = []
+    stopper = threading.Thread(target=stop_when_running)
+    stopper.start()
+    try:
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+    finally:
+        stopper.join()
+        os.kill(main.worker.proc.pid, signal.SIGCONT)
+    ended = time.monotonic() - signalled[0]
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
+    assert 2.0 < ended < 4.5, ended
+    assert proc.proc.wait(10) in (0, -signal.SIGTERM), proc.log()
     main.wait_idle(timeout=5)  # the request was cancelled on the worker
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import anyio
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 
 from llmq.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from llmq.common.errors import InvalidRequest, LLMQError, ModelNotFound, ServerShuttingDown
@@ -207,10 +208,40 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
+# When the server shuts down, an answer gets this long to finish; then a stream ends with a
+# server_shutting_down error event and [DONE], and a non-streamed request gets that error as a
+# 503 (within uvicorn's 5 s graceful shutdown), so that a client tells a cut-off answer from a
+# whole one, and its request is cancelled on the worker.
+SHUTDOWN_DRAIN_S = 2.5
+
+
+def _shutdown_error() -> ServerShuttingDown:
+    return ServerShuttingDown(
+        f"the server shut down before the answer was complete ({SHUTDOWN_DRAIN_S}s after "
+        "shutdown began); retry on another replica"
+    )
+
+
+async def _end_at_shutdown(shutdown: anyio.Event, streams: list[RequestStream]) -> None:
+    await shutdown.wait()
+    await asyncio.sleep(SHUTDOWN_DRAIN_S)
+    for s in streams:
+        s.fail(_shutdown_error())
+
+
+async def _shutdown_drained() -> None:
+    """Returns SHUTDOWN_DRAIN_S after uvicorn began to shut down (the flag sse-starlette's hook
+    on uvicorn's exit handler sets)."""
+    while not AppStatus.should_exit:
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(SHUTDOWN_DRAIN_S)
+
+
 async def _collect(
     request: Request, model: str, streams: list[RequestStream], choices: list[Choice]
 ) -> None:
-    """Run every choice to the end; a client that disconnects cancels them all."""
+    """Run every choice to the end; a client that disconnects, or a server shutdown that
+    outlasts the drain, cancels them all."""
     started = time.monotonic()
 
     async def one(stream: RequestStream, choice: Choice) -> None:
@@ -223,16 +254,20 @@ async def _collect(
 
     tasks = [asyncio.ensure_future(one(s, c)) for s, c in zip(streams, choices, strict=True)]
     watcher = asyncio.ensure_future(_until_disconnected(request))
+    shutdown = asyncio.ensure_future(_shutdown_drained())
     everything = asyncio.gather(*tasks)
     try:
-        await asyncio.wait([everything, watcher], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([everything, watcher, shutdown], return_when=asyncio.FIRST_COMPLETED)
         if not everything.done():
+            if shutdown.done():
+                raise _shutdown_error()
             raise ClientDisconnected("the client disconnected")
         everything.result()
     finally:
         watcher.cancel()
+        shutdown.cancel()
         everything.cancel()  # cancels the choices still running (their streams cancel upstream)
-        await asyncio.gather(*tasks, watcher, return_exceptions=True)
+        await asyncio.gather(*tasks, watcher, shutdown, return_exceptions=True)
         with contextlib.suppress(BaseException):
             await everything  # its outcome retrieved: no "exception was never retrieved" log
 
@@ -272,23 +307,6 @@ async def _merged(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-# When the server shuts down, a stream gets this long to finish, then ends with a
-# server_shutting_down error event and [DONE] (within uvicorn's 5 s graceful shutdown), so that
-# a client tells a cut-off answer from a whole one and its request is cancelled on the worker.
-SHUTDOWN_DRAIN_S = 2.5
-
-
-async def _end_at_shutdown(shutdown: anyio.Event, streams: list[RequestStream]) -> None:
-    await shutdown.wait()
-    await asyncio.sleep(SHUTDOWN_DRAIN_S)
-    error = ServerShuttingDown(
-        f"the server shut down before the answer was complete ({SHUTDOWN_DRAIN_S}s after "
-        "shutdown began); retry on another replica"
-    )
-    for s in streams:
-        s.fail(error)
 
 
 def _sse(data: dict | str) -> dict:
