@@ -15,6 +15,7 @@ recomputes it later: nothing is dropped.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmq.worker.engine.kv_cache import BlockManager
@@ -112,6 +113,13 @@ class Scheduler:
         # an interactive arrival waiting for every one of its chunks.
         best_waiting = self.waiting[0].priority if self.waiting else None
         deferred: list[Sequence] = []
+
+        def last_running() -> Sequence:
+            victim = self.running.pop()
+            if victim in deferred:
+                deferred.remove(victim)
+            return victim
+
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -126,15 +134,7 @@ class Scheduler:
                     i += 1
                     continue
             num_new = min(num_new, budget)
-            while not bm.allocate(seq, num_new):
-                victim = self.running.pop()
-                if victim in deferred:
-                    deferred.remove(victim)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if self._allocate_or_preempt(seq, num_new, last_running, out):
                 out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
                 if num_new > 1:
@@ -174,18 +174,34 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_budget)
             if num_new < 1:
                 break
-            while not bm.allocate(seq, num_new):
+
+            def last_deferred(seq: Sequence = seq) -> Sequence:
                 victim = deferred.pop() if deferred else seq
                 self.running.remove(victim)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+                return victim
+
+            if self._allocate_or_preempt(seq, num_new, last_deferred, out):
                 out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
                 prefill_budget -= num_new
         return out
+
+    def _allocate_or_preempt(
+        self,
+        seq: Sequence,
+        num_new: int,
+        next_victim: Callable[[], Sequence],
+        out: SchedulerOutput,
+    ) -> bool:
+        """Blocks for ``num_new`` more tokens of ``seq``, preempting ``next_victim()`` (taken
+        out of ``running``) until they fit; False if ``seq`` itself had to go."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = next_victim()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[SequenceUpdate]:
         """Apply one step's results: ``sampled[i]`` is the token drawn for ``out.scheduled[i]``
