@@ -383,6 +383,114 @@ def test_stop_strings_are_trimmed(main, ref):
     assert texts == {0: cfull[: cfull.index(cstop)]} and finish == {0: "stop"}
 
 
+def test_stop_string_options_min_tokens_and_include(main, ref):
+    """Stop strings count from min_tokens on (as EOS and stop_token_ids do), and
+    include_stop_str_in_output ends the text with the stop string."""
+    ids = ref.ids(PROMPT)
+    tokens = ref.greedy([ids], 24)[0]
+    full = ref.text(tokens)
+    c = client(main.base)
+    kw = dict(model=main.model, prompt=PROMPT, max_tokens=24, temperature=0)
+
+    early = full[0]  # hit by the first token without min_tokens
+    r = c.completions.create(**kw, stop=early, extra_body=IGNORE_EOS)
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
+    r = c.completions.create(**kw, stop=early, extra_body={**IGNORE_EOS, "min_tokens": 6})
+    text = r.choices[0].text
+    head = ref.text(tokens[:5])  # what the first 5 tokens make is never searched
+    assert r.usage.completion_tokens >= 6 and full.startswith(text) and len(text) >= len(head)
+    if r.choices[0].finish_reason == "stop":
+        assert full[len(text)] == early
+    else:
+        assert text == full and early not in full[len(head) :]
+
+    stop = _stop_from(full)
+    with_stop = full[: full.index(stop) + len(stop)]
+    include = {**IGNORE_EOS, "include_stop_str_in_output": True}
+    r = c.completions.create(**kw, stop=[stop, "never-seen-xyz"], extra_body=include)
+    assert r.choices[0].text == with_stop and r.choices[0].finish_reason == "stop"
+    texts, finish, _ = completion_stream(
+        c.completions.create(**kw, stop=stop, stream=True, extra_body=include)
+    )
+    assert texts == {0: with_stop} and finish == {0: "stop"}
+
+
+def test_truncate_prompt_tokens_and_continue_final_message(main, ref):
+    c = client(main.base)
+    ids = ref.ids(PROMPT2)
+    assert len(ids) > 6
+    body = dict(model=main.model, prompt=ids, max_tokens=5, temperature=0)
+    r = c.completions.create(**body, extra_body={**IGNORE_EOS, "truncate_prompt_tokens": 4})
+    assert r.usage.prompt_tokens == 4
+    assert r.choices[0].text == ref.text(ref.greedy([ids[-4:]], 5)[0])
+    max_len = int(main.heartbeat()["max_model_len"])
+    long = (ids * (max_len // len(ids) + 1))[: max_len + 10]
+    r = c.completions.create(
+        **{**body, "prompt": long}, extra_body={**IGNORE_EOS, "truncate_prompt_tokens": -1}
+    )
+    assert r.usage.prompt_tokens == max_len - 5 and r.usage.completion_tokens == 5
+
+    # An assistant turn continued, not a new one started.
+    messages = [*MESSAGES, {"role": "assistant", "content": "Redis streams are"}]
+    cont = ref.tok.apply_chat_template(
+        messages, continue_final_message=True, tokenize=True, return_dict=False
+    )
+    extra = {**IGNORE_EOS, "add_generation_prompt": False, "continue_final_message": True}
+    r = c.chat.completions.create(
+        model=main.model, messages=messages, max_tokens=5, temperature=0, extra_body=extra
+    )
+    assert r.usage.prompt_tokens == len(cont)
+    assert r.choices[0].message.content == ref.text(ref.greedy([list(cont)], 5)[0])
+    chat = f"{main.base}/v1/chat/completions"
+    assert_error(
+        httpx.post(chat, json={"messages": messages, "continue_final_message": True}),
+        400,
+        param="continue_final_message",
+    )
+
+
+def test_n_choices_count_once_in_the_metrics_and_seeds_span_64_bits(main):
+    def counters() -> dict[str, float]:
+        text = httpx.get(f"{main.base}/metrics", timeout=10).text
+        out: dict[str, float] = defaultdict(float)
+        for line in text.splitlines():
+            name = line.split("{")[0]
+            if name in ("llmq:prompt_tokens_total", "llmq:request_success_total"):
+                out[name] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    c = client(main.base)
+    before = counters()
+    r = c.chat.completions.create(model=main.model, messages=MESSAGES, max_tokens=3, n=4)
+    after = counters()
+    assert after["llmq:request_success_total"] - before["llmq:request_success_total"] == 1
+    prompt_added = after["llmq:prompt_tokens_total"] - before["llmq:prompt_tokens_total"]
+    assert prompt_added == r.usage.prompt_tokens
+
+    def sample(seed: int, n: int = 1) -> list[str]:
+        body = dict(model=main.model, prompt=PROMPT, max_tokens=12, seed=seed, n=n)
+        r = c.completions.create(**body, extra_body=IGNORE_EOS)
+        return [ch.text for ch in r.choices]
+
+    assert sample(-1) == sample(-1)
+    assert sample(-1) != sample(2**63 - 1)
+    assert sample(-(2**63)) not in sample(2**63 - 1, n=2)
+
+
+def test_a_request_of_more_prompts_than_the_queue_holds_is_served(main):
+    """The queue limit (50 here) refuses a request before its first choice, never half-way
+    through: a client's retry of a late 429 would redo all the work."""
+    base = main.api("queue-3", max_queue=3)
+    main.warm(base)
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"prompt": [[5 + i, 6, 7] for i in range(12)], "max_tokens": 2, **IGNORE_EOS},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert sorted(ch["index"] for ch in r.json()["choices"]) == list(range(12))
+
+
 def test_logprobs_have_the_asked_shape(main, ref):
     c = client(main.base)
     greedy = dict(model=main.model, max_tokens=8, temperature=0, extra_body=IGNORE_EOS)
@@ -554,6 +662,13 @@ def test_400_context_length(main, ref):
         code="context_length_exceeded",
     )
     assert str(max_len) in err["message"]
+    body = {"messages": MESSAGES, "max_completion_tokens": max_len - len(ids) + 1}
+    assert_error(
+        httpx.post(f"{main.base}/v1/chat/completions", json=body),
+        400,
+        param="max_completion_tokens",
+        code="context_length_exceeded",
+    )
     # Exactly at the limit is fine (one token to generate).
     r = httpx.post(
         f"{main.base}/v1/completions",
@@ -632,6 +747,33 @@ def test_400_bad_values(main):
         r = httpx.post(chat, json={"messages": MESSAGES, "max_tokens": 2, **extra}, timeout=60)
         assert r.status_code == 200, r.text
     assert_error(httpx.post(comp, json={"prompt": "x", "suffix": "end"}), 400, param="suffix")
+    for url, extra in ((chat, {"messages": MESSAGES}), (comp, {"prompt": "x"})):
+        for name, value in (
+            ("guided_json", {"type": "object"}),
+            ("guided_choice", ["a", "b"]),
+            ("structured_outputs", {"regex": "a+"}),
+            ("allowed_token_ids", [1, 2]),
+            ("bad_words", ["x"]),
+            ("prompt_logprobs", 0),
+            ("truncate_prompt_tokens", 0),
+        ):
+            assert_error(httpx.post(url, json={**extra, name: value}), 400, param=name)
+    for name, value in (
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "x", "format": "mp3"}),
+        ("best_of", 2),
+        ("echo", True),
+    ):
+        assert_error(httpx.post(chat, json={"messages": MESSAGES, name: value}), 400, param=name)
+    body = {"prompt": "x", "echo": True, "logprobs": 1}
+    assert_error(httpx.post(comp, json=body), 400, param="echo")
+    for role in ("user", "system"):
+        body = {"messages": [{"role": role, "content": None}]}
+        assert_error(httpx.post(chat, json=body), 400, param="messages.0.content")
+    body = {"messages": [{"role": "user"}]}
+    assert_error(httpx.post(chat, json=body), 400, param="messages.0.content")
     # JSON may carry a lone surrogate; it is no text to tokenize.
     headers = {"content-type": "application/json"}
     body = b'{"prompt": "hi \\ud800 x", "max_tokens": 2}'

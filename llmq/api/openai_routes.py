@@ -69,11 +69,23 @@ async def get_model(model_id: str, request: Request) -> dict:
 
 # ---- shared generation core ---------------------------------------------------------------
 @dataclass(slots=True)
+class PromptGroup:
+    """The n choices of one prompt: one request to the metrics, as in vLLM and OpenAI."""
+
+    size: int
+    first_token_at: float = 0.0
+    finished: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
 class Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    group: PromptGroup
     prompt_text: str = ""  # for completions' echo
+    last_token_at: float = 0.0
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
@@ -98,18 +110,34 @@ def _max_tokens(body: SamplingFields, wanted: int | None, prompt_len: int, conte
         raise InvalidRequest(
             f"this model's maximum context length is {context} tokens; you asked for "
             f"{prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} to generate)",
-            "max_tokens",
+            body.max_tokens_field(),
             "context_length_exceeded",
         )
     return wanted
+
+
+def _truncated(body: SamplingFields, prompt_ids: list[int], context: int) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` tokens (-1: as many as leave room for
+    max_tokens, or for one token)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max(1, context - (body.wanted_max_tokens() or 1))
+    return prompt_ids[-keep:]
+
+
+# Choice i of a seeded request samples with its own seed (each reproducible); seeds are taken
+# modulo 2**64, the range of torch's generators.
+_CHOICE_SEED_STRIDE = 0xD1B54A32D192ED03
 
 
 def _choice_params(
     body: SamplingFields, max_tokens: int, logprobs: int | None, i: int, vocab: int
 ) -> SamplingParams:
     params = body.sampling_params(max_tokens, logprobs)
-    if params.seed is not None and i:
-        params.seed += i  # n choices with one seed: different, and each reproducible
+    if params.seed is not None:
+        params.seed = (params.seed + i * _CHOICE_SEED_STRIDE) % (1 << 64)
     if vocab and params.top_k >= vocab:
         params.top_k = 0  # keeps every token: off (and no int64 overflow in the sampler)
     return params
@@ -143,13 +171,21 @@ def _check_tokens(prompt_ids: list[int], vocab: int | None, index: int | None) -
 
 
 async def _submit_all(
-    pipeline: TokenGeneratorPipeline, choices: list[Choice], stop: list[str], timeout: float | None
+    pipeline: TokenGeneratorPipeline, choices: list[Choice], body: SamplingFields
 ) -> list[RequestStream]:
+    """Every choice, or none: a full queue refuses the request before its first choice (a
+    429 after work was done would have a retrying client do it all again)."""
     streams: list[RequestStream] = []
     try:
         for c in choices:
             streams.append(
-                await pipeline.submit(c.prompt_ids, c.params, stop=stop, timeout=timeout)
+                await pipeline.submit(
+                    c.prompt_ids,
+                    c.params,
+                    stop=body.stop_list(),
+                    include_stop=body.include_stop_str_in_output,
+                    queue_limit=not streams,
+                )
             )
     except BaseException:
         for s in streams:
@@ -158,23 +194,18 @@ async def _submit_all(
     return streams
 
 
-def _record(
-    request: Request,
-    model: str,
-    choice: Choice,
-    chunk: GenerationChunk,
-    first_at: list[float],
-    started: float,
-):
+def _record(request: Request, model: str, choice: Choice, chunk: GenerationChunk, started: float):
     metrics = request.app.state.metrics
+    group = choice.group
     now = time.monotonic()
     if chunk.token_ids:
-        if first_at[0] == 0.0:
-            first_at[0] = now
+        if group.first_token_at == 0.0:
+            group.first_token_at = now
             metrics.ttft.labels(model).observe(now - started)
-        elif first_at[1]:
-            metrics.itl.labels(model).observe((now - first_at[1]) / len(chunk.token_ids))
-        first_at[1] = now
+        if choice.last_token_at:
+            gap = now - choice.last_token_at
+            metrics.itl.labels(model).observe(gap / len(chunk.token_ids))
+        choice.last_token_at = now
     choice.text.append(chunk.text)
     choice.token_ids.extend(chunk.token_ids)
     if chunk.logprobs:
@@ -184,12 +215,15 @@ def _record(
         choice.prompt_tokens = chunk.prompt_tokens
         choice.completion_tokens = chunk.completion_tokens
         choice.cached_tokens = chunk.cached_tokens
-        metrics.e2e.labels(model).observe(now - started)
-        metrics.success.labels(model, chunk.finish_reason).inc()
-        metrics.prompt_tokens.labels(model).inc(chunk.prompt_tokens)
-        metrics.generation_tokens.labels(model).inc(chunk.completion_tokens)
         if chunk.queue_time is not None:
             metrics.queue_time.labels(model).observe(chunk.queue_time)
+        group.finished += 1
+        group.completion_tokens += chunk.completion_tokens
+        if group.finished == group.size:  # the prompt's last choice: the request is done
+            metrics.e2e.labels(model).observe(now - started)
+            metrics.success.labels(model, chunk.finish_reason).inc()
+            metrics.prompt_tokens.labels(model).inc(chunk.prompt_tokens)
+            metrics.generation_tokens.labels(model).inc(group.completion_tokens)
 
 
 class ClientDisconnected(LLMQError):
@@ -245,10 +279,9 @@ async def _collect(
     started = time.monotonic()
 
     async def one(stream: RequestStream, choice: Choice) -> None:
-        marks = [0.0, 0.0]
         try:
             async for chunk in stream:
-                _record(request, model, choice, chunk, marks, started)
+                _record(request, model, choice, chunk, started)
         finally:
             await stream.aclose()
 
@@ -326,13 +359,12 @@ def _stream_response(
 
     async def events():
         started = time.monotonic()
-        marks = {c.index: [0.0, 0.0] for c in choices}
         ender = asyncio.ensure_future(_end_at_shutdown(shutdown, streams))
         try:
             for body in first():
                 yield _sse(body)
             async for choice, chunk in _merged(streams, choices):
-                _record(request, model, choice, chunk, marks[choice.index], started)
+                _record(request, model, choice, chunk, started)
                 if chunk.text or chunk.finish_reason is not None or chunk.logprobs:
                     yield _sse(chunk_body(choice, chunk))
             if usage_body is not None:
@@ -386,7 +418,9 @@ def _chat_logprobs(pipeline: TokenGeneratorPipeline, entries: list[dict]) -> dic
 
 def _completion_logprobs(
     pipeline: TokenGeneratorPipeline, entries: list[dict], offset: int
-) -> dict:
+) -> tuple[dict, int]:
+    """The logprobs object, and the text offset after its last token: offsets count each
+    token's own text, streamed or not (a token that ends inside a character counts U+FFFD)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for e in entries:
         text = _token_text(pipeline, e["token_id"])
@@ -395,12 +429,13 @@ def _completion_logprobs(
         top.append({_token_text(pipeline, t): lp for t, lp in e.get("top", [])})
         offsets.append(offset)
         offset += len(text)
-    return {
+    body = {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": offsets,
     }
+    return body, offset
 
 
 # ---- chat ------------------------------------------------------------------------------
@@ -411,14 +446,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     model = pipeline.model
     vocab = _vocab(engine)
     _check_token_ids(body, vocab)
-    prompt_ids = await pipeline.encode_chat(body.template_messages())
+    prompt_ids = await pipeline.encode_chat(body.template_messages(), **body.template_kwargs())
+    prompt_ids = _truncated(body, prompt_ids, engine.max_model_len)
     max_tokens = _max_tokens(body, body.wanted_max_tokens(), len(prompt_ids), engine.max_model_len)
     logprobs = body.wanted_logprobs()
+    group = PromptGroup(body.n)
     choices = [
-        Choice(i, prompt_ids, _choice_params(body, max_tokens, logprobs, i, vocab))
+        Choice(i, prompt_ids, _choice_params(body, max_tokens, logprobs, i, vocab), group)
         for i in range(body.n)
     ]
-    streams = await _submit_metered(request, model, pipeline, choices, body.stop_list())
+    streams = await _submit_metered(request, model, pipeline, choices, body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
 
@@ -489,11 +526,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def _submit_metered(
-    request: Request, model: str, pipeline, choices: list[Choice], stop: list[str]
+    request: Request, model: str, pipeline, choices: list[Choice], body: SamplingFields
 ):
     metrics = request.app.state.metrics
     try:
-        return await _submit_all(pipeline, choices, stop, None)
+        return await _submit_all(pipeline, choices, body)
     except LLMQError as exc:
         metrics.rejected.labels(model, exc.code or exc.type).inc()
         raise
@@ -520,16 +557,20 @@ async def completions(body: CompletionRequest, request: Request):
             _check_tokens(p, vocab, index)
             encoded.append((list(p), pipeline.decode(list(p)) if body.echo else ""))
     logprobs = body.wanted_logprobs()
+    if body.truncate_prompt_tokens is not None:
+        encoded = [
+            (kept, text if len(kept) == len(ids) or not body.echo else pipeline.decode(kept))
+            for ids, text in encoded
+            for kept in [_truncated(body, ids, engine.max_model_len)]
+        ]
     choices: list[Choice] = []
     for ids, text in encoded:
         max_tokens = _max_tokens(body, body.wanted_max_tokens(), len(ids), engine.max_model_len)
+        group = PromptGroup(body.n)
         for j in range(body.n):
-            choices.append(
-                Choice(
-                    len(choices), ids, _choice_params(body, max_tokens, logprobs, j, vocab), text
-                )
-            )
-    streams = await _submit_metered(request, model, pipeline, choices, body.stop_list())
+            params = _choice_params(body, max_tokens, logprobs, j, vocab)
+            choices.append(Choice(len(choices), ids, params, group, text))
+    streams = await _submit_metered(request, model, pipeline, choices, body)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     # Each prompt counted once, however many choices it has (as chat, OpenAI and vLLM count).
@@ -569,8 +610,9 @@ async def completions(body: CompletionRequest, request: Request):
         def chunk_body(choice: Choice, chunk: GenerationChunk) -> dict:
             lp = None
             if logprobs is not None and chunk.logprobs:
-                lp = _completion_logprobs(pipeline, chunk.logprobs, offsets[choice.index])
-            offsets[choice.index] += len(chunk.text)
+                lp, offsets[choice.index] = _completion_logprobs(
+                    pipeline, chunk.logprobs, offsets[choice.index]
+                )
             return envelope(
                 [
                     {
@@ -597,7 +639,7 @@ async def completions(body: CompletionRequest, request: Request):
             {
                 "index": c.index,
                 "text": prefix + "".join(c.text),
-                "logprobs": _completion_logprobs(pipeline, c.logprobs, len(prefix))
+                "logprobs": _completion_logprobs(pipeline, c.logprobs, len(prefix))[0]
                 if logprobs is not None
                 else None,
                 "finish_reason": c.finish_reason,

@@ -56,6 +56,49 @@ class SamplingFields(BaseModel):
         description="Token id (as a string) -> bias in [-100, 100] added to its logit before "
         "sampling; -100 bans a token, 100 all but forces it.",
     )
+    # vLLM's options (documented in the README), out of the OpenAPI schema: a generated
+    # request of OpenAI's fields should not trip over their cross-field rules.
+    include_stop_str_in_output: SkipJsonSchema[bool] = Field(
+        False, description="End the text with the stop string that stopped it (vLLM's option)."
+    )
+    truncate_prompt_tokens: SkipJsonSchema[Annotated[int, Field(ge=-1)] | None] = Field(
+        None,
+        description="Keep only the prompt's last k tokens; -1: as many as leave room for "
+        "max_tokens in the context.",
+    )
+    # vLLM options that change what is generated and that this server does not serve: refused,
+    # not ignored (and left out of the OpenAPI schema).
+    guided_json: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    structured_outputs: SkipJsonSchema[Any] = None
+    allowed_token_ids: SkipJsonSchema[Any] = None
+    bad_words: SkipJsonSchema[Any] = None
+    prompt_logprobs: SkipJsonSchema[Any] = None
+
+    @field_validator(
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "allowed_token_ids",
+        "bad_words",
+        "prompt_logprobs",
+    )
+    @classmethod
+    def _unserved(cls, v, info: ValidationInfo):
+        if v is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be positive (or -1)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -105,10 +148,19 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # The schema asks for content: only an assistant turn may leave it out.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["role", "content"]})
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | SkipJsonSchema[None] = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v, info: ValidationInfo):
+        # Only an assistant turn may come without content (OpenAI: one that called tools).
+        if v is None and info.data.get("role") not in (None, "assistant"):
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -130,6 +182,60 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: SkipJsonSchema[str | dict[str, Any] | None] = None  # before tools: read there
     tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    modalities: SkipJsonSchema[list[str] | None] = None
+    audio: SkipJsonSchema[dict[str, Any] | None] = None
+    best_of: SkipJsonSchema[int | None] = None
+    echo: SkipJsonSchema[bool] = False
+    add_generation_prompt: SkipJsonSchema[bool] = Field(
+        True, description="End the prompt with the assistant turn's opening (vLLM's option)."
+    )
+    continue_final_message: SkipJsonSchema[bool] = Field(
+        False,
+        description="Continue the final (assistant) message instead of starting a new one; "
+        "needs add_generation_prompt: false (vLLM's option).",
+    )
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError(
+                "tool calling is not supported by this server; tool_choice may be 'none' or 'auto'"
+            )
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v):
+        if v and any(m != "text" for m in v):
+            raise ValueError("only the 'text' modality is served")
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v):
+        return _refuse(v, "audio output")
+
+    @field_validator("best_of")
+    @classmethod
+    def _chat_best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("best_of is not supported (every choice is returned: use n)")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _chat_echo(cls, v):
+        return _refuse(v, "echo on chat completions")
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, v, info: ValidationInfo):
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if v and info.data.get("messages") and info.data["messages"][-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+        return v
 
     @field_validator("response_format")
     @classmethod
@@ -168,6 +274,15 @@ class ChatCompletionRequest(SamplingFields):
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def template_kwargs(self) -> dict[str, bool]:
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -187,8 +302,9 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    # Refused unless they ask for nothing (left out of the OpenAPI schema, like chat's).
+    best_of: SkipJsonSchema[int | None] = None
+    suffix: SkipJsonSchema[str | None] = None
 
     @field_validator("best_of")
     @classmethod
@@ -201,6 +317,19 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _no_suffix(cls, v):
         return _refuse(v, "suffix (insertion)")
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v, info: ValidationInfo):
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo with logprobs is not supported (no logprobs for prompt tokens); ask for "
+                "one or the other"
+            )
+        return v
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens if "max_tokens" in self.model_fields_set else 16

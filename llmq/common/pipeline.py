@@ -155,10 +155,9 @@ class TokenGeneratorPipeline:
             try:
                 ids = self.tokenizer.apply_chat_template(
                     messages,
-                    add_generation_prompt=True,
                     tokenize=True,
                     return_dict=False,
-                    **template_kwargs,
+                    **{"add_generation_prompt": True, **template_kwargs},
                 )
             except Exception as exc:  # a template that rejects these messages
                 raise InvalidRequest(
@@ -213,13 +212,17 @@ class TokenGeneratorPipeline:
         params: SamplingParams,
         *,
         stop: list[str] | None = None,
+        include_stop: bool = False,
         request_id: str | None = None,
         priority: int = PRIORITY_INTERACTIVE,
         timeout: float | None = None,
         model: str | None = None,
+        queue_limit: bool = True,
     ) -> RequestStream:
         """Enqueue a request (subscribed to its output first); raises QueueFull when the queue
-        is full. Iterate the returned stream for its output; ``aclose()`` it when done."""
+        is full (``queue_limit``: the later choices of one HTTP request skip the check, so
+        that a request the queue admitted is never refused half-way through).
+        Iterate the returned stream for its output; ``aclose()`` it when done."""
         ctx = submit_context.get()
         if ctx is not None:
             priority, request_id = ctx.priority, ctx.next_id()
@@ -237,22 +240,22 @@ class TokenGeneratorPipeline:
         )
         queue = await self.transport.subscribe(request_id)
         try:
-            entry = await self._enqueue(request, timeout, ctx)
+            entry = await self._enqueue(request, timeout, ctx, queue_limit)
         except BaseException:
             await self.transport.unsubscribe(request_id)
             raise
         if entry is None:
             await self.transport.unsubscribe(request_id)
             raise QueueFull(f"the queue holds {self.max_queue} requests; retry shortly")
-        return RequestStream(self, request, queue, stop or [])
+        return RequestStream(self, request, queue, stop or [], include_stop)
 
     async def _enqueue(
-        self, request: EngineRequest, timeout: float, ctx: SubmitContext | None
+        self, request: EngineRequest, timeout: float, ctx: SubmitContext | None, queue_limit: bool
     ) -> str | None:
         ttl = int(timeout) + self.record_ttl
         if ctx is not None:  # batch lines: bounded by the task's concurrency, not the queue
             return await self.transport.enqueue(request, 0, ttl, attach=True)
-        return await self.transport.enqueue(request, self.max_queue, ttl)
+        return await self.transport.enqueue(request, self.max_queue if queue_limit else 0, ttl)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, **kwargs
@@ -393,7 +396,7 @@ class TokenGeneratorPipeline:
         queue = await self.transport.subscribe(request_id)
         finished = False
         try:
-            entry = await self._enqueue(request, timeout, ctx)
+            entry = await self._enqueue(request, timeout, ctx, True)
             if entry is None:
                 raise QueueFull(f"the queue holds {self.max_queue} requests; retry shortly")
             async for msg in self._messages(request, queue):
@@ -449,11 +452,13 @@ class RequestStream:
         request: EngineRequest,
         queue: asyncio.Queue,
         stop: list[str],
+        include_stop: bool = False,
     ):
         self.pipeline = pipeline
         self.request = request
         self.queue = queue
         self.stop = stop
+        self.include_stop = include_stop
         self.finished = False
         self._closed = False
         self._gen = self._run()
@@ -487,14 +492,16 @@ class RequestStream:
         request = self.request
         num_prompt = len(request.prompt_token_ids)
         detok = IncrementalDetokenizer(self.pipeline.tokenizer)
-        stopper = StopStringMatcher(self.stop)
+        stopper = StopStringMatcher(self.stop, self.include_stop)
         try:
             async for msg in self.pipeline._messages(request, self.queue):
                 delta = detok.add(msg.tokens) if msg.tokens else ""
                 reason = msg.finish_reason
                 if msg.done:
                     delta += detok.flush()
-                text, hit = stopper.feed(delta)
+                # Stop strings count from min_tokens on, as EOS and stop_token_ids do.
+                generated = msg.index + len(msg.tokens)
+                text, hit = stopper.feed(delta, generated >= request.params.min_tokens)
                 if hit:
                     reason = "stop"
                 elif reason is not None:

@@ -43,19 +43,26 @@ class StopStringMatcher:
     """Finds stop strings in streamed text. Holds back the last ``len(longest stop) - 1``
     characters, so a stop string split across deltas is still caught and never shown."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = (
+            include  # the stop string itself ends the text (vLLM's include_stop_str_in_output)
+        )
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.buffer = ""
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was hit)."""
+    def feed(self, delta: str, check: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit). ``check`` False: text
+        before ``min_tokens`` is reached, passed on without looking for stop strings."""
         if not self.stops:
             return delta, False
         self.buffer += delta
-        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        hits = (
+            [(i, -len(s)) for s in self.stops if (i := self.buffer.find(s)) >= 0] if check else []
+        )
         if hits:
-            out = self.buffer[: min(hits)]
+            at, minus_len = min(hits)  # the first stop string, the longest of those there
+            out = self.buffer[: at - minus_len if self.include else at]
             self.buffer = ""
             return out, True
         if len(self.buffer) <= self.hold:

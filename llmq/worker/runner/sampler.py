@@ -30,6 +30,17 @@ class SamplerOutput:
 
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: well-spread per-step seeds
+_MASK64 = (1 << 64) - 1
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A generator seed for a request's ``step``-th token (splitmix64 of the pair). Mixed, not
+    summed: torch's CPU generator keeps only a seed's low 32 bits, so request seeds that
+    differ in their high bits alone would otherwise draw the same tokens."""
+    z = (seed + _SEED_STRIDE * step) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class Sampler:
@@ -109,7 +120,7 @@ class Sampler:
             seed = seq.params.seed
             if seed is not None and not greedy[i]:
                 gen = torch.Generator(device=dev)
-                gen.manual_seed((seed + _SEED_STRIDE * (seq.num_output_tokens + 1)) % (1 << 63))
+                gen.manual_seed(_step_seed(seed, seq.num_output_tokens + 1))
                 u[i] = torch.rand(1, generator=gen, device=dev)
         # right=True: token i wins when cdf[i-1] <= u < cdf[i]; zero-probability tokens never.
         drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
