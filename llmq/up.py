@@ -86,6 +86,10 @@ def _gpu_count() -> int:
         return 0
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
+
+
 def run_up(log_level: str = "INFO") -> int:
     from llmq.common.redis_server import RedisServer
     from llmq.common.settings import publish_embedded_redis
@@ -128,6 +132,10 @@ def run_up(log_level: str = "INFO") -> int:
 
         from llmq.api.app import create_app
 
+        # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default
+        # action (docker stop, systemd, kill) would then end this process before the workers
+        # and the Redis below are stopped. As an exception, it unwinds through `finally`.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         uvicorn.run(
             create_app(settings),
             host=settings.host,

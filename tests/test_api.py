@@ -1280,7 +1280,10 @@ def test_llmq_up_plans_workers_per_gpu_or_two_on_a_cpu():
     ]
 
 
-def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, stop):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the process alone (docker
+    stop, systemd, kill) stop the API, both workers and the embedded Redis."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
     env.update(
@@ -1332,7 +1335,10 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path):
         )
         assert ready.status_code == 200
 
-        os.killpg(up.pid, signal.SIGINT)
+        if stop == "ctrl-c":
+            os.killpg(up.pid, signal.SIGINT)
+        else:
+            up.send_signal(signal.SIGTERM)
         stopping = time.monotonic()
         rc = up.wait(30)
         stopped_in = time.monotonic() - stopping
@@ -1345,7 +1351,8 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path):
             for child in children:
                 with suppress(psutil.Error):
                     child.kill()
-    assert rc == 0, log.read_text()[-4000:]
+    assert rc == (0 if stop == "ctrl-c" else 128 + signal.SIGTERM), log.read_text()[-4000:]
+    assert "llmq: stopped" in log.read_text()
     _, alive = psutil.wait_procs(children, timeout=5)
     left = [p.cmdline() for p in alive]
     for p in alive:
