@@ -1102,6 +1102,25 @@ def test_closing_a_stream_frees_kv_blocks_within_a_second(main):
     assert total - before < 1900
 
 
+def test_disconnected_streams_leave_no_subscription_behind(main):
+    """Clients that drop their streams (curl killed, a browser tab closed) leave the API no
+    output channel to listen to: its subscriptions go back to none."""
+    r = main.redis()
+    out_channels = lambda: r.pubsub_channels(f"{Keys().prefix}:out:*")  # noqa: E731
+    main.wait_idle()
+    assert out_channels() == []
+    body = {"messages": MESSAGES, "max_tokens": 1900, "stream": True, **IGNORE_EOS}
+    for _ in range(5):
+        with httpx.stream("POST", f"{main.base}/v1/chat/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            next(lines)
+        # the connection is closed here, mid-answer
+    wait_for(lambda: out_channels() == [], 3, "no output channel subscribed", 0.05)
+    main.wait_idle()
+
+
 def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_its_blocks(main):
     main.wait_idle()
     time.sleep(1.2)  # one more heartbeat: its token count is current

@@ -10,7 +10,6 @@ arrives for too long.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import itertools
 import logging
@@ -242,10 +241,10 @@ class TokenGeneratorPipeline:
         try:
             entry = await self._enqueue(request, timeout, ctx, queue_limit)
         except BaseException:
-            await self.transport.unsubscribe(request_id)
+            self.transport.release(request_id, cancel=True)  # it may have been enqueued
             raise
         if entry is None:
-            await self.transport.unsubscribe(request_id)
+            self.transport.release(request_id, cancel=False)
             raise QueueFull(f"the queue holds {self.max_queue} requests; retry shortly")
         return RequestStream(self, request, queue, stop or [], include_stop)
 
@@ -411,10 +410,7 @@ class TokenGeneratorPipeline:
                 )
             raise EngineFailure("the embedding request ended without a result")
         finally:
-            if not finished:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self.transport.cancel(request_id))
-            await self.transport.unsubscribe(request_id)
+            self.transport.release(request_id, cancel=not finished)
 
     async def all_tokens(
         self, prompt_token_ids: list[int], params: SamplingParams, **kwargs
@@ -482,11 +478,7 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        transport = self.pipeline.transport
-        if not self.finished:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(transport.cancel(self.request.id))
-        await transport.unsubscribe(self.request.id)
+        self.pipeline.transport.release(self.request.id, cancel=not self.finished)
 
     async def _run(self) -> AsyncIterator[GenerationChunk]:
         request = self.request

@@ -403,6 +403,7 @@ class AsyncTransport:
         self._lock = asyncio.Lock()
         self._closing = False
         self._wake = asyncio.Event()
+        self._releasing: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         if self._listener is None:
@@ -411,6 +412,7 @@ class AsyncTransport:
             self._listener = asyncio.create_task(self._listen(), name="llmq-output-router")
 
     async def close(self) -> None:
+        await self.settle()
         if self._listener is not None:
             # The flag as well as the cancel: redis-py's read timeout can swallow a
             # cancellation (Python 3.11), and the loop then ends on its next turn instead.
@@ -440,20 +442,46 @@ class AsyncTransport:
         event = asyncio.Event()
         self._queues[channel] = queue
         self._subscribed[channel] = event
-        async with self._lock:
-            await self._pubsub.subscribe(channel)
-        self._wake.set()
-        await asyncio.wait_for(event.wait(), timeout)
+        try:
+            async with self._lock:
+                await self._pubsub.subscribe(channel)
+            self._wake.set()
+            await asyncio.wait_for(event.wait(), timeout)
+        except BaseException:
+            self.release(request_id, cancel=False)
+            raise
         return queue
 
-    async def unsubscribe(self, request_id: str) -> None:
+    def release(self, request_id: str, cancel: bool) -> None:
+        """Stop routing a request's output, unsubscribe, and (``cancel``) cancel it on its
+        engine. Not awaited: the Redis calls run in a task of their own, since the caller may
+        sit in a cancelled scope (the client disconnected) where any await raises at once and
+        a subscription left behind would stay for the life of the process."""
         channel = self.keys.out(request_id)
         self._queues.pop(channel, None)
         self._subscribed.pop(channel, None)
+        task = asyncio.get_running_loop().create_task(self._release(request_id, channel, cancel))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release(self, request_id: str, channel: str, cancel: bool) -> None:
+        if cancel:
+            with contextlib.suppress(Exception):
+                await self.cancel(request_id)
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 async with self._lock:
-                    await self._pubsub.unsubscribe(channel)
+                    if channel not in self._queues:  # not subscribed again meanwhile
+                        await self._pubsub.unsubscribe(channel)
+
+    async def settle(self) -> None:
+        """Wait for the releases under way (tests, shutdown)."""
+        while self._releasing:
+            await asyncio.gather(*list(self._releasing), return_exceptions=True)
+
+    def subscriptions(self) -> int:
+        """Output channels this process listens to (one per live request)."""
+        return len(self._pubsub.channels) if self._pubsub is not None else 0
 
     async def _listen(self) -> None:
         backoff = 0.1
