@@ -1267,7 +1267,17 @@ def test_schemathesis_finds_no_5xx(small):
 
 
 def test_503_when_every_worker_is_gone(small):
-    small.worker.terminate()
+    # A request queued when its model's last worker dies gets the 503 once that worker's
+    # heartbeat expires (5 s here), not at its deadline (30 s here).
+    small.wait_idle()
+    os.kill(small.worker.proc.pid, signal.SIGSTOP)  # alive to the API until its heartbeat ends
+    started = time.monotonic()
+    body = {"messages": MESSAGES, "max_tokens": 4}
+    resp = httpx.post(f"{small.base}/v1/chat/completions", json=body, timeout=60)
+    waited = time.monotonic() - started
+    small.worker.kill()
+    assert_error(resp, 503, type="service_unavailable", code="no_worker")
+    assert waited < 12, waited
     assert not small.worker.alive()
     # The model stays known in Redis, but nothing serves it.
     assert small.model.encode() in small.redis().hkeys(Keys().models)

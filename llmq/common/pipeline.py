@@ -288,9 +288,8 @@ class TokenGeneratorPipeline:
             except TimeoutError:
                 msg, state = await self._recover(request, expected)
                 if msg is None:
-                    if (
-                        state == "queued"
-                    ):  # waiting its turn is not inactivity: the deadline bounds it
+                    await self._check_served(request, state)
+                    if state == "queued":  # waiting its turn is not inactivity
                         last_activity = time.monotonic()
                     elif time.monotonic() - last_activity > self.inactivity_timeout:
                         raise DeadlineExceeded(
@@ -320,6 +319,18 @@ class TokenGeneratorPipeline:
                 yield m
                 if m.done:
                     return
+
+    async def _check_served(self, request: EngineRequest, state: str | None) -> None:
+        """An interactive request whose model's last worker is gone (its heartbeat expired)
+        ends as a new one would be refused, not at its deadline: nobody will take it over. A
+        batch line waits for a worker to come back instead."""
+        if request.priority != PRIORITY_INTERACTIVE or state in (_UNAVAILABLE, "finished"):
+            return
+        if not any(e.model == request.model for e in await self.engines()):
+            raise Unavailable(
+                f"no worker is serving {request.model!r} any more; the request was cancelled, "
+                "retry shortly"
+            )
 
     async def _fill_gap(self, request: EngineRequest, expected: int, upto: int) -> OutputMessage:
         """Tokens [expected, upto) from the request's record. Retried while Redis is
