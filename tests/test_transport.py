@@ -315,3 +315,36 @@ def test_redis_restart_with_queued_requests(llama_dir, reference, tmp_path):
             assert worker.alive()
         finally:
             worker.terminate()
+
+
+def test_requests_right_after_a_redis_restart_succeed(llama_dir, tmp_path):
+    """The API's pooled connections die with a Redis restart; the first requests after it
+    retry on fresh ones instead of answering 503."""
+    import httpx
+
+    from tests.harness import start_api, wait_worker
+
+    with RedisServer(appendonly=True) as server:
+        worker = start_worker(server.url, llama_dir, "w-rr", tmp_path)
+        api, base = start_api(server.url, llama_dir, tmp_path, "api-rr")
+        try:
+            wait_worker(server.url, "w-rr", worker)
+            body = {"prompt": "hello", "max_tokens": 2}
+
+            async def burst() -> list[int]:
+                async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                    rs = await asyncio.gather(
+                        *(c.post("/v1/completions", json=body) for _ in range(16))
+                    )
+                return [r.status_code for r in rs]
+
+            assert asyncio.run(burst()) == [200] * 16  # the pool now holds idle connections
+            server.restart()
+            r = redis.Redis.from_url(server.url)
+            wait_for(lambda: heartbeat(server.url, "w-rr"), 20, "the worker back", 0.1)
+            wait_for(lambda: r.xinfo_groups(stream_of(llama_dir)), 20, "its group back", 0.1)
+            assert asyncio.run(burst()) == [200] * 16
+            assert "redis unavailable" not in api.log(100_000)
+        finally:
+            api.terminate()
+            worker.terminate()

@@ -17,7 +17,7 @@ from llmq.api.models import ModelRegistry
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import Store
-from llmq.common.transport import AsyncTransport, Keys
+from llmq.common.transport import AsyncTransport, Keys, async_redis_options
 
 log = logging.getLogger("llmq.api")
 
@@ -79,8 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.redis_url_or_default(),
             max_connections=settings.redis_max_connections,
             timeout=10,
-            socket_connect_timeout=5,
-            health_check_interval=10,
+            **async_redis_options(),
         )
         client = aioredis.Redis(connection_pool=pool)
         transport = AsyncTransport(client, Keys(settings.key_prefix))

@@ -27,6 +27,26 @@ import redis.asyncio as aioredis
 
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
 
+
+def async_redis_options() -> dict:
+    """Connection options of every asyncio Redis client: a command that meets a dead pooled
+    connection (Redis restarted) retries on a fresh one instead of failing the request. Under
+    uvloop (uvicorn's loop) writing to a socket the peer closed raises RuntimeError, not
+    redis-py's ConnectionError. Redis 8's maintenance notifications stay off: on a reconnect to
+    an older Redis the refusal of CLIENT MAINT_NOTIFICATIONS reached a request as an error."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    return {
+        "socket_connect_timeout": 5,
+        "health_check_interval": 10,
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError, RuntimeError],
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+    }
+
+
 log = logging.getLogger(__name__)
 
 GROUP = "engines"

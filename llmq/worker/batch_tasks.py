@@ -24,7 +24,7 @@ from llmq.common.pipeline import SubmitContext, submit_context
 from llmq.common.protocol import PRIORITY_BATCH
 from llmq.common.settings import get_settings
 from llmq.common.store import FINAL_STATES, Store
-from llmq.common.transport import Keys
+from llmq.common.transport import Keys, async_redis_options
 from llmq.worker.celery_app import BATCH_QUEUE, app
 
 log = logging.getLogger("llmq.batch")
@@ -57,7 +57,7 @@ class BatchRun:
         import redis.asyncio as aioredis
 
         settings = self.settings
-        client = aioredis.Redis.from_url(settings.redis_url_or_default())
+        client = aioredis.Redis.from_url(settings.redis_url_or_default(), **async_redis_options())
         self.store = Store(client, Keys(settings.key_prefix))
         try:
             if not await self.store.acquire_lease(self.batch_id, self.owner, LEASE_TTL):
@@ -382,7 +382,7 @@ def supervise(stop: threading.Event, interval: float = 5.0) -> None:
 
     async def loop() -> None:
         settings = get_settings()
-        client = aioredis.Redis.from_url(settings.redis_url_or_default())
+        client = aioredis.Redis.from_url(settings.redis_url_or_default(), **async_redis_options())
         store = Store(client, Keys(settings.key_prefix))
         try:
             while not stop.is_set():
