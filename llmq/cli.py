@@ -150,7 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmq", description="OpenAI-compatible LLM serving on Celery and Redis."
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="logging level (default INFO)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -223,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="poll until done, then download")
     p.add_argument(
         "--endpoint",
-        default="/v1/chat/completions",
         choices=["/v1/chat/completions", "/v1/completions", "/v1/embeddings"],
+        help="the batch's endpoint (default: the url of the file's first line)",
     )
     p.add_argument("--base-url", help="API URL (default http://LLMQ_HOST:LLMQ_PORT)")
     p.add_argument("--api-key", help="API key (LLMQ_API_KEY)")
@@ -262,15 +268,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args) or 0
-    except (OSError, redis_errors()) as exc:  # a missing file, a Redis not there: one line
-        print(f"llmq {args.command}: {exc}", file=sys.stderr)
+    except operator_errors() as exc:  # a missing file, a Redis or API not there, a bad value
+        print(f"llmq {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `llmq inspect | head`
+        sys.stderr.close()
+        return 0
 
 
-def redis_errors() -> type[Exception]:
+def operator_errors() -> tuple[type[Exception], ...]:
+    import httpx
+    import pydantic
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    return RedisConnectionError
+    return (
+        OSError,
+        RedisConnectionError,
+        httpx.TransportError,
+        pydantic.ValidationError,
+        ValueError,
+    )
+
+
+def _one_line(exc: Exception) -> str:
+    import httpx
+    import pydantic
+
+    if isinstance(exc, pydantic.ValidationError):  # a bad LLMQ_ variable
+        return "; ".join(
+            f"LLMQ_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+    if isinstance(exc, httpx.TransportError):
+        return (
+            f"cannot reach {exc.request.url}: {exc}" if exc.__dict__.get("_request") else str(exc)
+        )
+    return str(exc) or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -606,6 +606,37 @@ def test_batch_submit_cli_waits_and_writes_output(main, tmp_path):
     assert len(bad) == 1 and bad[0]["response"]["status_code"] == 400
 
 
+def test_batch_submit_cli_takes_the_endpoint_from_the_file_and_fails_when_every_line_does(
+    main, tmp_path
+):
+    env = base_env(main.redis_url, main.model)
+    comp = tmp_path / "comp.jsonl"
+    body = {"model": main.model, "prompt": "hi", "max_tokens": 2, **GREEDY}
+    comp.write_text(line("c0", "/v1/completions", body) + "\n")
+    argv = [LLMQ, "batch", "submit", "--wait", "--base-url", main.base]
+    proc = subprocess.run([*argv, str(comp)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "completed: 1 completed, 0 failed" in proc.stdout, proc.stdout
+    rows = [json.loads(x) for x in (tmp_path / "comp.output.jsonl").read_text().splitlines()]
+    assert rows[0]["response"]["body"]["object"] == "text_completion"
+    # Every line failed: no success to a script.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{broken\n" + line("c1", "/v1/completions", {"prompt": ""}) + "\n")
+    proc = subprocess.run([*argv, str(bad)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "0 completed, 2 failed" in proc.stdout, proc.stdout
+    # No API there: one line, no traceback.
+    proc = subprocess.run(
+        [LLMQ, "batch", "submit", str(comp), "--base-url", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("llmq batch: cannot reach http://127.0.0.1:9/"), proc.stderr
+
+
 # ---- 4. a worker killed mid-batch (last: it replaces the shared worker) --------------------
 def test_batch_survives_killed_worker(main):
     client = main.client()

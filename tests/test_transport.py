@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import subprocess
 import time
@@ -348,3 +349,20 @@ def test_requests_right_after_a_redis_restart_succeed(llama_dir, tmp_path):
         finally:
             api.terminate()
             worker.terminate()
+
+
+def test_operator_mistakes_get_one_line_errors(tmp_path):
+    """A bad URL, port or setting is one line naming it and exit code 1, not a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
+    cases = [
+        ([LLMQ, "inspect", "--redis-url", "notaurl"], {}, "llmq inspect: Redis URL must"),
+        ([LLMQ, "api", "--port", "99999"], {}, "llmq api: LLMQ_PORT: Input should be less"),
+        ([LLMQ, "api"], {"LLMQ_PORT": "abc"}, "llmq api: LLMQ_PORT: Input should be a valid"),
+        ([LLMQ, "batch", "submit", str(tmp_path / "none.jsonl")], {}, "llmq batch: [Errno 2]"),
+    ]
+    for argv, extra, expected in cases:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, env={**env, **extra}, cwd=tmp_path
+        )
+        assert proc.returncode == 1, (argv, proc.stderr)
+        assert proc.stderr.startswith(expected) and proc.stderr.count("\n") == 1, proc.stderr

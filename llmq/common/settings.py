@@ -121,7 +121,7 @@ class Settings(BaseSettings):
 
     # API
     host: str = Field("127.0.0.1", description="Address the API binds to.")
-    port: int = Field(8000, description="Port the API listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the API listens on.")
     api_key: str | None = Field(None, description="Bearer token clients must send; unset: no auth.")
     max_queue: int = Field(
         1024, description="Requests waiting in the queue beyond which the API answers 429."
@@ -146,7 +146,7 @@ class Settings(BaseSettings):
     )
 
     # Flower
-    flower_port: int = Field(5555, description="Port `llmq flower` listens on.")
+    flower_port: int = Field(5555, ge=1, le=65535, description="Port `llmq flower` listens on.")
     flower_host: str = Field("127.0.0.1", description="Address `llmq flower` binds to.")
     flower_user: str = Field("admin", description="Flower basic-auth user.")
     flower_password: str | None = Field(
