@@ -366,6 +366,12 @@ def test_cancel_running_batch_keeps_finished_lines(main):
     assert_output_lines(rows, ids, "chat.completion")
     for r in rows:
         assert r["response"]["body"]["usage"]["completion_tokens"] == 32
+    # As OpenAI: the lines that never ran are in the error file, every custom_id exactly once.
+    unrun = jsonl(client, done.error_file_id)
+    assert all(r["response"] is None and r["error"]["code"] == "batch_cancelled" for r in unrun), (
+        unrun[:3]
+    )
+    assert sorted(r["custom_id"] for r in rows + unrun) == sorted(f"c{i}" for i in range(n))
     # Its lines in flight were cancelled on the engine too.
     main.wait_idle(20)
     # Cancelling it again changes nothing.
@@ -409,6 +415,38 @@ def test_cancel_landing_after_the_last_line_ends_cancelled(main):
     assert done["status"] == "cancelled", done
     assert done["cancelled_at"] and done["request_counts"]["completed"] == 1
     assert [json.loads(r)["custom_id"] for r in rows] == ["a"]
+
+
+def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error_file(main):
+    """Driven in-process on a key prefix no worker watches: a batch whose window has passed
+    ends expired, and every line it did not run is in the error file as batch_expired."""
+    import redis.asyncio as aioredis
+
+    from llmq.common.store import Store
+    from llmq.worker.batch_tasks import BatchRun
+
+    async def run() -> tuple[dict, list[dict]]:
+        client = aioredis.Redis.from_url(main.redis_url)
+        store = Store(client, Keys("llmqexpiry"))
+        try:
+            content = "\n".join(chat_lines(main.model, 3, 4, "x")).encode()
+            f = await store.create_file("in.jsonl", "batch", content)
+            batch = await store.create_batch(f["id"], "/v1/chat/completions", "24h", None)
+            bid = batch["id"]
+            await store.update_batch(bid, expires_at=int(time.time()) - 1)
+            task = BatchRun(bid)
+            task.store = store
+            await task._run()
+            done = await store.get_batch(bid)
+            errors = await store.file_content(done["error_file_id"])
+            return done, [json.loads(x) for x in errors.decode().splitlines()]
+        finally:
+            await client.aclose()
+
+    done, rows = asyncio.run(run())
+    assert done["status"] == "expired" and done["expired_at"], done
+    assert [r["custom_id"] for r in rows] == ["x0", "x1", "x2"]
+    assert all(r["response"] is None and r["error"]["code"] == "batch_expired" for r in rows)
 
 
 def test_background_loops_end_when_their_cancel_is_lost():

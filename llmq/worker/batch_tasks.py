@@ -51,6 +51,7 @@ class BatchRun:
         self.settings = get_settings()
         self.owner = f"{getattr(getattr(task, 'request', None), 'id', None) or 'local'}:{uuid.uuid4().hex[:8]}"
         self.total = 0
+        self.expires_at: float | None = None
         self._last_progress = 0.0
 
     async def run(self) -> dict:
@@ -95,8 +96,10 @@ class BatchRun:
             return {"batch": self.batch_id, "skipped": "no such batch"}
         if batch["status"] in FINAL_STATES:
             return {"batch": self.batch_id, "status": batch["status"]}
-        if batch["expires_at"] and time.time() > batch["expires_at"]:
-            await self._finalize("expired", ("validating", "in_progress", "finalizing"))
+        self.expires_at = batch["expires_at"]
+        if self._expired():
+            lines = await self._lines(batch, quiet=True) or []
+            await self._finalize("expired", ("validating", "in_progress", "finalizing"), lines)
             return {"batch": self.batch_id, "status": "expired"}
         lines = await self._lines(batch)
         if lines is None:
@@ -109,14 +112,20 @@ class BatchRun:
             await self._run_lines(batch, lines)
         status = await store.status(self.batch_id)
         if status == "cancelling":
-            await self._finalize("cancelled", ("cancelling",))
+            await self._finalize("cancelled", ("cancelling",), lines)
+        elif status in ("in_progress", "finalizing") and self._expired():
+            await self._finalize("expired", ("in_progress", "finalizing"), lines)
         elif status in ("in_progress", "finalizing"):
-            await self._finalize("completed", ("in_progress", "finalizing"))
+            await self._finalize("completed", ("in_progress", "finalizing"), lines)
         final = await store.get_batch(self.batch_id)
         return {"batch": self.batch_id, "status": final["status"], **final["request_counts"]}
 
-    async def _lines(self, batch: dict) -> list[tuple[int, str]] | None:
-        """The input file's non-empty lines; None (and the batch failed) when it is not JSONL."""
+    def _expired(self) -> bool:
+        return bool(self.expires_at) and time.time() > self.expires_at
+
+    async def _lines(self, batch: dict, quiet: bool = False) -> list[tuple[int, str]] | None:
+        """The input file's non-empty lines; None (and, unless ``quiet``, the batch failed)
+        when it is not JSONL."""
         content = await self.store.file_content(batch["input_file_id"])
         errors = []
         if content is None:
@@ -129,7 +138,7 @@ class BatchRun:
             )
             lines = []
         else:
-            text = content.decode("utf-8", errors="replace")
+            text = content.decode("utf-8-sig", errors="replace")  # a BOM is no part of line 1
             lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
             if not lines:
                 errors.append(
@@ -163,10 +172,11 @@ class BatchRun:
                     }
                 )
         if errors:
-            await self.store.update_batch(
-                self.batch_id, errors={"object": "list", "data": errors[:100]}
-            )
-            await self._finalize("failed", ("validating",))
+            if not quiet:
+                await self.store.update_batch(
+                    self.batch_id, errors={"object": "list", "data": errors[:100]}
+                )
+                await self._finalize("failed", ("validating",))
             return None
         return lines
 
@@ -216,8 +226,8 @@ class BatchRun:
             if lines_over.is_set():
                 return
             with contextlib.suppress(Exception):
-                if await self.store.status(self.batch_id) != "in_progress":
-                    cancelled.set()
+                if await self.store.status(self.batch_id) != "in_progress" or self._expired():
+                    cancelled.set()  # the lines not started yet stay unrun
                     return
             await self._progress()
 
@@ -291,6 +301,19 @@ class BatchRun:
         }
         await self.store.record_line(self.batch_id, n, out, ok)
 
+    def _unrun(self, line: str, final: str) -> dict:
+        """The error-file row of a line that never ran: no response, OpenAI's error code."""
+        why = "cancelled" if final == "cancelled" else "past its completion window"
+        return {
+            "id": f"batch_req_{uuid.uuid4().hex}",
+            "custom_id": _custom_id(line),
+            "response": None,
+            "error": {
+                "code": f"batch_{final}",
+                "message": f"the batch was {why} before this request ran",
+            },
+        }
+
     async def _progress(self, force: bool = False) -> None:
         """Report (done, failed, total) to Celery: Flower shows it, as does the batch object."""
         now = time.monotonic()
@@ -311,7 +334,9 @@ class BatchRun:
             self.task.update_state(state="PROGRESS", meta=meta)
             self.task.send_event("task-progress", **meta)
 
-    async def _finalize(self, final: str, allowed_from: tuple[str, ...]) -> None:
+    async def _finalize(
+        self, final: str, allowed_from: tuple[str, ...], lines: list[tuple[int, str]] = ()
+    ) -> None:
         store = self.store
         if final != "failed":
             moved = await store.transition(self.batch_id, "finalizing", ("in_progress",))
@@ -330,6 +355,8 @@ class BatchRun:
             bad = [
                 results[n] for n in sorted(results) if results[n]["response"]["status_code"] != 200
             ]
+            if final in ("cancelled", "expired"):  # as OpenAI: every custom_id in one file
+                bad += [self._unrun(line, final) for n, line in lines if n not in results]
             fields = {}
             if ok:
                 f = await store.create_file(
@@ -347,6 +374,13 @@ class BatchRun:
         await store.transition(self.batch_id, final, allowed_from)
         await self._progress(force=True)
         log.info("batch %s %s", self.batch_id, final)
+
+
+def _custom_id(line: str) -> str | None:
+    with contextlib.suppress(ValueError, AttributeError):
+        cid = json.loads(line).get("custom_id")
+        return cid if isinstance(cid, str) else None
+    return None
 
 
 def _jsonl(rows: list[dict]) -> bytes:
