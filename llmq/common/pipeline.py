@@ -288,10 +288,16 @@ class TokenGeneratorPipeline:
             except TimeoutError:
                 msg, state = await self._recover(request, expected)
                 if msg is None:
-                    await self._check_served(request, state)
-                    if state == "queued":  # waiting its turn is not inactivity
+                    served = await self._served(request, state)
+                    if state == "queued" and served:  # waiting its turn is not inactivity
                         last_activity = time.monotonic()
                     elif time.monotonic() - last_activity > self.inactivity_timeout:
+                        if not served:
+                            raise Unavailable(
+                                f"no worker has served {request.model!r} for "
+                                f"{self.inactivity_timeout:.0f}s; the request was cancelled, "
+                                "retry shortly"
+                            ) from None
                         raise DeadlineExceeded(
                             f"no output for {self.inactivity_timeout:.0f}s; the request was cancelled",
                             code="inactivity_timeout",
@@ -320,17 +326,14 @@ class TokenGeneratorPipeline:
                 if m.done:
                     return
 
-    async def _check_served(self, request: EngineRequest, state: str | None) -> None:
-        """An interactive request whose model's last worker is gone (its heartbeat expired)
-        ends as a new one would be refused, not at its deadline: nobody will take it over. A
-        batch line waits for a worker to come back instead."""
+    async def _served(self, request: EngineRequest, state: str | None) -> bool:
+        """Whether a live worker serves the request's model. An interactive request queued
+        with none ends after inactivity_timeout with the 503 a new request gets, not at its
+        deadline (a worker that restarts within it takes the request over). A batch line
+        waits for a worker however long it takes."""
         if request.priority != PRIORITY_INTERACTIVE or state in (_UNAVAILABLE, "finished"):
-            return
-        if not any(e.model == request.model for e in await self.engines()):
-            raise Unavailable(
-                f"no worker is serving {request.model!r} any more; the request was cancelled, "
-                "retry shortly"
-            )
+            return True
+        return any(e.model == request.model for e in await self.engines())
 
     async def _fill_gap(self, request: EngineRequest, expected: int, upto: int) -> OutputMessage:
         """Tokens [expected, upto) from the request's record. Retried while Redis is

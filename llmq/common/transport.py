@@ -463,8 +463,17 @@ class AsyncTransport:
         self._queues[channel] = queue
         self._subscribed[channel] = event
         try:
-            async with self._lock:
-                await self._pubsub.subscribe(channel)
+            for attempt in range(5):
+                try:
+                    async with self._lock:
+                        await self._pubsub.subscribe(channel)
+                    break
+                except (redis.ConnectionError, redis.TimeoutError, RuntimeError):
+                    # Redis restarted: the listener reconnects the pub/sub connection (and
+                    # resubscribes) while this write races it; try again shortly.
+                    if attempt == 4:
+                        raise
+                    await asyncio.sleep(0.1 * 2**attempt)
             self._wake.set()
             await asyncio.wait_for(event.wait(), timeout)
         except BaseException:
