@@ -615,6 +615,31 @@ def test_flower_lists_worker_and_batch_task(main):
         flower.terminate(10)
 
 
+def test_files_list_pages_filters_and_orders(main):
+    """Pages by limit and after over every file, filtered by purpose before paging, newest or
+    oldest first."""
+    client = main.client()
+    mine = [client.files.create(file=(f"u{i}.txt", b"x"), purpose="user_data").id for i in range(5)]
+    client.files.create(file=("b.jsonl", b"{}\n"), purpose="batch")  # newer, other purpose
+    pages, after = [], None
+    while True:
+        kw = {"after": after} if after else {}
+        page = client.files.list(purpose="user_data", limit=2, **kw)
+        pages.append([f.id for f in page.data])
+        if not page.has_more:
+            break
+        after = page.data[-1].id
+    assert [i for p in pages for i in p][:5] == mine[::-1] and len(pages[0]) == 2
+    r = httpx.get(f"{main.base}/v1/files", params={"purpose": "user_data", "order": "asc"})
+    assert [f["id"] for f in r.json()["data"]][-5:] == mine
+    r = httpx.get(f"{main.base}/v1/files", params={"order": "sideways"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "order"
+    r = httpx.post(
+        f"{main.base}/v1/files", files={"file": ("x", b"x")}, data={"purpose": "batch_output"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+
+
 # ---- 7. `llmq batch submit --wait` ---------------------------------------------------------
 def test_batch_submit_cli_waits_and_writes_output(main, tmp_path):
     n = 8

@@ -15,7 +15,7 @@ from llmq.common.store import BATCH_ENDPOINTS, Store
 
 router = APIRouter()
 
-FILE_PURPOSES = ("batch", "batch_output", "fine-tune", "assistants", "user_data", "evals")
+FILE_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")  # OpenAI's
 
 
 def _store(request: Request) -> Store:
@@ -44,18 +44,15 @@ async def list_files(
     purpose: str | None = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+    order: Literal["asc", "desc"] = "desc",
 ) -> dict:
-    files = await _store(request).list_files(purpose)  # newest first
-    if after is not None:
-        ids = [f["id"] for f in files]
-        files = files[ids.index(after) + 1 :] if after in ids else []
-    page = files[:limit]
+    page, more = await _store(request).list_files(purpose, after, limit, order == "desc")
     return {
         "object": "list",
         "data": page,
         "first_id": page[0]["id"] if page else None,
         "last_id": page[-1]["id"] if page else None,
-        "has_more": len(files) > limit,
+        "has_more": more,
     }
 
 

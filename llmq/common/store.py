@@ -93,21 +93,43 @@ class Store:
         return obj
 
     async def get_file(self, file_id: str) -> dict | None:
-        raw = await self.r.hgetall(self.keys.file(file_id))
-        if not raw:
-            return None
-        obj: dict[str, Any] = {_str(k): _str(v) for k, v in raw.items()}
-        obj["bytes"] = int(obj["bytes"])
-        obj["created_at"] = int(obj["created_at"])
-        return obj
+        return _file_obj(await self.r.hgetall(self.keys.file(file_id)))
 
     async def file_content(self, file_id: str) -> bytes | None:
         return await self.r.get(self.keys.file_content(file_id))
 
-    async def list_files(self, purpose: str | None = None, limit: int = 10000) -> list[dict]:
-        ids = [_str(i) for i in await self.r.zrevrange(self.keys.files_index, 0, limit - 1)]
-        files = [await self.get_file(i) for i in ids]
-        return [f for f in files if f and (purpose is None or f["purpose"] == purpose)]
+    async def list_files(
+        self,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = 10000,
+        newest_first: bool = True,
+    ) -> tuple[list[dict], bool]:
+        """A page of files after the id ``after`` (of ``purpose``, if given), and whether more
+        follow. Reads the index a chunk at a time, each chunk's files in one round trip."""
+        index = self.keys.files_index
+        start = 0
+        if after is not None:
+            rank = await (self.r.zrevrank if newest_first else self.r.zrank)(index, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        read = self.r.zrevrange if newest_first else self.r.zrange
+        chunk = min(max(limit + 1, 100), 1000)
+        page: list[dict] = []
+        while len(page) <= limit:
+            ids = [_str(i) for i in await read(index, start, start + chunk - 1)]
+            if not ids:
+                break
+            start += len(ids)
+            pipe = self.r.pipeline(transaction=False)
+            for i in ids:
+                pipe.hgetall(self.keys.file(i))
+            for raw in await pipe.execute():
+                f = _file_obj(raw)
+                if f is not None and (purpose is None or f["purpose"] == purpose):
+                    page.append(f)
+        return page[:limit], len(page) > limit
 
     async def delete_file(self, file_id: str) -> bool:
         pipe = self.r.pipeline(transaction=True)
@@ -220,6 +242,15 @@ class Store:
     async def lease_holder(self, batch_id: str) -> str | None:
         raw = await self.r.get(self.keys.batch_lease(batch_id))
         return _str(raw) if raw is not None else None
+
+
+def _file_obj(raw: dict) -> dict | None:
+    if not raw:
+        return None
+    obj: dict[str, Any] = {_str(k): _str(v) for k, v in raw.items()}
+    obj["bytes"] = int(obj["bytes"])
+    obj["created_at"] = int(obj["created_at"])
+    return obj
 
 
 def _window_seconds(window: str) -> int:
