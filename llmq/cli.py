@@ -197,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "up",
-        help="run everything: an embedded Redis (unless LLMQ_REDIS_URL), one worker, the API",
-        description="Starts a real Redis on loopback unless LLMQ_REDIS_URL is set, one worker "
-        "and the API; Ctrl-C stops all of them.",
+        help="run everything: an embedded Redis (unless LLMQ_REDIS_URL), the workers, the API",
+        description="Starts a real Redis on loopback unless LLMQ_REDIS_URL is set, the workers "
+        "(one per GPU; on a CPU two, or LLMQ_WORKERS) and the API; Ctrl-C or SIGTERM stops all "
+        "of them.",
     )
     p.add_argument("--host", help="API bind address (LLMQ_HOST)")
     p.add_argument("--port", type=int, help="API port (LLMQ_PORT, default 8000)")

@@ -205,7 +205,8 @@ class EngineLoop:
         fresh = [p for p in pulled if p.request is None or p.request.id not in self.active]
         for p in fresh:
             if p.deliveries > self.max_deliveries:
-                log.error("request %s delivered %d times; dead-lettered", p.entry_id, p.deliveries)
+                rid = p.request.id if p.request is not None else f"entry {p.entry_id}"
+                log.error("request %s delivered %d times; dead-lettered", rid, p.deliveries)
                 self.transport.dead_letter(p, f"delivered {p.deliveries} times without finishing")
         self._admit([p for p in fresh if p.deliveries <= self.max_deliveries])
 
@@ -252,6 +253,12 @@ class EngineLoop:
         msg = self.backend.abort(request_id)
         if active is None or msg is None:
             return
+        if reason is None:  # an error says why itself; a cancel is logged here
+            log.info(
+                "request %s cancelled (its client left or a stop string ended it) after %.1fs",
+                request_id,
+                time.time() - active.started,
+            )
         msg.error = reason
         self._publish([Emission(request_id, active.entry_id, msg)])
 
