@@ -366,3 +366,31 @@ def test_operator_mistakes_get_one_line_errors(tmp_path):
         )
         assert proc.returncode == 1, (argv, proc.stderr)
         assert proc.stderr.startswith(expected) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_gap_is_filled_with_its_logprobs(llama_dir):
+    """Tokens a client missed (published while it was not subscribed: a Redis restart, a
+    pub/sub gap) come back from the request's record with their logprobs."""
+    from llmq.common.protocol import EngineRequest, OutputMessage
+    from llmq.common.transport import Emission, EngineTransport
+
+    with RedisServer() as server:
+
+        async def run():
+            async with open_pipeline(server.url, llama_dir) as p:
+                engine = EngineTransport(redis.Redis.from_url(server.url), Keys(), "w", "m", 60)
+                params = SamplingParams(max_tokens=3, logprobs=1)
+                asked = EngineRequest(id="gap", prompt_token_ids=[1, 2], params=params)
+                lps = [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in (5, 6)]
+                msg = OutputMessage(index=0, tokens=[5, 6], logprobs=lps)
+                engine.emit([Emission("gap", "0-1", msg)])  # nobody subscribed: missed
+                whole, _ = await p._recover(asked, 0)
+                tail, _ = await p._recover(asked, 1)
+                plain = EngineRequest(id="gap", prompt_token_ids=[1, 2])
+                none, _ = await p._recover(plain, 0)
+                return whole, tail, none
+
+        whole, tail, none = asyncio.run(run())
+    assert whole.tokens == [5, 6] and [e["token_id"] for e in whole.logprobs] == [5, 6]
+    assert tail.tokens == [6] and [e["token_id"] for e in tail.logprobs] == [6]
+    assert none.tokens == [5, 6] and none.logprobs is None

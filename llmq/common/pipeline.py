@@ -357,7 +357,8 @@ class TokenGeneratorPipeline:
         restarted, a pub/sub gap), or its end. Also returns its state (``_UNAVAILABLE`` when
         Redis could not be read)."""
         try:
-            state, tokens = await self.transport.request_state(request.id)
+            wants_logprobs = request.params.logprobs is not None
+            state, tokens, logprobs = await self.transport.request_state(request.id, wants_logprobs)
         except Exception as exc:
             log.debug("request state unavailable: %s", exc)
             return None, _UNAVAILABLE
@@ -372,6 +373,7 @@ class TokenGeneratorPipeline:
         return OutputMessage(
             index=expected,
             tokens=tokens[expected:],
+            logprobs=logprobs[expected : len(tokens)] if wants_logprobs else None,
             finish_reason=(state.get("finish_reason") or "stop") if done else None,
             usage={"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": len(tokens)}
             if done

@@ -77,6 +77,10 @@ class Keys:
     def tokens(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}:tokens"
 
+    def logprobs(self, request_id: str) -> str:
+        """Beside the tokens, for requests that asked for logprobs: one JSON entry a token."""
+        return f"{self.prefix}:req:{request_id}:logprobs"
+
     def engine(self, worker: str) -> str:
         return f"{self.prefix}:engines:{worker}"
 
@@ -308,6 +312,9 @@ class EngineTransport:
                 # EVAL, not a registered script: in a pipeline redis-py checks SCRIPT EXISTS
                 # first, a second round trip every step. Redis caches the compiled body.
                 pipe.eval(_RECORD, 1, self.keys.tokens(rid), msg.index, *msg.tokens)
+                if msg.logprobs:  # so that a client that missed them gets them back too
+                    entries = [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
+                    pipe.eval(_RECORD, 1, self.keys.logprobs(rid), msg.index, *entries)
             pipe.publish(self.keys.out(rid), msg.to_json())
             if msg.done:
                 self._finish(pipe, rid, e.entry_id, msg, now)
@@ -321,6 +328,7 @@ class EngineTransport:
         pipe.hset(self.keys.req(request_id), mapping=mapping)
         pipe.expire(self.keys.req(request_id), self.request_ttl)
         pipe.expire(self.keys.tokens(request_id), self.request_ttl)
+        pipe.expire(self.keys.logprobs(request_id), self.request_ttl)
         pipe.xack(self.stream, GROUP, entry_id)
         pipe.xdel(self.stream, entry_id)
 
@@ -569,12 +577,21 @@ class AsyncTransport:
     async def cancel(self, request_id: str) -> None:
         await self._cancel(keys=[self.keys.req(request_id), self.keys.cancel], args=[request_id])
 
-    async def request_state(self, request_id: str) -> tuple[dict[str, str], list[int]]:
+    async def request_state(
+        self, request_id: str, logprobs: bool = False
+    ) -> tuple[dict[str, str], list[int], list[dict]]:
+        """The request's state, its recorded tokens and (``logprobs``) their logprobs."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(self.keys.req(request_id))
         pipe.lrange(self.keys.tokens(request_id), 0, -1)
-        state, tokens = await pipe.execute()
-        return {_str(k): _str(v) for k, v in state.items()}, [int(t) for t in tokens]
+        if logprobs:
+            pipe.lrange(self.keys.logprobs(request_id), 0, -1)
+        state, tokens, *lps = await pipe.execute()
+        return (
+            {_str(k): _str(v) for k, v in state.items()},
+            [int(t) for t in tokens],
+            [json.loads(x) for x in lps[0]] if lps else [],
+        )
 
     async def queue_stats(self, model: str) -> tuple[int, int]:
         """(lag, pending) of a model's stream: requests no engine has taken yet, and requests
