@@ -394,3 +394,49 @@ def test_a_gap_is_filled_with_its_logprobs(llama_dir):
     assert whole.tokens == [5, 6] and [e["token_id"] for e in whole.logprobs] == [5, 6]
     assert tail.tokens == [6] and [e["token_id"] for e in tail.logprobs] == [6]
     assert none.tokens == [5, 6] and none.logprobs is None
+
+
+def test_a_worker_stopped_warm_hands_its_request_over_at_once(llama_dir, reference, tmp_path):
+    """SIGTERM with a short grace: the worker hands back what it could not finish and says so,
+    and the other worker takes it over at once, not once the entry has sat idle for the
+    heartbeat TTL (5 s here); the output is exact across the hand-over."""
+    batch = prompts(1, seed=11)
+    expected = reference(batch, 1800)
+    with RedisServer() as server:
+        settings = dict(heartbeat_ttl=5, shutdown_grace=0.3)
+        workers = {name: start_worker(server.url, llama_dir, name, tmp_path, **settings)
+                   for name in ("wa", "wb")}  # fmt: skip
+        client = redis.Redis.from_url(server.url)
+
+        async def run():
+            async with open_pipeline(server.url, llama_dir, inactivity_timeout=60) as p:
+                arrivals: list[float] = []
+                tokens: list[int] = []
+
+                async def consume():
+                    params = SamplingParams(max_tokens=1800, **GREEDY)
+                    async for chunk in p.generate(batch[0], params, request_id="hb"):
+                        tokens.extend(chunk.token_ids)
+                        arrivals.append(time.monotonic())
+
+                task = asyncio.create_task(consume())
+                await asyncio.to_thread(
+                    wait_for, lambda: client.llen("llmq:req:hb:tokens") >= 20, 30, "tokens", 0.01
+                )
+                holder = client.hget("llmq:req:hb", "worker").decode()
+                await asyncio.to_thread(workers[holder].terminate)
+                await task
+                return tokens, arrivals, holder, client.hget("llmq:req:hb", "worker").decode()
+
+        try:
+            tokens, arrivals, holder, finisher = asyncio.run(run())
+        finally:
+            for w in workers.values():
+                w.terminate()
+    assert tokens == expected[0]
+    assert "handing back 1 unfinished requests" in workers[holder].log(100_000)
+    other = "wb" if holder == "wa" else "wa"
+    assert finisher == other  # it was handed over
+    # The stream's one pause is the hand-over.
+    pause = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    assert pause < 1.5, f"the stream paused {pause:.1f}s at the hand-over"

@@ -277,7 +277,7 @@ class TokenGeneratorPipeline:
             remaining = request.deadline - time.time()
             if remaining <= 0:
                 raise DeadlineExceeded(
-                    f"the request did not finish within {request.deadline - request.created:.0f}s"
+                    f"the request did not finish within {_seconds(request.deadline - request.created)}s"
                 )
             try:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
@@ -295,11 +295,12 @@ class TokenGeneratorPipeline:
                         if not served:
                             raise Unavailable(
                                 f"no worker has served {request.model!r} for "
-                                f"{self.inactivity_timeout:.0f}s; the request was cancelled, "
+                                f"{_seconds(self.inactivity_timeout)}s; the request was cancelled, "
                                 "retry shortly"
                             ) from None
                         raise DeadlineExceeded(
-                            f"no output for {self.inactivity_timeout:.0f}s; the request was cancelled",
+                            f"no output for {_seconds(self.inactivity_timeout)}s; the request was "
+                            "cancelled",
                             code="inactivity_timeout",
                         ) from None
                     continue
@@ -346,7 +347,7 @@ class TokenGeneratorPipeline:
                 return filled
             if time.time() >= request.deadline:
                 raise DeadlineExceeded(
-                    f"the request did not finish within {request.deadline - request.created:.0f}s"
+                    f"the request did not finish within {_seconds(request.deadline - request.created)}s"
                 )
             await asyncio.sleep(0.1)
 
@@ -535,6 +536,11 @@ class RequestStream:
                     yield chunk
         finally:
             await self._cleanup()
+
+
+def _seconds(value: float) -> str:
+    """1.5 -> "1.5", 600.0 -> "600": a timeout as its setting says it."""
+    return f"{value:.1f}".removesuffix(".0")
 
 
 def _engine_error(msg: OutputMessage) -> LLMQError:

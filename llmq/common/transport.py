@@ -50,6 +50,8 @@ def async_redis_options() -> dict:
 log = logging.getLogger(__name__)
 
 GROUP = "engines"
+_HANDBACK = "handback:"  # on the cancel channel, never a request id
+_HANDBACK_IDLE_MS = 200
 
 
 class Keys:
@@ -214,6 +216,7 @@ class EngineTransport:
         self.stream = keys.requests(model)
         self.request_ttl = request_ttl
         self._pubsub = None
+        self.handed_back: set[str] = set()  # workers that announced a hand-back
 
     def setup(self, model_info: dict | None = None) -> None:
         ensure_group(self.r, self.stream)
@@ -288,14 +291,25 @@ class EngineTransport:
         pipe.execute()
 
     def drain_cancels(self) -> list[str]:
+        """Request ids cancelled since the last call. Hand-back notices from workers shutting
+        down (the same channel) go to ``handed_back``."""
         ids = []
         while self._pubsub is not None:
             msg = self._pubsub.get_message(timeout=0)
             if msg is None:
                 break
             if msg.get("type") == "message":
-                ids.append(_str(msg["data"]))
+                data = _str(msg["data"])
+                if data.startswith(_HANDBACK):
+                    self.handed_back.add(data.removeprefix(_HANDBACK))
+                else:
+                    ids.append(data)
         return ids
+
+    def announce_handback(self) -> None:
+        """Tell the other engines that this worker, shutting down, left requests pending: they
+        claim them at once instead of at their next periodic look for dead workers."""
+        self.r.publish(self.keys.cancel, _HANDBACK + self.worker)
 
     # ---- outputs back ----------------------------------------------------------------
     def emit(self, emissions: list[Emission]) -> None:
@@ -403,7 +417,10 @@ class EngineTransport:
                 continue
             deliveries = {_str(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}
             ids = list(deliveries)
-            got = self.r.xclaim(self.stream, GROUP, self.worker, min_idle_ms, ids)
+            # Handed back: no need to wait out the idle time that tells a dead worker from a
+            # busy one (a short one still makes a second claimer lose the race).
+            idle = _HANDBACK_IDLE_MS if name in self.handed_back else min_idle_ms
+            got = self.r.xclaim(self.stream, GROUP, self.worker, idle, ids)
             # Entries deleted meanwhile come back as nil / empty.
             entries = [(eid, fields) for eid, fields in got if fields]
             missing = {_str(eid) for eid, fields in got if not fields}
@@ -412,6 +429,7 @@ class EngineTransport:
             if entries:
                 log.warning("claimed %d requests from dead worker %s", len(entries), name)
             claimed.extend(self._prepare(entries, deliveries))
+        self.handed_back.clear()
         return claimed
 
 

@@ -637,7 +637,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"llmq bench: {exc}", file=sys.stderr)
         return 1
     except httpx_errors() as exc:
-        print(f"llmq bench: cannot reach {args.base_url}: {exc}", file=sys.stderr)
+        response = getattr(exc, "response", None)  # HTTPStatusError: it answered, with an error
+        if response is not None:
+            why = f"{args.base_url} answered {response.status_code}: {response.text[:300]}"
+        else:
+            why = f"cannot reach {args.base_url}: {exc}"
+        print(f"llmq bench: {why}", file=sys.stderr)
         return 1
     results = res.pop("_results")
     if not args.quiet:

@@ -121,9 +121,10 @@ class EngineLoop:
             left = list(self.active)
             for rid in left:
                 self.backend.abort(rid)
+            self.transport.remove_heartbeat()
             if left:
                 log.warning("handing back %d unfinished requests", len(left))
-            self.transport.remove_heartbeat()
+                self.transport.announce_handback()
         except (redis.ConnectionError, redis.TimeoutError):
             log.warning("redis unavailable during shutdown; unfinished requests stay pending")
         finally:
@@ -141,6 +142,8 @@ class EngineLoop:
             if pulled:
                 self._admit(pulled)
         cancelled = self.transport.drain_cancels()
+        if self.transport.handed_back:
+            self._last_claim = 0.0  # a worker shutting down left requests: take them now
         for rid in cancelled:
             self._abort(rid, reason=None)
         if cancelled:
