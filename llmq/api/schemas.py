@@ -77,6 +77,16 @@ class SamplingFields(BaseModel):
     bad_words: SkipJsonSchema[Any] = None
     prompt_logprobs: SkipJsonSchema[Any] = None
 
+    # Refused unless it equals n (left out of the OpenAPI schema): every choice is returned.
+    best_of: SkipJsonSchema[int | None] = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info: ValidationInfo):
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of is not supported (every choice is returned: use n)")
+        return v
+
     @field_validator(
         "guided_json",
         "guided_regex",
@@ -170,6 +180,14 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+# Chat fields refused when set, with what they would ask for.
+_CHAT_REFUSED = {
+    "functions": "function calling",
+    "audio": "audio output",
+    "echo": "echo on chat completions",
+}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -184,7 +202,6 @@ class ChatCompletionRequest(SamplingFields):
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
     modalities: SkipJsonSchema[list[str] | None] = None
     audio: SkipJsonSchema[dict[str, Any] | None] = None
-    best_of: SkipJsonSchema[int | None] = None
     echo: SkipJsonSchema[bool] = False
     add_generation_prompt: SkipJsonSchema[bool] = Field(
         True, description="End the prompt with the assistant turn's opening (vLLM's option)."
@@ -210,23 +227,6 @@ class ChatCompletionRequest(SamplingFields):
         if v and any(m != "text" for m in v):
             raise ValueError("only the 'text' modality is served")
         return v
-
-    @field_validator("audio")
-    @classmethod
-    def _no_audio(cls, v):
-        return _refuse(v, "audio output")
-
-    @field_validator("best_of")
-    @classmethod
-    def _chat_best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("best_of is not supported (every choice is returned: use n)")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _chat_echo(cls, v):
-        return _refuse(v, "echo on chat completions")
 
     @field_validator("continue_final_message")
     @classmethod
@@ -258,10 +258,10 @@ class ChatCompletionRequest(SamplingFields):
             )
         return v
 
-    @field_validator("functions")
+    @field_validator(*_CHAT_REFUSED)
     @classmethod
-    def _no_functions(cls, v):
-        return _refuse(v, "function calling")
+    def _refused(cls, v, info: ValidationInfo):
+        return _refuse(v, _CHAT_REFUSED[info.field_name])
 
     @field_validator("top_logprobs")
     @classmethod
@@ -302,16 +302,8 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
-    # Refused unless they ask for nothing (left out of the OpenAPI schema, like chat's).
-    best_of: SkipJsonSchema[int | None] = None
+    # Refused unless it asks for nothing (left out of the OpenAPI schema, like chat's).
     suffix: SkipJsonSchema[str | None] = None
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v, info: ValidationInfo):
-        if v is not None and v != info.data.get("n", 1):
-            raise ValueError("best_of is not supported (every choice is returned: use n)")
-        return v
 
     @field_validator("suffix")
     @classmethod
