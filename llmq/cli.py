@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     p.add_argument("--size", choices=["tiny", "smollm2-135m"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_make_model)
+    p.set_defaults(func=_make_model, parser=p)
 
     p = sub.add_parser(
         "worker",
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="Redis URL (LLMQ_REDIS_URL)")
     p.add_argument("--torch-threads", type=int, help="torch threads (LLMQ_TORCH_THREADS)")
     p.add_argument("--concurrency", type=int, default=4, help="batch-task threads (default 4)")
-    p.set_defaults(func=_worker)
+    p.set_defaults(func=_worker, parser=p)
 
     p = sub.add_parser(
         "api",
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port (LLMQ_PORT, default 8000)")
     p.add_argument("--model", help="default model (LLMQ_MODEL)")
     p.add_argument("--redis-url", help="Redis URL (LLMQ_REDIS_URL)")
-    p.set_defaults(func=_api)
+    p.set_defaults(func=_api, parser=p)
 
     p = sub.add_parser(
         "up",
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="API bind address (LLMQ_HOST)")
     p.add_argument("--port", type=int, help="API port (LLMQ_PORT, default 8000)")
     p.add_argument("--model", help="model id or path (LLMQ_MODEL)")
-    p.set_defaults(func=_up)
+    p.set_defaults(func=_up, parser=p)
 
     p = sub.add_parser(
         "flower",
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="bind address (LLMQ_FLOWER_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (LLMQ_FLOWER_PORT, default 5555)")
     p.add_argument("--redis-url", help="Redis URL (LLMQ_REDIS_URL)")
-    p.set_defaults(func=_flower)
+    p.set_defaults(func=_flower, parser=p)
 
     p = sub.add_parser("batch", help="batch jobs (the OpenAI Batch API)")
     batch_sub = p.add_subparsers(dest="batch_command", required=True)
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", help="API URL (default http://LLMQ_HOST:LLMQ_PORT)")
     p.add_argument("--api-key", help="API key (LLMQ_API_KEY)")
     p.add_argument("--output", help="where to write the output (default FILE.output.jsonl)")
-    p.set_defaults(func=_batch_submit)
+    p.set_defaults(func=_batch_submit, parser=p)
 
     p = sub.add_parser(
         "inspect",
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--redis-url", help="Redis URL (LLMQ_REDIS_URL)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=_inspect)
+    p.set_defaults(func=_inspect, parser=p)
 
     p = sub.add_parser(
         "bench",
@@ -258,12 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
     from llmq.tools.bench_cli import add_arguments as _bench_arguments
 
     _bench_arguments(p)
-    p.set_defaults(func=_bench)
+    p.set_defaults(func=_bench, parser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # Unknown arguments are reported by the verb's own parser, with its usage.
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

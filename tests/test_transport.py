@@ -366,6 +366,10 @@ def test_operator_mistakes_get_one_line_errors(tmp_path):
         )
         assert proc.returncode == 1, (argv, proc.stderr)
         assert proc.stderr.startswith(expected) and proc.stderr.count("\n") == 1, proc.stderr
+    # An unknown flag is the verb's error, with the verb's usage.
+    proc = subprocess.run([LLMQ, "worker", "--bogus"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: llmq worker"), proc.stderr
+    assert "llmq worker: error: unrecognized arguments: --bogus" in proc.stderr
 
 
 def test_a_gap_is_filled_with_its_logprobs(llama_dir):
