@@ -272,12 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args) or 0
+    except BrokenPipeError:  # `llmq inspect | head` (an OSError: caught before those)
+        sys.stderr.close()
+        return 0
     except operator_errors() as exc:  # a missing file, a Redis or API not there, a bad value
         print(f"llmq {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `llmq inspect | head`
-        sys.stderr.close()
-        return 0
 
 
 def operator_errors() -> tuple[type[Exception], ...]:
@@ -303,9 +303,10 @@ def _one_line(exc: Exception) -> str:
             f"LLMQ_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
         )
     if isinstance(exc, httpx.TransportError):
-        return (
-            f"cannot reach {exc.request.url}: {exc}" if exc.__dict__.get("_request") else str(exc)
-        )
+        try:
+            return f"cannot reach {exc.request.url}: {exc}"
+        except RuntimeError:  # raised without its request
+            return str(exc)
     return str(exc) or type(exc).__name__
 
 

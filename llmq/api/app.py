@@ -87,11 +87,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.transport = transport
         app.state.registry = ModelRegistry(transport, settings)
         app.state.store = Store(client, transport.keys)
+        from llmq.api.openai_routes import watch_shutdown
+
+        app.state.shutting_down = asyncio.Event()
+        shutdown_watch = asyncio.create_task(watch_shutdown(app.state.shutting_down))
         preload = asyncio.create_task(app.state.registry.preload())
         try:
             yield
         finally:
             preload.cancel()
+            shutdown_watch.cancel()
             await transport.close()
             await client.aclose()
 

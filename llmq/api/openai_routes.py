@@ -263,11 +263,17 @@ async def _end_at_shutdown(shutdown: anyio.Event, streams: list[RequestStream]) 
         s.fail(_shutdown_error())
 
 
-async def _shutdown_drained() -> None:
-    """Returns SHUTDOWN_DRAIN_S after uvicorn began to shut down (the flag sse-starlette's hook
-    on uvicorn's exit handler sets)."""
+async def watch_shutdown(began: asyncio.Event) -> None:
+    """Sets ``began`` once uvicorn starts to shut down (the flag sse-starlette's hook on
+    uvicorn's exit handler sets): one poll for the app, not one per request in flight."""
     while not AppStatus.should_exit:
         await asyncio.sleep(0.25)
+    began.set()
+
+
+async def _shutdown_drained(began: asyncio.Event) -> None:
+    """Returns SHUTDOWN_DRAIN_S after shutdown began."""
+    await began.wait()
     await asyncio.sleep(SHUTDOWN_DRAIN_S)
 
 
@@ -287,7 +293,7 @@ async def _collect(
 
     tasks = [asyncio.ensure_future(one(s, c)) for s, c in zip(streams, choices, strict=True)]
     watcher = asyncio.ensure_future(_until_disconnected(request))
-    shutdown = asyncio.ensure_future(_shutdown_drained())
+    shutdown = asyncio.ensure_future(_shutdown_drained(request.app.state.shutting_down))
     everything = asyncio.gather(*tasks)
     try:
         await asyncio.wait([everything, watcher, shutdown], return_when=asyncio.FIRST_COMPLETED)

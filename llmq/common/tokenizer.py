@@ -45,9 +45,8 @@ class StopStringMatcher:
 
     def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
-        self.include = (
-            include  # the stop string itself ends the text (vLLM's include_stop_str_in_output)
-        )
+        # The stop string itself ends the text (vLLM's include_stop_str_in_output).
+        self.include = include
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.buffer = ""
 

@@ -534,10 +534,6 @@ class AsyncTransport:
         while self._releasing:
             await asyncio.gather(*list(self._releasing), return_exceptions=True)
 
-    def subscriptions(self) -> int:
-        """Output channels this process listens to (one per live request)."""
-        return len(self._pubsub.channels) if self._pubsub is not None else 0
-
     async def _listen(self) -> None:
         backoff = 0.1
         while not self._closing:

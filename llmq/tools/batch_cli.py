@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from llmq.common.store import BATCH_ENDPOINTS
+
 FINAL = {"completed", "failed", "cancelled", "expired"}
 
 # httpx logs every request at INFO: one line per poll would break the progress bar.
@@ -23,9 +25,6 @@ def _bar(done: int, failed: int, total: int, status: str, width: int = 30) -> st
     return f"\r[{'#' * filled}{'.' * (width - filled)}] {done + failed}/{total} ({failed} failed) {status}   "
 
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-
-
 def endpoint_of(path: Path) -> str:
     """The endpoint the file's first line names (a batch runs one endpoint); chat if none."""
     with path.open("rb") as f:
@@ -35,10 +34,10 @@ def endpoint_of(path: Path) -> str:
                     url = json.loads(raw.decode("utf-8-sig")).get("url")
                 except (ValueError, AttributeError):
                     break
-                if url in ENDPOINTS:
+                if url in BATCH_ENDPOINTS:
                     return url
                 break
-    return ENDPOINTS[0]
+    return BATCH_ENDPOINTS[0]
 
 
 def _get(http: httpx.Client, url: str, attempts: int = 30) -> httpx.Response:
