@@ -187,7 +187,7 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
 # ---- the paths -------------------------------------------------------------------------------
 def run_engine(model, prompts, args) -> dict:
     """All requests at once through LLMEngine; records every step to find the steady state."""
-    from llmq.worker.engine.sampling_params import SamplingParams
+    from llmq.common.sampling_params import SamplingParams
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
 
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
@@ -422,8 +422,8 @@ class EngineDecode:
     def __init__(self, model, batch: int, context: int):
         import torch
 
-        from llmq.worker.engine.kv_cache import BlockManager
-        from llmq.worker.engine.sampling_params import SamplingParams
+        from llmq.common.sampling_params import SamplingParams
+        from llmq.worker.engine.block_manager import BlockManager
         from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
         from llmq.worker.engine.sequence import Sequence
         from llmq.worker.llm_engine import EngineConfig

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llmq.common.model_loader import load_tokenizer, resolve_dtype  # noqa: E402
 from llmq.common.pipeline import TokenGeneratorPipeline  # noqa: E402
 from llmq.common.redis_server import RedisServer  # noqa: E402
+from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.common.transport import AsyncTransport, Keys  # noqa: E402
-from llmq.worker.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.harness import start_worker  # noqa: E402
 
 

@@ -269,8 +269,8 @@ def main(argv=None) -> int:
 
     from llmq.common.model_loader import load_tokenizer
     from llmq.common.redis_server import RedisServer
+    from llmq.common.sampling_params import SamplingParams
     from llmq.common.settings import Settings
-    from llmq.worker.engine.sampling_params import SamplingParams
     from tests.harness import start_worker
 
     threads = args.threads or cores()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmq.common.model_loader import load_causal_lm
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.sequence import FinishReason, SequenceStatus
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 

@@ -19,8 +19,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from llmq.worker.engine.kv_cache import BlockManager
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.common.sampling_params import SamplingParams
+from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler, SchedulerOutput
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 

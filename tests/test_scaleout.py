@@ -17,8 +17,8 @@ import redis
 
 from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
 from llmq.common.redis_server import RedisServer, free_port, redis_cli_binary
+from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
-from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests import netns
 from tests.harness import LLMQ, Proc, base_env, heartbeat, start_worker, wait_for

@@ -18,8 +18,8 @@ from llmq.common.errors import DeadlineExceeded
 from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.redis_server import RedisServer, redis_cli_binary
+from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import AsyncTransport, Keys
-from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests.harness import LLMQ, heartbeat, start_worker, wait_for
 

@@ -7,17 +7,17 @@ import contextlib
 import hmac
 import logging
 
-import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmq.api.errors import error_response, install_error_handlers
 from llmq.api.metrics import Metrics
-from llmq.api.models import ModelRegistry
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
+from llmq.common.model_registry import ModelRegistry
+from llmq.common.redis_clients import async_client
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import Store
-from llmq.common.transport import AsyncTransport, Keys, async_redis_options
+from llmq.common.transport import AsyncTransport, Keys
 
 log = logging.getLogger("llmq.api")
 
@@ -73,15 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # A blocking pool: a burst waits for a free connection instead of failing with
-        # "Too many connections" (redis-py's default pool raises past 100).
-        pool = aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url_or_default(),
-            max_connections=settings.redis_max_connections,
-            timeout=10,
-            **async_redis_options(),
-        )
-        client = aioredis.Redis(connection_pool=pool)
+        client = async_client(settings.redis_url_or_default(), settings.redis_max_connections)
         transport = AsyncTransport(client, Keys(settings.key_prefix))
         app.state.redis = client
         app.state.transport = transport

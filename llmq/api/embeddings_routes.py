@@ -103,8 +103,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     registry = request.app.state.registry
     pipeline, engine = await registry.get(body.model, kind="embed")
     limit = engine.max_model_len
-    native = int(engine.raw.get("dimensions", 0) or 0)
-    truncatable = engine.raw.get("matryoshka") in ("1", "true")
+    native = engine.dimensions
+    truncatable = engine.matryoshka
     if body.dimensions is not None and body.dimensions != native:  # noqa: SIM102
         if not truncatable or body.dimensions > native:
             raise InvalidRequest(
@@ -130,7 +130,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
         ids = await asyncio.to_thread(lambda: tok([t for _, t in texts])["input_ids"])
         for (i, _), row in zip(texts, ids, strict=True):
             encoded[i] = list(row)
-    vocab = int(engine.raw.get("vocab_size", 0) or 0)
+    vocab = engine.vocab_size
     frame = None
     for i, row in enumerate(encoded):
         if vocab and any(t >= vocab for t in row):

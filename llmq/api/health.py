@@ -35,7 +35,7 @@ async def metrics(request: Request) -> Response:
         engines = await state.registry.engines()
         models = {e.model for e in engines} | {state.registry.default_name}
         stats = {m: await state.transport.queue_stats(m) for m in models}
-        state.metrics.observe_engines([e.raw for e in engines], stats)
+        state.metrics.observe_engines(engines, stats)
     except Exception:  # metrics stay available while Redis is down
         pass
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

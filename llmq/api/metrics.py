@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from llmq.common.engine_status import EngineStatus
+
 disable_created_metrics()  # no *_created series: vLLM's metric set has none
 
 _LATENCY = (
@@ -118,18 +120,18 @@ class Metrics:
         )
 
     def observe_engines(
-        self, engines: list[dict[str, str]], streams: dict[str, tuple[int, int]]
+        self, engines: list[EngineStatus], streams: dict[str, tuple[int, int]]
     ) -> None:
         """Set the gauges from the engines' heartbeats (summed per model)."""
         per_model: dict[str, dict[str, float]] = {}
         for e in engines:
             agg = per_model.setdefault(
-                e.get("model", ""), {"running": 0, "waiting": 0, "used": 0, "total": 0, "n": 0}
+                e.model, {"running": 0, "waiting": 0, "used": 0, "total": 0, "n": 0}
             )
-            agg["running"] += int(e.get("running", 0) or 0)
-            agg["waiting"] += int(e.get("waiting", 0) or 0)
-            agg["used"] += int(e.get("kv_blocks_used", 0) or 0)
-            agg["total"] += int(e.get("kv_blocks_total", 0) or 0)
+            agg["running"] += e.running
+            agg["waiting"] += e.waiting
+            agg["used"] += e.kv_blocks_used
+            agg["total"] += e.kv_blocks_total
             agg["n"] += 1
         for model in set(per_model) | set(streams):
             agg = per_model.get(model, {"running": 0, "waiting": 0, "used": 0, "total": 0, "n": 0})

@@ -17,26 +17,26 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 
 from llmq.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest, LLMQError, ModelNotFound, ServerShuttingDown
 from llmq.common.pipeline import GenerationChunk, RequestStream, TokenGeneratorPipeline
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.common.sampling_params import SamplingParams
 
 router = APIRouter()
 
 
 # ---- models ------------------------------------------------------------------------------
-def _model_card(name: str, max_model_len: int, created: int, extra: dict) -> dict:
+def _model_card(e: EngineStatus) -> dict:
     card = {
-        "id": name,
+        "id": e.model,
         "object": "model",
-        "created": created,
+        "created": int(e.started),
         "owned_by": "llmq",
-        "root": extra.get("source", name),
-        "max_model_len": max_model_len,
+        "root": e.source or e.model,
+        "max_model_len": e.max_model_len,
+        "kind": e.kind,
     }
-    if extra.get("kind"):
-        card["kind"] = extra["kind"]
-    if extra.get("random_weights") in ("1", "true", "True", True):
+    if e.random_weights:
         card["random_weights"] = True
     return card
 
@@ -45,11 +45,10 @@ async def _live_models(request: Request) -> dict[str, dict]:
     models: dict[str, dict] = {}
     for e in await request.app.state.registry.engines():
         card = models.get(e.model)
-        created = int(float(e.raw.get("started", 0) or 0))
         if card is None:
-            models[e.model] = _model_card(e.model, e.max_model_len, created, e.raw)
+            models[e.model] = _model_card(e)
         else:
-            card["created"] = min(card["created"], created)
+            card["created"] = min(card["created"], int(e.started))
     return models
 
 
@@ -145,7 +144,7 @@ def _choice_params(
 
 def _vocab(engine) -> int:
     """The served model's vocabulary size, from its worker's heartbeat (0: not known)."""
-    return int(engine.raw.get("vocab_size", 0) or 0)
+    return engine.vocab_size
 
 
 def _check_token_ids(body: SamplingFields, vocab: int) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.common.sampling_params import SamplingParams
 
 MAX_N = 8
 MAX_STOPS = 16

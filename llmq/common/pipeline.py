@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import (
     DeadlineExceeded,
     EngineFailure,
@@ -27,9 +28,9 @@ from llmq.common.errors import (
     Unavailable,
 )
 from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, EngineRequest, OutputMessage
+from llmq.common.sampling_params import SamplingParams
 from llmq.common.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from llmq.common.transport import AsyncTransport
-from llmq.worker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +89,6 @@ class EmbeddingResult:
     prompt_tokens: int
 
 
-@dataclass(slots=True)
-class EngineInfo:
-    model: str
-    kind: str
-    max_model_len: int
-    raw: dict
-
-
 def check_text(value, param: str) -> None:
     """A 400 for text that is not valid Unicode (JSON allows lone surrogates such as "\\ud800";
     tokenizers reject them with an internal error)."""
@@ -134,7 +127,7 @@ class TokenGeneratorPipeline:
         self.request_timeout = request_timeout
         self.inactivity_timeout = inactivity_timeout
         self.record_ttl = record_ttl
-        self._engines_cache: tuple[float, list[EngineInfo]] = (0.0, [])
+        self._engines_cache: tuple[float, list[EngineStatus]] = (0.0, [])
 
     # ---- tokenizing ------------------------------------------------------------------
     async def encode(
@@ -172,25 +165,16 @@ class TokenGeneratorPipeline:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # ---- engines ---------------------------------------------------------------------
-    async def engines(self, max_age: float = 1.0) -> list[EngineInfo]:
+    async def engines(self, max_age: float = 1.0) -> list[EngineStatus]:
         """Live engines (from their heartbeats), cached for ``max_age`` seconds."""
         stamp, cached = self._engines_cache
         if time.monotonic() - stamp < max_age:
             return cached
-        rows = await self.transport.engines()
-        infos = [
-            EngineInfo(
-                r.get("model", ""),
-                r.get("kind", "generate"),
-                int(r.get("max_model_len", 0) or 0),
-                r,
-            )
-            for r in rows
-        ]
+        infos = await self.transport.engines()
         self._engines_cache = (time.monotonic(), infos)
         return infos
 
-    async def require_engine(self, model: str, kind: str = "generate") -> EngineInfo:
+    async def require_engine(self, model: str, kind: str = "generate") -> EngineStatus:
         engines = [e for e in await self.engines() if e.model == model]
         if not engines:
             raise Unavailable(f"no worker is serving {model!r} right now; retry shortly")

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.common.sampling_params import SamplingParams
 
 # Lower runs first: interactive requests ahead of batch-job lines.
 PRIORITY_INTERACTIVE = 0

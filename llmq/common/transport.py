@@ -25,27 +25,8 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
+from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
-
-
-def async_redis_options() -> dict:
-    """Connection options of every asyncio Redis client: a command that meets a dead pooled
-    connection (Redis restarted) retries on a fresh one instead of failing the request. Under
-    uvloop (uvicorn's loop) writing to a socket the peer closed raises RuntimeError, not
-    redis-py's ConnectionError. Redis 8's maintenance notifications stay off: on a reconnect to
-    an older Redis the refusal of CLIENT MAINT_NOTIFICATIONS reached a request as an error."""
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialBackoff
-    from redis.maint_notifications import MaintNotificationsConfig
-
-    return {
-        "socket_connect_timeout": 5,
-        "health_check_interval": 10,
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-        "retry_on_error": [redis.ConnectionError, redis.TimeoutError, RuntimeError],
-        "maint_notifications_config": MaintNotificationsConfig(enabled=False),
-    }
-
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +199,14 @@ class EngineTransport:
         self._pubsub = None
         self.handed_back: set[str] = set()  # workers that announced a hand-back
 
-    def setup(self, model_info: dict | None = None) -> None:
+    def setup(self, status: EngineStatus | None = None) -> None:
         ensure_group(self.r, self.stream)
-        if model_info is not None:
+        if status is not None:
+            model_info = {
+                "source": status.source,
+                "kind": status.kind,
+                "max_model_len": status.max_model_len,
+            }
             self.r.hset(self.keys.models, self.model, json.dumps(model_info))
         self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self._pubsub.subscribe(self.keys.cancel)
@@ -374,15 +360,10 @@ class EngineTransport:
         )
 
     # ---- liveness and recovery -------------------------------------------------------
-    def heartbeat(self, info: dict, ttl: float) -> None:
+    def heartbeat(self, status: EngineStatus, ttl: float) -> None:
         key = self.keys.engine(self.worker)
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(
-            key,
-            mapping={
-                k: v if isinstance(v, str | int | float) else json.dumps(v) for k, v in info.items()
-            },
-        )
+        pipe.hset(key, mapping=status.to_redis())
         pipe.pexpire(key, int(ttl * 1000))
         pipe.execute()
 
@@ -626,7 +607,7 @@ class AsyncTransport:
         raw = await self.r.hgetall(self.keys.models)
         return {_str(k): json.loads(v) for k, v in raw.items()}
 
-    async def engines(self) -> list[dict[str, str]]:
+    async def engines(self) -> list[EngineStatus]:
         """The live engines' heartbeats."""
         keys = [k async for k in self.r.scan_iter(match=self.keys.engines_pattern, count=100)]
         if not keys:
@@ -635,4 +616,9 @@ class AsyncTransport:
         for k in keys:
             pipe.hgetall(k)
         rows = await pipe.execute()
-        return [{_str(k): _str(v) for k, v in row.items()} for row in rows if row]
+        prefix = len(self.keys.engine(""))
+        return [
+            EngineStatus.from_redis(row, _str(key)[prefix:])
+            for key, row in zip(keys, rows, strict=True)
+            if row
+        ]

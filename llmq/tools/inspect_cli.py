@@ -7,6 +7,8 @@ import time
 
 import redis
 
+from llmq.common.engine_status import EngineStatus
+from llmq.common.redis_clients import tool_client
 from llmq.common.settings import Settings
 from llmq.common.transport import GROUP, Keys
 
@@ -62,11 +64,12 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
         info["oldest_age_s"] = now - int(_s(first[0][0]).split("-")[0]) / 1000 if first else 0.0
         queues.append(info)
     engines = []
+    prefix = len(keys.engine(""))
     for key in client.scan_iter(match=keys.engines_pattern, count=100):
-        hb = _typed({_s(k): _s(v) for k, v in client.hgetall(key).items()})
-        if hb:
-            hb["name"] = _s(key).split(":", 2)[-1]
-            engines.append(hb)
+        raw = client.hgetall(key)
+        if raw:
+            status = EngineStatus.from_redis(raw, _s(key)[prefix:])
+            engines.append({"name": status.worker, **status.to_redis()})
     batches = []
     for batch_id in client.smembers(keys.batches_active):
         raw = _typed({_s(k): _s(v) for k, v in client.hgetall(keys.batch(_s(batch_id))).items()})
@@ -90,12 +93,11 @@ def render(snap: dict) -> str:
     if not snap["engines"]:
         out.append("  (no live worker)")
     for e in sorted(snap["engines"], key=lambda e: e["name"]):
-        used, total = int(e.get("kv_blocks_used", 0)), int(e.get("kv_blocks_total", 0) or 0)
+        used, total = e["kv_blocks_used"], e["kv_blocks_total"]
         kv = f"KV {used}/{total} ({100 * used / total:.0f}%)" if total else "KV -"
         out.append(
-            f"  {e['name']}: {e.get('model')} [{e.get('kind')}] {kv}, running {e.get('running')}, "
-            f"waiting {e.get('waiting')}, {e.get('tokens_per_s', '0')} tok/s, "
-            f"{e.get('steps_per_s', '0')} steps/s"
+            f"  {e['name']}: {e['model']} [{e['kind']}] {kv}, running {e['running']}, "
+            f"waiting {e['waiting']}, {e['tokens_per_s']} tok/s, {e['steps_per_s']} steps/s"
         )
     out.append("BATCHES IN PROGRESS")
     if not snap["batches"]:
@@ -111,7 +113,7 @@ def render(snap: dict) -> str:
 def run(settings: Settings, as_json: bool = False) -> int:
     import json
 
-    client = redis.Redis.from_url(settings.redis_url_or_default(), socket_connect_timeout=5)
+    client = tool_client(settings.redis_url_or_default())
     snap = snapshot(client, Keys(settings.key_prefix))
     print(json.dumps(snap, indent=2) if as_json else render(snap))
     return 0

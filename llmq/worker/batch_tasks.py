@@ -22,9 +22,10 @@ import uuid
 from llmq.common.errors import InvalidRequest, LLMQError
 from llmq.common.pipeline import SubmitContext, submit_context
 from llmq.common.protocol import PRIORITY_BATCH
+from llmq.common.redis_clients import async_client
 from llmq.common.settings import get_settings
 from llmq.common.store import FINAL_STATES, Store
-from llmq.common.transport import Keys, async_redis_options
+from llmq.common.transport import Keys
 from llmq.worker.celery_app import BATCH_QUEUE, app
 
 log = logging.getLogger("llmq.batch")
@@ -55,10 +56,8 @@ class BatchRun:
         self._last_progress = 0.0
 
     async def run(self) -> dict:
-        import redis.asyncio as aioredis
-
         settings = self.settings
-        client = aioredis.Redis.from_url(settings.redis_url_or_default(), **async_redis_options())
+        client = async_client(settings.redis_url_or_default())
         self.store = Store(client, Keys(settings.key_prefix))
         try:
             if not await self.store.acquire_lease(self.batch_id, self.owner, LEASE_TTL):
@@ -412,11 +411,10 @@ async def redispatch_orphans(store: Store, queued_grace: float = 60.0) -> list[s
 
 def supervise(stop: threading.Event, interval: float = 5.0) -> None:
     """Worker thread: re-dispatch batches whose task died with its worker."""
-    import redis.asyncio as aioredis
 
     async def loop() -> None:
         settings = get_settings()
-        client = aioredis.Redis.from_url(settings.redis_url_or_default(), **async_redis_options())
+        client = async_client(settings.redis_url_or_default())
         store = Store(client, Keys(settings.key_prefix))
         try:
             while not stop.is_set():

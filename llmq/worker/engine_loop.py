@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, OutputMessage
 from llmq.common.transport import Emission, EngineTransport, PulledRequest
 from llmq.worker.backends import Backend
@@ -43,14 +44,14 @@ class EngineLoop:
         self,
         backend: Backend,
         transport: EngineTransport,
-        heartbeat_info: dict,
+        status: EngineStatus,
         heartbeat_ttl: float = 5.0,
         max_deliveries: int = 3,
         idle_block_ms: int = 100,
     ):
         self.backend = backend
         self.transport = transport
-        self.heartbeat_info = heartbeat_info
+        self.status = status
         self.heartbeat_ttl = heartbeat_ttl
         self.max_deliveries = max_deliveries
         self.idle_block_ms = idle_block_ms
@@ -77,12 +78,7 @@ class EngineLoop:
             while not self.stopping.is_set():
                 try:
                     if not setup_done:
-                        self.transport.setup(
-                            {
-                                k: self.heartbeat_info.get(k)
-                                for k in ("source", "kind", "max_model_len")
-                            }
-                        )
+                        self.transport.setup(self.status)
                         self._resume(
                             self.transport.pull(
                                 self.backend.max_batch_size * 4, None, own_pending=True
@@ -279,14 +275,13 @@ class EngineLoop:
         self._steps_window = [w for w in self._steps_window if now - w[0] <= 10.0]
         t0, s0, g0 = self._steps_window[0]
         span = now - t0
-        info = dict(self.heartbeat_info)
-        info.update(stats)
-        info.update(
+        self.status.update(
+            **stats,
             steps_per_s=round((steps - s0) / span, 2) if span > 0 else 0.0,
             tokens_per_s=round((tokens - g0) / span, 2) if span > 0 else 0.0,
             updated=round(now, 3),
         )
-        self.transport.heartbeat(info, self.heartbeat_ttl)
+        self.transport.heartbeat(self.status, self.heartbeat_ttl)
         self._last_heartbeat = now
 
 

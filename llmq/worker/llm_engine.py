@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass, field
 
 from llmq.common.model_loader import resolve_device
-from llmq.worker.engine.kv_cache import BlockManager
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.common.sampling_params import SamplingParams
+from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs

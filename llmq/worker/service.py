@@ -7,6 +7,8 @@ import os
 import socket
 import time
 
+from llmq.common.engine_status import EngineStatus
+from llmq.common.redis_clients import engine_client
 from llmq.common.settings import Settings
 from llmq.common.transport import EngineTransport, Keys
 from llmq.worker.engine_loop import EngineLoop
@@ -16,14 +18,6 @@ log = logging.getLogger(__name__)
 
 def served_name(settings: Settings) -> str:
     return settings.served_model_name or settings.model
-
-
-def redis_client(url: str):
-    import redis
-
-    return redis.Redis.from_url(
-        url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=10
-    )
 
 
 def build_backend(settings: Settings):
@@ -73,30 +67,31 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
     backend, model, max_model_len = build_backend(settings)
     name = served_name(settings)
     transport = EngineTransport(
-        redis_client(settings.redis_url_or_default()),
+        engine_client(settings.redis_url_or_default()),
         Keys(settings.key_prefix),
         worker_name,
         name,
         settings.request_ttl,
     )
-    info = {
-        "model": name,
-        "source": settings.model,
-        "kind": backend.kind,
-        "max_model_len": max_model_len,
-        "vocab_size": model.config.vocab_size,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "device": str(next(model.parameters()).device),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": round(time.time(), 3),
-        "torch_threads": torch.get_num_threads(),
-        "random_weights": int(bool(getattr(model.config, "llmq_random_weights", False))),
-    }
+    status = EngineStatus(
+        model=name,
+        source=settings.model,
+        kind=backend.kind,
+        max_model_len=max_model_len,
+        vocab_size=model.config.vocab_size,
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        device=str(next(model.parameters()).device),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started=round(time.time(), 3),
+        torch_threads=torch.get_num_threads(),
+        random_weights=bool(getattr(model.config, "llmq_random_weights", False)),
+        worker=worker_name,
+    )
     return EngineLoop(
         backend,
         transport,
-        info,
+        status,
         heartbeat_ttl=settings.heartbeat_ttl,
         max_deliveries=settings.max_deliveries,
     )

@@ -18,7 +18,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmq.worker.engine.kv_cache import BlockManager
+from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 

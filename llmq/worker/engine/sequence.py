@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.common.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -7,9 +7,10 @@ import asyncio
 import logging
 import time
 
+from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import ModelNotFound
 from llmq.common.model_loader import load_tokenizer
-from llmq.common.pipeline import EngineInfo, TokenGeneratorPipeline
+from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport
 
@@ -39,7 +40,7 @@ class ModelRegistry:
             record_ttl=s.request_ttl,
         )
 
-    async def engines(self) -> list[EngineInfo]:
+    async def engines(self) -> list[EngineStatus]:
         return await self._probe.engines()
 
     async def known(self) -> dict[str, dict]:
@@ -57,7 +58,7 @@ class ModelRegistry:
 
     async def get(
         self, name: str | None, kind: str = "generate"
-    ) -> tuple[TokenGeneratorPipeline, EngineInfo]:
+    ) -> tuple[TokenGeneratorPipeline, EngineStatus]:
         """The pipeline and a live engine for a model: 404 for a model no worker has served,
         503 when its workers are all gone, 400 for the wrong kind of model."""
         name = name or await self.default_model()
