@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format up install clean browser
+.PHONY: test test-unit lint format up install clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,13 +26,18 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+# Under CI (CI=true) the browser test's chromium is installed first: it runs, never skips.
+test: lint $(if $(CI),browser)
 	$(BIN)/python -m pytest -q tests
+
+# The fast tier: tests that start no process (under a minute).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit tests
 
 up: $(STAMP)
 	$(BIN)/llmq up
 
-# Debian's Chromium, for the playground's browser test (skipped without it).
+# Debian's Chromium, for the playground's browser test (skipped without it, except under CI).
 browser:
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 

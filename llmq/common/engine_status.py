@@ -4,7 +4,6 @@ llmq:engines:<worker>`` shows it as is); here it is typed, parsed in one place."
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -69,9 +68,6 @@ class EngineStatus:
             if parsed is not None:
                 setattr(status, name, parsed)
         return status
-
-    def copy(self) -> EngineStatus:
-        return dataclasses.replace(self)
 
 
 _TYPES = {f.name: f.type for f in fields(EngineStatus)}
