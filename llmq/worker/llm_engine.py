@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmq.common.model_loader import resolve_device
 from llmq.common.sampling_params import SamplingParams
@@ -12,6 +13,9 @@ from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
+
+if TYPE_CHECKING:
+    from llmq.common.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode-only steps on CUDA replayed from captured graphs
 
     @classmethod
-    def from_settings(cls, settings) -> EngineConfig:
+    def from_settings(cls, settings: Settings) -> EngineConfig:
         return cls(
             block_size=settings.block_size,
             num_blocks=settings.kv_blocks,
