@@ -1,9 +1,12 @@
 """Which dtype `auto` picks: float16 on CUDA, bfloat16 only on CPUs that multiply it in
 hardware (elsewhere oneDNN emulates it, several times slower than float32)."""
 
+import pytest
 import torch
 
 from llmq.common.model_loader import cpu_has_native_bfloat16, resolve_dtype
+
+pytestmark = pytest.mark.unit
 
 ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
 ZEN4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 avx512vl\n"

@@ -19,6 +19,8 @@ from llmq.worker.engine.sequence import Sequence
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.runner.sampler import Sampler, _top_k_top_p
 
+pytestmark = pytest.mark.unit
+
 EOS = 2
 
 

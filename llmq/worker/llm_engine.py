@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmq.common.model_loader import resolve_device
 from llmq.common.sampling_params import SamplingParams
@@ -12,6 +13,9 @@ from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
+
+if TYPE_CHECKING:
+    from llmq.common.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode-only steps on CUDA replayed from captured graphs
 
     @classmethod
-    def from_settings(cls, settings) -> EngineConfig:
+    def from_settings(cls, settings: Settings) -> EngineConfig:
         return cls(
             block_size=settings.block_size,
             num_blocks=settings.kv_blocks,
@@ -62,6 +66,28 @@ class EngineConfig:
             small_step_threads=settings.small_step_threads,
             cuda_graphs=settings.cuda_graphs,
         )
+
+
+def _kv_pool_size(model, config: EngineConfig) -> tuple[int, int]:
+    """(KV blocks, longest sequence in tokens) for ``model`` under ``config``."""
+    from llmq.worker.runner.attention import KVPool
+    from llmq.worker.runner.model_runner import model_dims
+
+    text_config = model.config.get_text_config()
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        dtype = next(model.parameters()).dtype
+        per_block = KVPool.bytes_per_block(*model_dims(model.config), config.block_size, dtype)
+        num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+    model_limit = getattr(text_config, "max_position_embeddings", None) or 2048
+    max_len = min(config.max_model_len or model_limit, model_limit)
+    if config.num_blocks is None:
+        # Past twice what a full batch of full-length sequences needs, blocks only feed
+        # the prefix cache; don't spend the whole budget on a small model.
+        full = config.max_batch_size * -(-max_len // config.block_size)
+        num_blocks = min(num_blocks, 2 * full)
+    # One sequence alone must always fit, or it could preempt itself forever.
+    return num_blocks, min(max_len, num_blocks * config.block_size)
 
 
 @dataclass(slots=True)
@@ -84,28 +110,13 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, eos_token_ids=frozenset()):
-        from llmq.worker.runner.attention import KVPool
-        from llmq.worker.runner.model_runner import ModelRunner, model_dims
+        from llmq.worker.runner.model_runner import ModelRunner
 
         config = config or EngineConfig()
         self.config = config
         self.model = model
-        text_config = model.config.get_text_config()
-        self.vocab_size = text_config.vocab_size
-        dtype = next(model.parameters()).dtype
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            per_block = KVPool.bytes_per_block(*model_dims(model.config), config.block_size, dtype)
-            num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
-        model_limit = getattr(text_config, "max_position_embeddings", None) or 2048
-        max_len = min(config.max_model_len or model_limit, model_limit)
-        if config.num_blocks is None:
-            # Past twice what a full batch of full-length sequences needs, blocks only feed
-            # the prefix cache; don't spend the whole budget on a small model.
-            full = config.max_batch_size * -(-max_len // config.block_size)
-            num_blocks = min(num_blocks, 2 * full)
-        # One sequence alone must always fit, or it could preempt itself forever.
-        self.max_model_len = min(max_len, num_blocks * config.block_size)
+        self.vocab_size = model.config.get_text_config().vocab_size
+        num_blocks, self.max_model_len = _kv_pool_size(model, config)
         self.num_blocks = num_blocks
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -54,6 +55,25 @@ class SequenceUpdate:
     seq: Sequence
     token_id: int
     finish_reason: FinishReason | None
+
+
+@dataclass(slots=True)
+class _StepBuilder:
+    """One step as the scheduler builds it: what is scheduled so far, what is left of its
+    budgets, and the running prompts set aside until the waiting requests had their turn."""
+
+    tokens_left: int
+    prompt_tokens_left: int
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
+    deferred: list[Sequence] = field(default_factory=list)
+
+    def take(self, seq: Sequence, num_new: int, prompt: bool = True) -> None:
+        """Schedule ``num_new`` tokens of ``seq`` (its blocks already allocated); ``prompt``:
+        they count against the prompt-token budget too."""
+        self.out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+        self.tokens_left -= num_new
+        if prompt:
+            self.prompt_tokens_left -= num_new
 
 
 class Scheduler:
@@ -100,91 +120,110 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_batch_tokens
-        bm = self.block_manager
         self.running.sort(key=Sequence.sort_key)
         # A sequence with one token left to compute decodes; any other is (still) prefilling.
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        prefill_budget = self.max_prefill_tokens_with_decodes if decoding else budget
+        step = _StepBuilder(
+            tokens_left=self.max_batch_tokens,
+            prompt_tokens_left=(
+                self.max_prefill_tokens_with_decodes if decoding else self.max_batch_tokens
+            ),
+        )
+        self._schedule_running(step)
+        first_priority = self._admit_waiting(step)
+        self._schedule_deferred(step, first_priority)
+        return step.out
 
-        # A running prompt of lower priority than the best waiting request yields the prompt
-        # budget to it: otherwise a long batch-job prompt, chunked beside decodes, would keep
-        # an interactive arrival waiting for every one of its chunks.
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        """Decodes and prefill chunks of the running sequences, in order, until a budget runs
+        out. A running prompt of lower priority than the best waiting request is deferred: it
+        yields the prompt budget to that request, or a long batch-job prompt, chunked beside
+        decodes, would keep an interactive arrival waiting for every one of its chunks."""
         best_waiting = self.waiting[0].priority if self.waiting else None
-        deferred: list[Sequence] = []
-
-        def last_running() -> Sequence:
-            victim = self.running.pop()
-            if victim in deferred:
-                deferred.remove(victim)
-            return victim
-
+        next_victim = partial(self._pop_last_running, step.deferred)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.tokens_left > 0:
             seq = self.running[i]
             num_new = seq.num_tokens - seq.num_computed_tokens
             if num_new > 1:
                 if best_waiting is not None and best_waiting < seq.priority:
-                    deferred.append(seq)
+                    step.deferred.append(seq)
                     i += 1
                     continue
-                num_new = min(num_new, prefill_budget)
+                num_new = min(num_new, step.prompt_tokens_left)
                 if num_new < 1:  # this step's prompt tokens are spent: decodes only
                     i += 1
                     continue
-            num_new = min(num_new, budget)
-            if self._allocate_or_preempt(seq, num_new, last_running, out):
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
-                budget -= num_new
-                if num_new > 1:
-                    prefill_budget -= num_new
+            num_new = min(num_new, step.tokens_left)
+            if self._allocate_or_preempt(seq, num_new, next_victim, step.out):
+                step.take(seq, num_new, prompt=num_new > 1)
                 i += 1
 
-        # A step that had to preempt admits nothing new: the pool is already short. A step
-        # that admits a request admits none of lower priority beside it: batch-job prefills
-        # would lengthen the step that gives an interactive request its first token.
+    def _admit_waiting(self, step: _StepBuilder) -> int | None:
+        """Admit waiting requests, best first, while the budgets and the pool allow; returns
+        the priority of the first one admitted (None: none was).
+
+        A step that had to preempt admits nothing new: the pool is already short. A step that
+        admits a request admits none of lower priority beside it: batch-job prefills would
+        lengthen the step that gives an interactive request its first token."""
+        bm = self.block_manager
         first_priority: int | None = None
         while (
-            not out.preempted
+            not step.out.preempted
             and self.waiting
-            and min(budget, prefill_budget) > 0
+            and min(step.tokens_left, step.prompt_tokens_left) > 0
             and len(self.running) < self.max_batch_size
         ):
             seq = self.waiting[0]
             if first_priority is not None and seq.priority > first_priority:
                 break
             cached = bm.find_cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget, prefill_budget)
+            num_new = min(
+                seq.num_tokens - len(cached) * bm.block_size,
+                step.tokens_left,
+                step.prompt_tokens_left,
+            )
             if not bm.allocate(seq, num_new, cached):
                 break
             self.waiting.pop(0)
             first_priority = seq.priority if first_priority is None else first_priority
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
-            budget -= num_new
-            prefill_budget -= num_new
+            step.take(seq, num_new)
+        return first_priority
 
-        # The deferred prompts take what is left, unless higher-priority work was admitted
-        # beside them. Short of blocks, the last of them give theirs back (none is scheduled
-        # yet), so a waiting request that found the pool full gets in next step.
+    def _schedule_deferred(self, step: _StepBuilder, first_priority: int | None) -> None:
+        """The deferred prompts take what is left, unless higher-priority work was admitted
+        beside them. Short of blocks, the last of them give theirs back (none is scheduled
+        yet), so a waiting request that found the pool full gets in next step."""
+        deferred = step.deferred
         while deferred and (first_priority is None or deferred[0].priority <= first_priority):
             seq = deferred.pop(0)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_budget)
+            num_new = min(
+                seq.num_tokens - seq.num_computed_tokens,
+                step.tokens_left,
+                step.prompt_tokens_left,
+            )
             if num_new < 1:
                 break
+            next_victim = partial(self._pop_last_deferred, deferred, seq)
+            if self._allocate_or_preempt(seq, num_new, next_victim, step.out):
+                step.take(seq, num_new)
 
-            def last_deferred(seq: Sequence = seq) -> Sequence:
-                victim = deferred.pop() if deferred else seq
-                self.running.remove(victim)
-                return victim
+    def _pop_last_running(self, deferred: list[Sequence]) -> Sequence:
+        """The running sequence that would run last, taken out of ``running`` (and out of
+        ``deferred``, were it there)."""
+        victim = self.running.pop()
+        if victim in deferred:
+            deferred.remove(victim)
+        return victim
 
-            if self._allocate_or_preempt(seq, num_new, last_deferred, out):
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
-                budget -= num_new
-                prefill_budget -= num_new
-        return out
+    def _pop_last_deferred(self, deferred: list[Sequence], seq: Sequence) -> Sequence:
+        """The last deferred prompt (``seq`` itself when none is left), taken out of
+        ``running``."""
+        victim = deferred.pop() if deferred else seq
+        self.running.remove(victim)
+        return victim
 
     def _allocate_or_preempt(
         self,

@@ -18,7 +18,7 @@ by the model runner; each layer only gathers, multiplies and writes, into reused
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -118,10 +118,8 @@ class StepMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] cache slot of every packed token
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks]; used when decode_chunks is empty
-    decode_mask: torch.Tensor | None  # [1, B, 1, max_blocks * block_size], additive
+    decode_chunks: list[DecodeChunk]  # the decodes' rows, cut by context length
     prefills: list[PrefillChunk]
-    decode_chunks: list[DecodeChunk] = field(default_factory=list)
 
 
 def paged_attention(
@@ -151,15 +149,9 @@ def paged_attention(
 
     b = step.num_decodes
     if b:
-        chunks = step.decode_chunks
-        if not chunks:  # metadata built the old way: one chunk over the whole decode batch
-            tables = step.decode_block_tables
-            mask = step.decode_mask  # [1, B, 1, ctx] -> [Hkv * B, 1, ctx]
-            mask = mask[0].expand(num_kv_heads, -1, -1, -1).reshape(-1, 1, mask.shape[-1])
-            chunks = [DecodeChunk(0, b, tables.shape[1], tables.reshape(-1), mask)]
         # [Hq, B, D] -> [Hkv, G, B, D]: the G query heads sharing a KV head become G rows.
         q_all = query[0, :, :b].unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
-        for chunk in chunks:
+        for chunk in step.decode_chunks:
             _decode_chunk(chunk, q_all, out, pool, layer, scale)
 
     for chunk in step.prefills:

@@ -143,10 +143,8 @@ class DecodeGraphs:
             pool=pool,
             slot_mapping=self.slots[:bp],
             num_decodes=bp,
-            decode_block_tables=None,
-            decode_mask=None,
-            prefills=[],
             decode_chunks=[DecodeChunk(0, bp, mp, self.block_ids[: bp * mp], mask)],
+            prefills=[],
         )
         return self.forward(self.input_ids[:bp], self.positions[:bp], self.keep[:bp], meta)
 

@@ -13,6 +13,8 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -25,6 +27,7 @@ from llmq.worker.runner.attention import (
     StepMetadata,
 )
 from llmq.worker.runner.decoder_forward import DecoderForward, supports
+from llmq.worker.runner.packed_batch import PackedBatch, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
 
 log = logging.getLogger(__name__)
@@ -138,102 +141,73 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns float32 logits, one row per sampling entry, and the indices
         of those entries in ``out.scheduled``."""
-        scheduled = out.scheduled
-        bs = self.block_size
-        decodes: list[int] = []
-        prefills: list[int] = []
-        for i, item in enumerate(scheduled):
-            (decodes if item.num_new_tokens == 1 else prefills).append(i)
-        # Decodes by context length, so that chunks of similar length are contiguous rows.
-        decodes.sort(key=lambda i: scheduled[i].start)
+        batch = pack_step(out.scheduled, self.block_size)
+        if self._fits_graphs(batch):
+            tables = [item.seq.block_table for item in batch.decodes]
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, tables)
+            return logits.float(), batch.sampled_entries
+        meta = self._step_metadata(batch)
+        keep_rows = torch.tensor(batch.keep, dtype=torch.long, device=self.device)
+        with self._threads_for(len(batch.input_ids)):
+            logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta)
+        return logits.float(), batch.sampled_entries
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        keep: list[int] = []
-        sampled_entries: list[int] = []
-        for row, i in enumerate(decodes):
-            item = scheduled[i]
-            seq, p = item.seq, item.start
-            input_ids.append(seq.token_ids[p])
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            if item.samples:
-                keep.append(row)
-                sampled_entries.append(i)
-        chunks: list[tuple[ScheduledSequence, int]] = []
-        for i in prefills:
-            item = scheduled[i]
-            seq, start, n = item.seq, item.start, item.num_new_tokens
-            q_start = len(input_ids)
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            first, last = start // bs, (start + n - 1) // bs
-            for b in range(first, last + 1):
-                base = table[b] * bs
-                lo = start - b * bs if b == first else 0
-                hi = start + n - b * bs if b == last else bs
-                slots.extend(range(base + lo, base + hi))
-            chunks.append((item, q_start))
-            if item.samples:
-                keep.append(len(input_ids) - 1)
-                sampled_entries.append(i)
-
-        if (
+    def _fits_graphs(self, batch: PackedBatch) -> bool:
+        """Whether a captured CUDA graph runs this step: decodes only, every one sampling, in
+        a captured batch and context bucket."""
+        decodes = batch.decodes
+        return (
             self.graphs is not None
-            and decodes
-            and not prefills
-            and len(keep) == len(decodes)
-            and self.graphs.fits(len(decodes), -(-(positions[-1] + 1) // bs))
-        ):
-            tables = [scheduled[i].seq.block_table for i in decodes]
-            logits = self.graphs.run(input_ids, positions, slots, tables)
-            return logits.float(), sampled_entries
-
-        dev = self.device
-        meta = StepMetadata(
-            pool=self.pool,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(decodes),
-            decode_block_tables=None,
-            decode_mask=None,
-            prefills=[],
+            and bool(decodes)
+            and not batch.prefills
+            and len(batch.keep) == len(decodes)
+            and self.graphs.fits(len(decodes), -(-(batch.positions[-1] + 1) // self.block_size))
         )
-        if decodes:
-            meta.decode_chunks = self._decode_chunks([scheduled[i] for i in decodes])
-        for item, q_start in chunks:
-            ctx_len = item.start + item.num_new_tokens
-            n_blocks = -(-ctx_len // bs)
-            mask = None
-            if item.start:
-                # Additive, in the model's dtype: SDPA on CPU takes it as is (a bool mask it
-                # first converts). Query i sits at position start + i and sees keys 0..start+i.
-                q_pos = self._positions(ctx_len)[item.start :]
-                hidden = self._positions(ctx_len)[None, :] > q_pos[:, None]
-                mask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev)
-                mask.masked_fill_(hidden, float("-inf"))
-            meta.prefills.append(
-                PrefillChunk(
-                    q_start=q_start,
-                    q_len=item.num_new_tokens,
-                    ctx_len=ctx_len,
-                    block_ids=torch.tensor(item.seq.block_table[:n_blocks], device=dev),
-                    mask=mask,
-                )
-            )
 
-        keep_rows = torch.tensor(keep, dtype=torch.long, device=dev)
+    def _step_metadata(self, batch: PackedBatch) -> StepMetadata:
+        """What the attention layers read: cache slots, decode chunks, prefill chunks."""
+        return StepMetadata(
+            pool=self.pool,
+            slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=self.device),
+            num_decodes=len(batch.decodes),
+            decode_chunks=self._decode_chunks(batch.decodes) if batch.decodes else [],
+            prefills=[self._prefill_chunk(item, q_start) for item, q_start in batch.prefills],
+        )
+
+    def _prefill_chunk(self, item: ScheduledSequence, q_start: int) -> PrefillChunk:
+        dev = self.device
+        ctx_len = item.start + item.num_new_tokens
+        n_blocks = -(-ctx_len // self.block_size)
+        mask = None
+        if item.start:
+            # Additive, in the model's dtype: SDPA on CPU takes it as is (a bool mask it
+            # first converts). Query i sits at position start + i and sees keys 0..start+i.
+            q_pos = self._positions(ctx_len)[item.start :]
+            hidden = self._positions(ctx_len)[None, :] > q_pos[:, None]
+            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev)
+            mask.masked_fill_(hidden, float("-inf"))
+        return PrefillChunk(
+            q_start=q_start,
+            q_len=item.num_new_tokens,
+            ctx_len=ctx_len,
+            block_ids=torch.tensor(item.seq.block_table[:n_blocks], device=dev),
+            mask=mask,
+        )
+
+    @contextmanager
+    def _threads_for(self, num_tokens: int) -> Iterator[None]:
+        """torch's intra-op threads for a step of ``num_tokens`` tokens, restored after it."""
         threads = torch.get_num_threads()
-        step_threads = self._step_threads(len(input_ids), threads) if dev.type == "cpu" else threads
+        step_threads = threads
+        if self.device.type == "cpu":
+            step_threads = self._step_threads(num_tokens, threads)
         if step_threads != threads:
             torch.set_num_threads(step_threads)
         try:
-            logits = self._forward(input_ids, positions, keep_rows, meta)
+            yield
         finally:
             if step_threads != threads:
                 torch.set_num_threads(threads)
-        return logits.float(), sampled_entries
 
     def _step_threads(self, num_tokens: int, threads: int) -> int:
         """Threads for a CPU step: the worker's own, but small steps (latency-bound) follow
