@@ -27,7 +27,7 @@ from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokeniz
 from llmq.common.redis_server import RedisServer, free_port
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import GROUP, Keys
-from llmq.up import plan_workers
+from llmq.tools.up import plan_workers
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests.harness import LLMQ, Proc, heartbeat, start_api, start_worker, wait_for, wait_worker
 

@@ -2,118 +2,26 @@
 
 from __future__ import annotations
 
-import math
-import time
+import argparse
 
-import redis
-
-from llmq.common.engine_status import EngineStatus
-from llmq.common.redis_clients import tool_client
-from llmq.common.settings import Settings
-from llmq.common.transport import GROUP, Keys
-
-# Hash fields that are text even when they look like numbers (a model named "7", an id).
-_TEXT_FIELDS = frozenset({"id", "name", "model", "kind", "status", "endpoint", "hostname"})
+from llmq.tools.settings_flags import override_settings
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="one screen: queue, engines, batches in progress",
+        description="Reads Redis: per request stream its length, pending entries per consumer "
+        "and oldest age; per engine its model, KV use, running and waiting; batches in progress.",
+    )
+    p.add_argument("--redis-url", help="Redis URL (LLMQ_REDIS_URL)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run, parser=p)
 
 
-def _number(value: str) -> int | float | str:
-    """``value`` as an int or a finite float where it reads as one, else unchanged."""
-    try:
-        return int(value)
-    except ValueError:
-        pass
-    try:
-        number = float(value)
-    except ValueError:
-        return value
-    return number if math.isfinite(number) else value
+def run(args: argparse.Namespace) -> int:
+    override_settings(redis_url=args.redis_url)
+    from llmq.common.settings import get_settings
+    from llmq.tools.inspect_snapshot import show
 
-
-def _typed(fields: dict) -> dict:
-    """A Redis hash (all strings) with its numbers as numbers, for ``--json`` readers."""
-    return {
-        k: v if k in _TEXT_FIELDS or k.endswith("_id") else _number(v) for k, v in fields.items()
-    }
-
-
-def snapshot(client: redis.Redis, keys: Keys) -> dict:
-    now = time.time()
-    streams = sorted({_s(k) for k in client.scan_iter(match=keys.requests_pattern, count=100)})
-    queues = []
-    for stream in streams:
-        if client.type(stream) != b"stream":
-            continue
-        info = {"stream": stream, "length": client.xlen(stream), "pending": 0, "consumers": []}
-        try:
-            for g in client.xinfo_groups(stream):
-                if _s(g["name"]) != GROUP:
-                    continue
-                info["pending"] = g["pending"]
-                info["lag"] = g.get("lag")
-            for c in client.xinfo_consumers(stream, GROUP):
-                info["consumers"].append(
-                    {"name": _s(c["name"]), "pending": c["pending"], "idle_s": c["idle"] / 1000}
-                )
-        except redis.ResponseError:
-            pass
-        first = client.xrange(stream, count=1)
-        info["oldest_age_s"] = now - int(_s(first[0][0]).split("-")[0]) / 1000 if first else 0.0
-        queues.append(info)
-    engines = []
-    prefix = len(keys.engine(""))
-    for key in client.scan_iter(match=keys.engines_pattern, count=100):
-        raw = client.hgetall(key)
-        if raw:
-            status = EngineStatus.from_redis(raw, _s(key)[prefix:])
-            engines.append({"name": status.worker, **status.to_redis()})
-    batches = []
-    for batch_id in client.smembers(keys.batches_active):
-        raw = _typed({_s(k): _s(v) for k, v in client.hgetall(keys.batch(_s(batch_id))).items()})
-        if raw:
-            batches.append(raw)
-    return {"queues": queues, "engines": engines, "batches": batches}
-
-
-def render(snap: dict) -> str:
-    out = ["QUEUES"]
-    if not snap["queues"]:
-        out.append("  (no request stream yet)")
-    for q in snap["queues"]:
-        out.append(
-            f"  {q['stream']}: {q['length']} in stream, {q['pending']} being served, "
-            f"oldest {q['oldest_age_s']:.1f}s"
-        )
-        for c in q["consumers"]:
-            out.append(f"    consumer {c['name']}: {c['pending']} pending, idle {c['idle_s']:.1f}s")
-    out.append("ENGINES")
-    if not snap["engines"]:
-        out.append("  (no live worker)")
-    for e in sorted(snap["engines"], key=lambda e: e["name"]):
-        used, total = e["kv_blocks_used"], e["kv_blocks_total"]
-        kv = f"KV {used}/{total} ({100 * used / total:.0f}%)" if total else "KV -"
-        out.append(
-            f"  {e['name']}: {e['model']} [{e['kind']}] {kv}, running {e['running']}, "
-            f"waiting {e['waiting']}, {e['tokens_per_s']} tok/s, {e['steps_per_s']} steps/s"
-        )
-    out.append("BATCHES IN PROGRESS")
-    if not snap["batches"]:
-        out.append("  (none)")
-    for b in snap["batches"]:
-        out.append(
-            f"  {b.get('id')}: {b.get('status')} {b.get('completed', 0)}/{b.get('total', 0)} done, "
-            f"{b.get('failed', 0)} failed ({b.get('endpoint')})"
-        )
-    return "\n".join(out)
-
-
-def run(settings: Settings, as_json: bool = False) -> int:
-    import json
-
-    client = tool_client(settings.redis_url_or_default())
-    snap = snapshot(client, Keys(settings.key_prefix))
-    print(json.dumps(snap, indent=2) if as_json else render(snap))
-    return 0
+    return show(get_settings(), as_json=args.json)

@@ -3,16 +3,13 @@ in one command; Ctrl-C stops them all."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from llmq.common.settings import DEFAULT_MODEL, get_settings
-
-log = logging.getLogger("llmq.up")
+from llmq.common.settings import DEFAULT_MODEL, Settings, get_settings
 
 DEMO_DIR = Path.home() / ".cache" / "llmq" / "demo-model"
 
@@ -86,8 +83,41 @@ def _gpu_count() -> int:
         return 0
 
 
-def _exit_on_sigterm(signum, frame) -> None:
+def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signal.SIGTERM)
+
+
+def _start_workers(settings: Settings, log_level: str) -> list[subprocess.Popen]:
+    plan = plan_workers(
+        settings.workers,
+        settings.device,
+        len(os.sched_getaffinity(0)),
+        _gpu_count() if settings.device != "cpu" else 0,
+        settings.torch_threads,
+    )
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "llmq.cli", "--log-level", log_level, "worker"],
+            env={**os.environ, **extra},
+            start_new_session=True,  # Ctrl-C reaches us; we stop the workers warm, in order
+        )
+        for extra in plan
+    ]
+    shown = ", ".join(f"{k}={v}" for k, v in plan[0].items())
+    print(f"llmq: {len(workers)} worker(s) starting (model {settings.model}; {shown})", flush=True)
+    return workers
+
+
+def _stop_workers(workers: list[subprocess.Popen], grace: float) -> None:
+    for worker in workers:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+    for worker in workers:
+        try:
+            worker.wait(grace)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
 
 
 def run_up(log_level: str = "INFO") -> int:
@@ -95,8 +125,7 @@ def run_up(log_level: str = "INFO") -> int:
     from llmq.common.settings import publish_embedded_redis
 
     settings = get_settings()
-    model = resolve_model()
-    os.environ["LLMQ_MODEL"] = model
+    os.environ["LLMQ_MODEL"] = resolve_model()
     redis_server = None
     if not settings.redis_url:
         redis_server = RedisServer(appendonly=True, own_session=True).start()
@@ -107,52 +136,20 @@ def run_up(log_level: str = "INFO") -> int:
     try:
         get_settings.cache_clear()
         settings = get_settings()
-        plan = plan_workers(
-            settings.workers,
-            settings.device,
-            len(os.sched_getaffinity(0)),
-            _gpu_count() if settings.device != "cpu" else 0,
-            settings.torch_threads,
-        )
-        workers = [
-            subprocess.Popen(
-                [sys.executable, "-m", "llmq.cli", "--log-level", log_level, "worker"],
-                env={**os.environ, **extra},
-                start_new_session=True,  # Ctrl-C reaches us; we stop the workers warm, in order
-            )
-            for extra in plan
-        ]
-        shown = ", ".join(f"{k}={v}" for k, v in plan[0].items())
-        print(f"llmq: {len(workers)} worker(s) starting (model {model}; {shown})", flush=True)
+        workers = _start_workers(settings, log_level)
         print(
             f"llmq: API on http://{settings.host}:{settings.port}  (Ctrl-C stops everything)",
             flush=True,
         )
-        import uvicorn
-
-        from llmq.api.app import create_app
+        from llmq.tools.api_cli import serve_api
 
         # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default
         # action (docker stop, systemd, kill) would then end this process before the workers
         # and the Redis below are stopped. As an exception, it unwinds through `finally`.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        uvicorn.run(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
-            log_level=log_level.lower(),
-            timeout_graceful_shutdown=5,
-        )
+        serve_api(settings, log_level)
     finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(settings.shutdown_grace + 20)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        _stop_workers(workers, settings.shutdown_grace + 20)
         if redis_server is not None:
             publish_embedded_redis(None)
             redis_server.close()
