@@ -386,7 +386,7 @@ def test_cancel_landing_after_the_last_line_ends_cancelled(main):
     import redis.asyncio as aioredis
 
     from llmq.common.store import Store
-    from llmq.worker.batch_tasks import BatchRun
+    from llmq.worker.batch.run import BatchRun
 
     async def run() -> tuple[dict, list[str]]:
         client = aioredis.Redis.from_url(main.redis_url)
@@ -423,7 +423,7 @@ def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error_file(
     import redis.asyncio as aioredis
 
     from llmq.common.store import Store
-    from llmq.worker.batch_tasks import BatchRun
+    from llmq.worker.batch.run import BatchRun
 
     async def run() -> tuple[dict, list[dict]]:
         client = aioredis.Redis.from_url(main.redis_url)
@@ -454,7 +454,7 @@ def test_background_loops_end_when_their_cancel_is_lost():
     (asyncio.wait_for, gh-86296). The batch task's lease renewal and cancel watcher must still
     end, or a finished run hangs with its lease renewed forever (seen: a batch with every line
     recorded stuck "in_progress"). The store here swallows the cancel as redis-py does."""
-    from llmq.worker.batch_tasks import BatchRun
+    from llmq.worker.batch.run import BatchRun
 
     class SwallowingStore:
         def __init__(self):

@@ -1,4 +1,5 @@
-"""The FastAPI app: lifespan (Redis, transport, model registry, metrics), auth, body limit."""
+"""The FastAPI app: lifespan (Redis, transport, model registry, generation service, metrics),
+auth, body limit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmq.api.errors import error_response, install_error_handlers
 from llmq.api.metrics import Metrics
+from llmq.api.streaming import watch_shutdown
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
+from llmq.common.generation import GenerationService
 from llmq.common.model_registry import ModelRegistry
 from llmq.common.redis_clients import async_client
 from llmq.common.settings import Settings, get_settings
@@ -78,9 +81,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.redis = client
         app.state.transport = transport
         app.state.registry = ModelRegistry(transport, settings)
+        app.state.service = GenerationService(app.state.registry, app.state.metrics)
         app.state.store = Store(client, transport.keys)
-        from llmq.api.openai_routes import watch_shutdown
-
         app.state.shutting_down = asyncio.Event()
         shutdown_watch = asyncio.create_task(watch_shutdown(app.state.shutting_down))
         preload = asyncio.create_task(app.state.registry.preload())
@@ -102,13 +104,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics()
     install_error_handlers(app)
 
-    from llmq.api import batches_routes, embeddings_routes, health, openai_routes, playground
+    from llmq.api import (
+        batches_routes,
+        completions_routes,
+        embeddings_routes,
+        health,
+        models_routes,
+        playground,
+    )
 
     app.include_router(health.router)
     app.include_router(playground.router)
-    app.include_router(openai_routes.router, dependencies=[Depends(require_api_key)])
-    app.include_router(embeddings_routes.router, dependencies=[Depends(require_api_key)])
-    app.include_router(batches_routes.router, dependencies=[Depends(require_api_key)])
+    for routes in (models_routes, completions_routes, embeddings_routes, batches_routes):
+        app.include_router(routes.router, dependencies=[Depends(require_api_key)])
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,

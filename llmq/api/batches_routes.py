@@ -10,6 +10,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmq.common.celery_client import dispatch_batch
 from llmq.common.errors import BodyTooLarge, InvalidRequest, NotFound
 from llmq.common.store import BATCH_ENDPOINTS, Store
 
@@ -125,9 +126,7 @@ async def create_batch(body: BatchCreate, request: Request) -> dict:
     batch = await store.create_batch(
         body.input_file_id, body.endpoint, body.completion_window, body.metadata
     )
-    from llmq.worker.batch_tasks import dispatch
-
-    await asyncio.to_thread(dispatch, batch["id"])
+    await asyncio.to_thread(dispatch_batch, request.app.state.settings, batch["id"])
     return batch
 
 

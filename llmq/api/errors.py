@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmq.common.errors import LLMQError
+from llmq.common.validation import validation_error
 
 log = logging.getLogger(__name__)
 
@@ -30,57 +31,6 @@ def _plain(status: int, message: str, type_: str, param=None, code=None) -> JSON
     return JSONResponse(body, status_code=status)
 
 
-def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    return ".".join(parts) or None
-
-
-# What pydantic names the members of a union in an error's location, in words.
-_UNION_MEMBERS = {
-    "str": "a string",
-    "list[str]": "an array of strings",
-    "list[constrained-int]": "an array of token ids",
-    "list[list[constrained-int]]": "an array of arrays of token ids",
-    "list[TextPart]": "an array of text parts",
-}
-
-
-def _union_at(loc: tuple) -> int | None:
-    """Where a union member's name sits in ``loc`` (pydantic puts one there for each member it
-    tried), or None."""
-    for i, part in enumerate(loc):
-        if isinstance(part, str) and (part in _UNION_MEMBERS or "[" in part or "-" in part):
-            return i
-    return None
-
-
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """One message and its ``param`` for a request that failed validation: the first error, or,
-    for a field of several accepted shapes (a union), the shapes it accepts."""
-    first = errors[0] if errors else {}
-    loc = tuple(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        return "the body is not valid JSON", None
-    at = _union_at(loc)
-    if at is None:
-        param = _param(loc)
-        msg = first.get("msg", "invalid request").removeprefix("Value error, ")
-        if not param or msg.startswith(param.split(".")[0]):  # the message names it already
-            return msg, param
-        return f"{param}: {msg}", param
-    field, param = loc[:at], _param(loc[:at])
-    tried = [e for e in errors if tuple(e.get("loc", ()))[:at] == field]
-    empty = [e for e in tried if e.get("type") == "too_short" and len(e["loc"]) == at + 1]
-    if empty:
-        return f"{param} must not be empty", param
-    shapes = list(dict.fromkeys(_UNION_MEMBERS.get(str(e["loc"][at]), "") for e in tried))
-    shapes = [s for s in shapes if s]
-    if len(shapes) < 2:
-        msg = first.get("msg", "invalid request").removeprefix("Value error, ")
-        return f"{param}: {msg}", param
-    return f"{param} must be {', '.join(shapes[:-1])} or {shapes[-1]}", param
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(LLMQError)
     async def _llmq(request: Request, exc: LLMQError):
@@ -90,8 +40,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        message, param = validation_message(list(exc.errors()))
-        return _plain(400, message, "invalid_request_error", param, "invalid_value")
+        return error_response(validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -1,4 +1,6 @@
-"""The Celery app of llmq workers: Redis broker and result backend, JSON only.
+"""The Celery app of llmq workers: the broker, backend and serializers of
+``llmq.common.celery_client`` (shared with the API, which sends batch tasks by name), plus the
+worker's own settings.
 
 A worker-level bootstep loads the model and runs the engine loop in its own thread from worker
 start to warm shutdown (a consumer step would restart on every broker reconnect). The pool is
@@ -14,50 +16,28 @@ import threading
 
 from celery import Celery, bootsteps
 
+from llmq.common.celery_client import BATCH_QUEUE, make_celery
 from llmq.common.settings import get_settings
 
 log = logging.getLogger("llmq.worker")
 
-BATCH_QUEUE = "llmq.batch"
+__all__ = ["BATCH_QUEUE", "app", "create_app"]
 
 
 def create_app() -> Celery:
-    settings = get_settings()
-    url = _with_tls_defaults(settings.redis_url_or_default())
-    app = Celery("llmq", broker=url, backend=url, include=["llmq.worker.batch_tasks"])
+    app = make_celery(get_settings(), include=["llmq.worker.batch.task"])
     app.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        event_serializer="json",
-        task_default_queue=BATCH_QUEUE,
         worker_pool="threads",
         worker_prefetch_multiplier=1,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        result_expires=7 * 24 * 3600,
         worker_send_task_events=True,
-        task_send_sent_event=True,
         task_track_started=True,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
-        broker_transport_options={
-            "visibility_timeout": 60,
-            "global_keyprefix": f"{settings.key_prefix}:celery:",
-        },
-        result_backend_transport_options={"global_keyprefix": f"{settings.key_prefix}:celery:"},
     )
     app.steps["worker"].add(EngineStep)
     return app
-
-
-def _with_tls_defaults(url: str) -> str:
-    """Celery refuses a rediss:// URL without ssl_cert_reqs; default it to verifying the
-    server's certificate (redis-py reads the same query parameter), so TLS is configured by the
-    URL alone."""
-    if url.startswith("rediss://") and "ssl_cert_reqs" not in url:
-        url += ("&" if "?" in url else "?") + "ssl_cert_reqs=required"
-    return url
 
 
 class EngineStep(bootsteps.StartStopStep):
@@ -99,7 +79,7 @@ class EngineStep(bootsteps.StartStopStep):
         if failure:
             raise failure[0]
         log.info("engine loop started as %s", name)
-        from llmq.worker.batch_tasks import supervise
+        from llmq.worker.batch.supervisor import supervise
 
         threading.Thread(
             target=supervise,

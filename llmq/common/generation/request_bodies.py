@@ -1,5 +1,5 @@
-"""Request bodies of the OpenAI-compatible routes (pydantic). Responses are built as plain dicts
-in the routers: OpenAI's shapes, nothing more."""
+"""Request bodies of the OpenAI-compatible endpoints (pydantic): the HTTP routes and batch lines
+validate with them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ MAX_N = 8
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # bounds one row's work per step
+MAX_INPUTS = 2048  # embedding inputs per request
 
 
 def _refuse(value, what: str):
@@ -336,3 +337,17 @@ class CompletionRequest(SamplingFields):
         if p and isinstance(p[0], int):
             return [p]
         return list(p)
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    # A string, a list of strings, a list of token ids or a list of lists of token ids; checked
+    # when embedding, so that a wrong shape gets a message that says what is accepted.
+    input: Any
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    # vLLM's extension: cut inputs to this many tokens (-1: the model's limit) instead of a 400.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None

@@ -1,0 +1,124 @@
+"""/v1/completions: one or more prompts (text or token ids), n choices each, OpenAI's
+text_completion answer and chunks (echo included)."""
+
+from __future__ import annotations
+
+from llmq.common.engine_status import EngineStatus
+from llmq.common.errors import InvalidRequest
+from llmq.common.generation.choices import (
+    Choice,
+    PromptGroup,
+    check_prompt_ids,
+    check_token_ids,
+    choice_params,
+    max_tokens,
+    truncated,
+)
+from llmq.common.generation.logprobs import completion_logprobs
+from llmq.common.generation.request_bodies import CompletionRequest
+from llmq.common.generation.responses import Completion, CompletionChoice, CompletionChunk
+from llmq.common.generation.run import Generation
+from llmq.common.pipeline import GenerationChunk, TokenGeneratorPipeline
+
+
+async def _encoded_prompts(
+    pipeline: TokenGeneratorPipeline, engine: EngineStatus, body: CompletionRequest
+) -> list[tuple[list[int], str]]:
+    """Each prompt's token ids, and its text for echo (truncated as the body asks)."""
+    prompts = body.prompts()
+    encoded: list[tuple[list[int], str]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p:
+                raise InvalidRequest("the prompt is empty", "prompt")
+            encoded.append((await pipeline.encode(p), p))
+        else:
+            check_prompt_ids(p, engine.vocab_size, i if len(prompts) > 1 else None)
+            encoded.append((list(p), pipeline.decode(list(p)) if body.echo else ""))
+    if body.truncate_prompt_tokens is not None:
+        encoded = [
+            (kept, text if len(kept) == len(ids) or not body.echo else pipeline.decode(kept))
+            for ids, text in encoded
+            for kept in [truncated(body, ids, engine.max_model_len)]
+        ]
+    return encoded
+
+
+async def completion_choices(
+    pipeline: TokenGeneratorPipeline, engine: EngineStatus, body: CompletionRequest
+) -> tuple[list[Choice], int]:
+    """The request's choices (n per prompt, in prompt order), and its prompt tokens."""
+    vocab = engine.vocab_size
+    check_token_ids(body, vocab)
+    encoded = await _encoded_prompts(pipeline, engine, body)
+    logprobs = body.wanted_logprobs()
+    choices: list[Choice] = []
+    for ids, text in encoded:
+        limit = max_tokens(body, len(ids), engine.max_model_len)
+        group = PromptGroup(body.n)
+        for j in range(body.n):
+            params = choice_params(body, limit, logprobs, j, vocab)
+            choice = Choice(len(choices), ids, params, group, text)
+            choice.text_offset = len(text) if body.echo else 0
+            choices.append(choice)
+    return choices, sum(len(ids) for ids, _ in encoded)
+
+
+class CompletionGeneration(Generation):
+    id_prefix = "cmpl"
+    reports_cached_tokens = False
+
+    def _chunk(self, rows: list[CompletionChoice], **usage) -> CompletionChunk:
+        return CompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=rows, **usage
+        )
+
+    def opening_chunks(self) -> list[CompletionChunk]:
+        if not self.body.echo:
+            return []
+        return [
+            self._chunk(
+                [
+                    CompletionChoice(
+                        index=c.index, text=c.prompt_text, logprobs=None, finish_reason=None
+                    )
+                ]
+            )
+            for c in self.choices
+        ]
+
+    def chunk(self, choice: Choice, chunk: GenerationChunk) -> CompletionChunk:
+        logprobs = None
+        if self.wants_logprobs and chunk.logprobs:
+            logprobs, choice.text_offset = completion_logprobs(
+                self.tokenizer, chunk.logprobs, choice.text_offset
+            )
+        row = CompletionChoice(
+            index=choice.index,
+            text=chunk.text,
+            logprobs=logprobs,
+            finish_reason=chunk.finish_reason,
+        )
+        return self._chunk([row])
+
+    def usage_chunk(self) -> CompletionChunk:
+        return self._chunk([], usage=self.usage())
+
+    def response(self) -> Completion:
+        rows = []
+        for c in self.choices:
+            prefix = c.prompt_text if self.body.echo else ""
+            logprobs = None
+            if self.wants_logprobs:
+                logprobs = completion_logprobs(self.tokenizer, c.logprobs, len(prefix))[0]
+            rows.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=prefix + "".join(c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                )
+            )
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=rows, usage=self.usage()
+        )

@@ -1,0 +1,172 @@
+"""Response bodies of the OpenAI-compatible endpoints, typed. ``model_dump()`` gives the JSON
+object answered: OpenAI's keys in OpenAI's order, ``null`` where a value is absent, except for
+the keys a model lists in ``omit_if_none``, which are left out instead."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
+
+
+class WireModel(BaseModel):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.omit_if_none:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+# ---- shared ----------------------------------------------------------------------------------
+class PromptTokensDetails(WireModel):
+    cached_tokens: int
+
+
+class Usage(WireModel):
+    omit_if_none = frozenset({"prompt_tokens_details"})
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # only when tokens were cached
+
+
+# ---- chat ------------------------------------------------------------------------------------
+class TopLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(WireModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(WireModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(WireModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(WireModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(WireModel):
+    omit_if_none = frozenset({"role", "content"})
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(WireModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(WireModel):
+    omit_if_none = frozenset({"usage"})
+
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # only on the last chunk, with stream_options.include_usage
+
+
+# ---- completions -----------------------------------------------------------------------------
+class CompletionLogprobs(WireModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(WireModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(WireModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(WireModel):
+    omit_if_none = frozenset({"usage"})
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # only on the last chunk, with stream_options.include_usage
+
+
+# ---- embeddings ------------------------------------------------------------------------------
+class Embedding(WireModel):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32
+
+
+class EmbeddingUsage(WireModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(WireModel):
+    object: str = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ---- models ----------------------------------------------------------------------------------
+class ModelCard(WireModel):
+    omit_if_none = frozenset({"random_weights"})
+
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "llmq"
+    root: str
+    max_model_len: int
+    kind: str
+    random_weights: bool | None = None  # only for a demo model's random weights
+
+
+class ModelList(WireModel):
+    object: str = "list"
+    data: list[ModelCard]

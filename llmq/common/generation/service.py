@@ -1,0 +1,127 @@
+"""GenerationService: from a validated request body to its answer, for the HTTP routes (which
+stream it or wait for it) and for batch lines (``answer``: a status code and a JSON body)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
+from pydantic import BaseModel, ValidationError
+
+from llmq.common.engine_status import EngineStatus
+from llmq.common.errors import LLMQError, Unavailable
+from llmq.common.generation.chat import ChatGeneration, chat_choices
+from llmq.common.generation.choices import Choice
+from llmq.common.generation.completions import CompletionGeneration, completion_choices
+from llmq.common.generation.embeddings import embed, embedding_inputs
+from llmq.common.generation.metrics import ChoiceRecorder, GenerationMetrics
+from llmq.common.generation.model_cards import find_model, model_list
+from llmq.common.generation.request_bodies import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    SamplingFields,
+)
+from llmq.common.generation.responses import EmbeddingList, ModelCard, ModelList, WireModel
+from llmq.common.generation.run import Generation
+from llmq.common.generation.submission import SubmitOptions, submit_all
+from llmq.common.model_registry import ModelRegistry
+from llmq.common.pipeline import TokenGeneratorPipeline
+from llmq.common.validation import validation_error
+
+PrepareChoices = Callable[
+    [TokenGeneratorPipeline, EngineStatus, Any], Awaitable[tuple[list[Choice], int]]
+]
+
+# The endpoints ``answer`` serves, with the body each takes.
+ENDPOINT_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+
+_INTERACTIVE = SubmitOptions()
+
+log = logging.getLogger(__name__)
+
+
+class GenerationService:
+    def __init__(self, registry: ModelRegistry, metrics: GenerationMetrics | None = None):
+        self.registry = registry
+        self.metrics = metrics
+
+    async def chat(
+        self, body: ChatCompletionRequest, options: SubmitOptions = _INTERACTIVE
+    ) -> ChatGeneration:
+        """The request's choices, submitted: run them with ``complete()`` or ``chunks()``."""
+        return await self._generation(body, options, chat_choices, ChatGeneration)
+
+    async def completions(
+        self, body: CompletionRequest, options: SubmitOptions = _INTERACTIVE
+    ) -> CompletionGeneration:
+        return await self._generation(body, options, completion_choices, CompletionGeneration)
+
+    async def _generation(
+        self,
+        body: SamplingFields,
+        options: SubmitOptions,
+        prepare: PrepareChoices,
+        kind: type[Generation],
+    ):
+        pipeline, engine = await self.registry.get(body.model)
+        choices, prompt_tokens = await prepare(pipeline, engine, body)
+        try:
+            streams = await submit_all(pipeline, choices, body, options)
+        except LLMQError as exc:
+            if self.metrics:
+                self.metrics.count_rejected(pipeline.model, exc.code or exc.type)
+            raise
+        recorder = ChoiceRecorder(self.metrics, pipeline.model)
+        return kind(pipeline.tokenizer, body, choices, streams, prompt_tokens, recorder)
+
+    async def embeddings(
+        self, body: EmbeddingRequest, options: SubmitOptions = _INTERACTIVE
+    ) -> EmbeddingList:
+        items = embedding_inputs(body.input)
+        pipeline, engine = await self.registry.get(body.model, kind="embed")
+        return await embed(pipeline, engine, body, items, options)
+
+    async def models(self) -> ModelList:
+        return model_list(await self.registry.engines())
+
+    async def model(self, model_id: str) -> ModelCard:
+        return find_model(await self.registry.engines(), model_id)
+
+    async def answer(
+        self, endpoint: str, body: dict, options: SubmitOptions
+    ) -> tuple[int, dict[str, Any]]:
+        """The status code and JSON body the HTTP route would answer to ``body`` (never
+        streamed): a batch line's result."""
+        try:
+            return 200, (await self._answer(endpoint, body, options)).model_dump()
+        except LLMQError as exc:
+            return exc.status, exc.to_dict()
+        except redis.RedisError as exc:  # as the API answers it
+            log.warning("redis unavailable: %s", exc)
+            error = Unavailable(
+                "the queue (Redis) is unavailable; retry shortly", code="redis_unavailable"
+            )
+            return error.status, error.to_dict()
+
+    async def _answer(self, endpoint: str, body: dict, options: SubmitOptions) -> WireModel:
+        model = ENDPOINT_BODIES.get(endpoint)
+        if model is None:
+            raise ValueError(f"{endpoint!r} is not an endpoint of the generation service")
+        try:
+            request = model.model_validate({**body, "stream": False})
+        except ValidationError as exc:
+            raise validation_error(list(exc.errors())) from None
+        if isinstance(request, EmbeddingRequest):
+            return await self.embeddings(request, options)
+        if isinstance(request, ChatCompletionRequest):
+            generation: Generation = await self.chat(request, options)
+        else:
+            generation = await self.completions(request, options)
+        return await generation.complete()

@@ -1,0 +1,71 @@
+"""Where a batch line's request is answered: the generation service, in this process, with the
+status and body the HTTP route would give.
+
+A line's request runs at batch priority, outside the interactive queue limit, with request ids
+derived from the line (a re-run attaches to what its first run started).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from llmq.common.errors import BodyTooLarge
+from llmq.common.generation import GenerationService, SubmitOptions
+from llmq.common.model_registry import ModelRegistry
+from llmq.common.protocol import PRIORITY_BATCH
+from llmq.common.redis_clients import async_client
+from llmq.common.settings import Settings
+from llmq.common.transport import AsyncTransport, Keys
+
+
+class LineExecutor(Protocol):
+    async def answer(
+        self, endpoint: str, body: dict, request_id_prefix: str
+    ) -> tuple[int, dict[str, Any]]: ...
+
+
+class AnsweringService(Protocol):
+    async def answer(
+        self, endpoint: str, body: dict, options: SubmitOptions
+    ) -> tuple[int, dict[str, Any]]: ...
+
+
+def encoded_size(body: dict) -> int:
+    """The body's size as an HTTP client sends it (compact JSON, UTF-8). Raises
+    UnicodeEncodeError for text that is not valid Unicode (a lone surrogate) and ValueError
+    for NaN or infinities, as the client would."""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return len(text.encode("utf-8"))
+
+
+class ServiceExecutor:
+    def __init__(self, service: AnsweringService, max_body_bytes: int):
+        self.service = service
+        self.max_body_bytes = max_body_bytes
+
+    async def answer(
+        self, endpoint: str, body: dict, request_id_prefix: str
+    ) -> tuple[int, dict[str, Any]]:
+        # The API refuses a body over its limit before parsing it; so does a batch line.
+        if encoded_size(body) > self.max_body_bytes:
+            limit = self.max_body_bytes
+            error = BodyTooLarge(f"the request body is over the limit of {limit} bytes")
+            return error.status, error.to_dict()
+        options = SubmitOptions(priority=PRIORITY_BATCH, request_id_prefix=request_id_prefix)
+        return await self.service.answer(endpoint, body, options)
+
+
+@contextlib.asynccontextmanager
+async def open_executor(settings: Settings) -> AsyncIterator[LineExecutor]:
+    """An executor on its own Redis connections, for the lines of one batch run."""
+    client = async_client(settings.redis_url_or_default(), settings.redis_max_connections)
+    transport = AsyncTransport(client, Keys(settings.key_prefix))
+    try:
+        service = GenerationService(ModelRegistry(transport, settings))
+        yield ServiceExecutor(service, settings.max_body_bytes)
+    finally:
+        await transport.close()
+        await client.aclose()

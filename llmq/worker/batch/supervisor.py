@@ -1,0 +1,64 @@
+"""A worker thread that finds batches whose task died with its worker and queues them again.
+
+The broker alone brings a killed task back slowly, or twice (see DESIGN.md): a batch's lease in
+Redis says whether its task still runs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from llmq.common.celery_client import dispatch_batch
+from llmq.common.redis_clients import async_client
+from llmq.common.settings import Settings, get_settings
+from llmq.common.store import FINAL_STATES, Store
+from llmq.common.transport import Keys
+
+log = logging.getLogger("llmq.batch")
+
+
+async def redispatch_orphans(
+    store: Store, settings: Settings, queued_grace: float = 60.0
+) -> list[str]:
+    """Batches not finished whose task holds no lease (its worker died): queue their task
+    again. A batch never started gets ``queued_grace`` seconds for its first task to come up;
+    a short marker lets only one worker re-send."""
+    sent = []
+    now = time.time()
+    for batch_id in await store.active_batches():
+        batch = await store.get_batch(batch_id)
+        if batch is None or batch["status"] in FINAL_STATES:
+            await store.r.srem(store.keys.batches_active, batch_id)
+            continue
+        if await store.lease_holder(batch_id) is not None:
+            continue
+        started = batch["in_progress_at"] or batch["cancelling_at"]
+        if not started and now - batch["created_at"] < queued_grace:
+            continue
+        if await store.r.set(store.keys.batch_dispatch(batch_id), "1", nx=True, ex=30):
+            log.warning("batch %s has no running task; dispatching it again", batch_id)
+            await asyncio.to_thread(dispatch_batch, settings, batch_id)
+            sent.append(batch_id)
+    return sent
+
+
+def supervise(stop: threading.Event, interval: float = 5.0) -> None:
+    """Worker thread: re-dispatch batches whose task died with its worker."""
+
+    async def loop() -> None:
+        settings = get_settings()
+        client = async_client(settings.redis_url_or_default())
+        store = Store(client, Keys(settings.key_prefix))
+        try:
+            while not stop.is_set():
+                try:
+                    await redispatch_orphans(store, settings)
+                except Exception as exc:  # Redis away: try again next round
+                    log.debug("batch supervisor: %s", exc)
+                await asyncio.to_thread(stop.wait, interval)
+        finally:
+            await client.aclose()
+
+    asyncio.run(loop())
