@@ -1,5 +1,5 @@
 """What travels between the API (or a batch task) and the engines, as plain dataclasses.
-``common/transport.py`` turns them into Redis stream entries and pub/sub messages (JSON)."""
+``common/transport/`` turns them into Redis stream entries and pub/sub messages (JSON)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from llmq.common.transport import Keys
+from llmq.common.transport.keys import Keys
 
 FINAL_STATES = {"completed", "failed", "cancelled", "expired"}
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")

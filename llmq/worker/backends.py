@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from llmq.common.protocol import EngineRequest, OutputMessage
 from llmq.worker.engine.embeddings import EmbeddingsScheduler
-from llmq.worker.llm_engine import LLMEngine, RequestError, RequestOutput
+from llmq.worker.request_error import RequestError
+
+if TYPE_CHECKING:  # the engine loop imports this module; torch stays out of it
+    from llmq.worker.llm_engine import LLMEngine, RequestOutput
 
 
 class Backend(Protocol):

@@ -1,4 +1,4 @@
-"""The engine loop: Redis in, model steps, Redis out. Runs in its own thread in the worker.
+"""The engine loop: requests in, model steps, outputs out. Runs in its own thread in the worker.
 
 Each turn: pull as many requests as the engine has room for (blocking only when idle), drain
 cancels, run one engine step, publish every sequence's new tokens in one round trip, refresh
@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-
-import redis
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, OutputMessage
-from llmq.common.transport import Emission, EngineTransport, PulledRequest
+from llmq.common.transport import Emission, PulledRequest
 from llmq.worker.backends import Backend
-from llmq.worker.llm_engine import RequestError
+from llmq.worker.engine_queue import EngineQueue
+from llmq.worker.request_error import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ class Active:
     request_id: str
     entry_id: str
     deadline: float | None
-    created: float = 0.0
-    started: float = field(default_factory=time.time)
+    created: float
+    started: float
     priority: int = PRIORITY_INTERACTIVE
     held: OutputMessage | None = None  # batch-priority tokens not yet sent
 
@@ -43,11 +43,12 @@ class EngineLoop:
     def __init__(
         self,
         backend: Backend,
-        transport: EngineTransport,
+        transport: EngineQueue,
         status: EngineStatus,
         heartbeat_ttl: float = 5.0,
         max_deliveries: int = 3,
         idle_block_ms: int = 100,
+        clock: Callable[[], float] = time.time,
     ):
         self.backend = backend
         self.transport = transport
@@ -55,6 +56,7 @@ class EngineLoop:
         self.heartbeat_ttl = heartbeat_ttl
         self.max_deliveries = max_deliveries
         self.idle_block_ms = idle_block_ms
+        self.clock = clock  # wall time: deadlines are unix times
         # Requests taken per turn, at most: a burst is split among the engines serving the
         # model as they turn, not swallowed whole by the first one that finds it (measured:
         # two workers on 64 streams ran 0.92x one worker when each could take all 64).
@@ -68,39 +70,50 @@ class EngineLoop:
         self._steps_window: list[tuple[float, int, int]] = []  # (time, steps, tokens)
         self.grace_period = 5.0
         self._unsent: list[Emission] = []  # emissions a Redis outage kept from going out
+        self._set_up = False  # the transport is set up (false at start and after an outage)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
         """Serve until ``stop()``; survives Redis outages by retrying."""
-        backoff = 0.2
-        setup_done = False
         try:
-            while not self.stopping.is_set():
-                try:
-                    if not setup_done:
-                        self.transport.setup(self.status)
-                        self._resume(
-                            self.transport.pull(
-                                self.backend.max_batch_size * 4, None, own_pending=True
-                            )
-                        )
-                        setup_done = True
-                    if self._unsent:
-                        self._publish([])
-                    self._turn()
-                    backoff = 0.2
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
-                    self.transport.close()
-                    setup_done = False
-                    self.stopping.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
+            self._serve()
             self._drain()
         except Exception:
             log.exception("engine loop crashed")
             raise
         finally:
             self.stopped.set()
+
+    def _serve(self) -> None:
+        backoff = 0.2
+        while not self.stopping.is_set():
+            error = self.turn()
+            if error is None:
+                backoff = 0.2
+                continue
+            log.warning("redis unavailable (%s); retrying in %.1fs", error, backoff)
+            self.stopping.wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def turn(self) -> Exception | None:
+        """One turn, setting the transport up first where it is not (at start, after an
+        outage). A transient transport error closes the transport and is returned: the next
+        turn sets it up again and resumes the requests this worker holds."""
+        try:
+            if not self._set_up:
+                self.transport.setup(self.status)
+                self._resume(
+                    self.transport.pull(self.backend.max_batch_size * 4, None, own_pending=True)
+                )
+                self._set_up = True
+            if self._unsent:
+                self._publish([])
+            self._advance()
+        except self.transport.transient_errors as exc:
+            self.transport.close()
+            self._set_up = False
+            return exc
+        return None
 
     def stop(self, grace_period: float | None = None) -> None:
         if grace_period is not None:
@@ -121,14 +134,15 @@ class EngineLoop:
             if left:
                 log.warning("handing back %d unfinished requests", len(left))
                 self.transport.announce_handback()
-        except (redis.ConnectionError, redis.TimeoutError):
+        except self.transport.transient_errors:
             log.warning("redis unavailable during shutdown; unfinished requests stay pending")
         finally:
             self.transport.close()
 
     # ---- one turn ------------------------------------------------------------------------
-    def _turn(self) -> None:
-        now = time.time()
+    def _advance(self) -> None:
+        """Pull, cancel, check deadlines, step and emit, heartbeat, claim orphans."""
+        now = self.clock()
         busy = self.backend.has_unfinished()
         room = self.backend.room()
         if room > 0:
@@ -210,7 +224,7 @@ class EngineLoop:
         self._admit([p for p in fresh if p.deliveries <= self.max_deliveries])
 
     def _admit(self, pulled: list[PulledRequest]) -> None:
-        now = time.time()
+        now = self.clock()
         admitted: list[PulledRequest] = []
         for p in pulled:
             req = p.request
@@ -241,7 +255,7 @@ class EngineLoop:
             if p.prior_tokens:
                 log.info("resuming %s after %d tokens", req.id, len(p.prior_tokens))
             self.active[req.id] = Active(
-                req.id, p.entry_id, req.deadline, req.created, priority=req.priority
+                req.id, p.entry_id, req.deadline, req.created, self.clock(), priority=req.priority
             )
             admitted.append(p)
         if admitted:
@@ -256,7 +270,7 @@ class EngineLoop:
             log.info(
                 "request %s cancelled (its client left or a stop string ended it) after %.1fs",
                 request_id,
-                time.time() - active.started,
+                self.clock() - active.started,
             )
         msg.error = reason
         self._publish([Emission(request_id, active.entry_id, msg)])

@@ -12,16 +12,13 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence
+from llmq.worker.request_error import RequestError
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
 
 if TYPE_CHECKING:
     from llmq.common.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run (bad token ids, too long): the caller's fault."""
 
 
 # On a CPU a step's time grows with its tokens: 128 prompt tokens beside the decodes cut the

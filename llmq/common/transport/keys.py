@@ -1,0 +1,156 @@
+"""Every Redis key name and every Lua script: the one module that knows how keys are spelled.
+
+Everything stored is JSON or plain text, so redis-cli shows a person what is happening
+(``{p}`` is the key prefix, ``llmq`` unless set):
+
+- ``{p}:requests:{model}``         stream per model, consumer group ``engines``: one entry per
+                                   request (fields ``id``, ``kind``, ``payload`` = EngineRequest
+                                   JSON)
+- ``{p}:out:{id}``                 pub/sub channel: OutputMessage JSON for one request
+- ``{p}:cancel``                   pub/sub channel: ids of requests to abort, and
+                                   ``handback:{worker}`` from a worker leaving requests behind
+- ``{p}:req:{id}``                 hash (TTL): state, worker, entry, finish_reason, timings
+- ``{p}:req:{id}:tokens``          list (TTL): every token generated so far (recovery, gaps)
+- ``{p}:req:{id}:logprobs``        list (TTL): one JSON entry a token, when logprobs were asked
+- ``{p}:engines:{worker}``         hash (TTL = heartbeat): model, KV blocks, running, waiting, ...
+- ``{p}:dead``                     stream: requests delivered too often, with the reason
+- ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
+- ``{p}:files``, ``{p}:files:{id}``, ``{p}:files:{id}:content``
+                                   OpenAI Batch API files: index, object hash, content string
+- ``{p}:batches``, ``{p}:batches:active``, ``{p}:batches:{id}``, ``{p}:batches:{id}:results``,
+  ``{p}:batches:{id}:lease``, ``{p}:batches:{id}:dispatch``
+                                   OpenAI Batch API batches: index, those not final, object
+                                   hash, line results, the running task's lease, a re-dispatch
+                                   marker
+"""
+
+from __future__ import annotations
+
+GROUP = "engines"
+# On the cancel channel, never a request id: a worker shutting down left requests pending.
+HANDBACK_PREFIX = "handback:"
+
+
+class Keys:
+    def __init__(self, prefix: str = "llmq"):
+        self.prefix = prefix
+
+    def requests(self, model: str) -> str:
+        """One stream per served model: a worker joins the stream of the model it serves."""
+        return f"{self.prefix}:requests:{model}"
+
+    @property
+    def requests_pattern(self) -> str:
+        return f"{self.prefix}:requests:*"
+
+    def out(self, request_id: str) -> str:
+        return f"{self.prefix}:out:{request_id}"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    def req(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}"
+
+    def tokens(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}:tokens"
+
+    def logprobs(self, request_id: str) -> str:
+        """Beside the tokens, for requests that asked for logprobs: one JSON entry a token."""
+        return f"{self.prefix}:req:{request_id}:logprobs"
+
+    def engine(self, worker: str) -> str:
+        return f"{self.prefix}:engines:{worker}"
+
+    @property
+    def engines_pattern(self) -> str:
+        return f"{self.prefix}:engines:*"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:dead"
+
+    # OpenAI Batch API objects (common/store.py)
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:files:{file_id}"
+
+    def file_content(self, file_id: str) -> str:
+        return f"{self.prefix}:files:{file_id}:content"
+
+    @property
+    def files_index(self) -> str:
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batches:{batch_id}"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash: line number -> output line (checkpoint: a line is run at most once)."""
+        return f"{self.prefix}:batches:{batch_id}:results"
+
+    def batch_lease(self, batch_id: str) -> str:
+        return f"{self.prefix}:batches:{batch_id}:lease"
+
+    def batch_dispatch(self, batch_id: str) -> str:
+        """Short-lived marker: a worker has just re-dispatched this batch's task."""
+        return f"{self.prefix}:batches:{batch_id}:dispatch"
+
+    @property
+    def batches_index(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        """Set of batches not yet in a final state (for re-dispatch when a lease expires)."""
+        return f"{self.prefix}:batches:active"
+
+    @property
+    def models(self) -> str:
+        """Hash: every model a worker has served -> JSON {source, kind, max_model_len}."""
+        return f"{self.prefix}:models"
+
+
+# Enqueue only while fewer than ARGV[3] entries wait undelivered (XLEN minus the pending ones:
+# finished entries are deleted), atomically, so the limit holds across API replicas. With
+# ARGV[9] = '1' a request whose id is already live or finished is attached to, not re-sent
+# (a batch task re-run after its worker died follows the lines its first run started).
+ENQUEUE_SCRIPT = """
+local stream, req = KEYS[1], KEYS[2]
+if ARGV[9] == '1' then
+  local state = redis.call('HGET', req, 'state')
+  if state == 'queued' or state == 'running' or state == 'finished' then return 'attached' end
+end
+local limit = tonumber(ARGV[3])
+if limit > 0 then
+  local waiting = redis.call('XLEN', stream)
+  local ok, pending = pcall(redis.call, 'XPENDING', stream, ARGV[4])
+  if ok then waiting = waiting - pending[1] end
+  if waiting >= limit then return false end
+end
+redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6])
+redis.call('EXPIRE', req, ARGV[7])
+return redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2])
+"""
+
+# Mark a live request cancelled (a worker that pulls it later drops it) and tell the engines.
+CANCEL_SCRIPT = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'queued' or state == 'running' then redis.call('HSET', KEYS[1], 'state', 'cancelled') end
+return redis.call('PUBLISH', KEYS[2], ARGV[1])
+"""
+
+
+# Append a message's tokens to the request's record idempotently: a retried write (the
+# connection dropped before EXEC answered) must not record a token twice.
+RECORD_SCRIPT = """
+local have = redis.call('LLEN', KEYS[1])
+local first = tonumber(ARGV[1])
+for i = have - first + 2, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+return have
+"""
+
+
+def as_text(value) -> str:
+    """A Redis reply (bytes, or already str) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,55 @@
+"""What the engine loop needs of its transport: requests in, outputs back, liveness and
+recovery. ``EngineTransport`` (Redis) is the one in service; tests drive the loop with an
+in-memory one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from llmq.common.engine_status import EngineStatus
+from llmq.common.protocol import EngineError
+from llmq.common.transport import Emission, PulledRequest
+
+
+class EngineQueue(Protocol):
+    worker: str  # this worker's name, stamped on the final message of each request
+    handed_back: set[str]  # workers that announced a hand-back since the last claim
+    # The transport is unavailable for now: the loop closes it, waits and sets it up again.
+    transient_errors: tuple[type[Exception], ...]
+
+    def setup(self, status: EngineStatus | None = None) -> None:
+        """Join the model's queue and listen for cancels (again, after an outage)."""
+
+    def close(self) -> None: ...
+
+    def pull(
+        self, count: int, block_ms: int | None, own_pending: bool = False
+    ) -> list[PulledRequest]:
+        """Up to ``count`` new requests, waiting up to ``block_ms`` (None: not at all) when
+        there are none; with ``own_pending`` the ones this worker already holds."""
+
+    def mark_running(self, pulled: Iterable[PulledRequest]) -> None: ...
+
+    def drain_cancels(self) -> list[str]:
+        """Ids of the requests cancelled since the last call (hand-backs go to
+        ``handed_back``)."""
+
+    def announce_handback(self) -> None:
+        """Tell the other workers this one, shutting down, left requests for them."""
+
+    def emit(self, emissions: list[Emission]) -> None:
+        """Record and publish one step's news; a final message finishes its request."""
+
+    def fail(self, request_id: str | None, entry_id: str, index: int, error: EngineError) -> None:
+        """End a request with an error (request_id None: drop an unparsable entry)."""
+
+    def dead_letter(self, p: PulledRequest, reason: str) -> None:
+        """Set a request aside as undeliverable and fail it."""
+
+    def heartbeat(self, status: EngineStatus, ttl: float) -> None: ...
+
+    def remove_heartbeat(self) -> None: ...
+
+    def claim_orphans(self, min_idle_ms: int, max_count: int) -> list[PulledRequest]:
+        """Take over the requests of workers whose heartbeat expired (or that handed back)."""
