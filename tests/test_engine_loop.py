@@ -5,7 +5,7 @@ and the hand-back at shutdown."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -118,7 +118,7 @@ class MemoryQueue:
         self._ack(p.entry_id)
 
     def heartbeat(self, status: EngineStatus, ttl: float) -> None:
-        self.heartbeats.append(status.copy())
+        self.heartbeats.append(replace(status))
 
     def remove_heartbeat(self) -> None:
         self.heartbeat_removed = True
