@@ -11,7 +11,9 @@ def async_redis_options() -> dict:
     connection (Redis restarted) retries on a fresh one instead of failing the request. Under
     uvloop (uvicorn's loop) writing to a socket the peer closed raises RuntimeError, not
     redis-py's ConnectionError. Redis 8's maintenance notifications stay off: on a reconnect to
-    an older Redis the refusal of CLIENT MAINT_NOTIFICATIONS reached a request as an error."""
+    an older Redis the refusal of CLIENT MAINT_NOTIFICATIONS reached a request as an error, and
+    so did CLIENT SETINFO's (Redis before 7.2): about one restart in four answered a request 503
+    "unknown subcommand 'SETINFO'"; no SETINFO is sent."""
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
     from redis.maint_notifications import MaintNotificationsConfig
@@ -22,6 +24,7 @@ def async_redis_options() -> dict:
         "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError, RuntimeError],
         "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+        "driver_info": None,
     }
 
 
@@ -41,10 +44,14 @@ def engine_client(url: str) -> redis.Redis:
     """The engine loop's synchronous client: a long socket timeout (a blocking XREADGROUP), and
     errors raised to the loop, which retries with backoff."""
     return redis.Redis.from_url(
-        url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=10
+        url,
+        socket_timeout=30,
+        socket_connect_timeout=5,
+        health_check_interval=10,
+        driver_info=None,  # no CLIENT SETINFO: Redis before 7.2 refuses it
     )
 
 
 def tool_client(url: str) -> redis.Redis:
     """A command-line tool's synchronous client: fails fast when Redis is not there."""
-    return redis.Redis.from_url(url, socket_connect_timeout=5)
+    return redis.Redis.from_url(url, socket_connect_timeout=5, driver_info=None)
