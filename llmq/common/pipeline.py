@@ -1,17 +1,15 @@
 """TokenGeneratorPipeline: the async client of the engines, used by the API and batch tasks.
 
 It tokenizes (chat template included) in a thread pool, subscribes to the request's output
-channel before enqueueing it, yields outputs as they come (dropping repeats, filling gaps from
-the request's recorded tokens), detokenizes incrementally, trims at stop strings and cancels
-the request on the engine, and fails with a clear error when the deadline passes or nothing
-arrives for too long.
+channel before enqueueing it, and hands back a RequestStream (``request_stream.py``: incremental
+detokenizing, stop strings, cancelling the request on the engine) that reads the output through
+an OutputReader (``request_output.py``: repeats dropped, gaps filled from the request's recorded
+tokens, a clear error when the deadline passes or nothing arrives for too long).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,27 +23,6 @@ from llmq.common.request_stream import GenerationChunk, RequestStream
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.text_input import check_text
 from llmq.common.transport import AsyncTransport
-
-__all__ = ["GenerationChunk", "RequestStream", "TokenGeneratorPipeline", "check_text"]
-
-
-@dataclass(slots=True)
-class SubmitContext:
-    """Set by a batch task around one line: its requests run at batch priority, outside the
-    interactive queue limit, with ids derived from the line, so that a re-run of the task
-    attaches to what its first run started instead of generating it again."""
-
-    priority: int
-    id_prefix: str
-    counter: itertools.count = field(default_factory=itertools.count)
-
-    def next_id(self) -> str:
-        return f"{self.id_prefix}-{next(self.counter)}"
-
-
-submit_context: contextvars.ContextVar[SubmitContext | None] = contextvars.ContextVar(
-    "llmq_submit_context", default=None
-)
 
 
 @dataclass(slots=True)
@@ -167,9 +144,6 @@ class TokenGeneratorPipeline:
         request with this id that exists already is followed, not started again (a batch
         line run a second time); such requests skip the queue limit.
         Iterate the returned stream for its output; ``aclose()`` it when done."""
-        ctx = submit_context.get()
-        if ctx is not None:
-            priority, request_id, attach = ctx.priority, ctx.next_id(), True
         request_id = request_id or uuid.uuid4().hex
         timeout = timeout or self.request_timeout
         started = time.time()
@@ -225,9 +199,6 @@ class TokenGeneratorPipeline:
     ) -> EmbeddingResult:
         """Embed token-id inputs on an embeddings worker; vectors come back in input order
         (``attach`` as for ``submit``)."""
-        ctx = submit_context.get()
-        if ctx is not None:
-            priority, request_id, attach = ctx.priority, ctx.next_id(), True
         request_id = request_id or uuid.uuid4().hex
         timeout = timeout or self.request_timeout
         started = time.time()

@@ -24,7 +24,8 @@ from llmq.common.generation.responses import (
     ChatLogprobs,
 )
 from llmq.common.generation.run import Generation
-from llmq.common.pipeline import GenerationChunk, TokenGeneratorPipeline
+from llmq.common.pipeline import TokenGeneratorPipeline
+from llmq.common.request_stream import GenerationChunk
 
 
 async def chat_choices(

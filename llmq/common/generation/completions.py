@@ -18,7 +18,8 @@ from llmq.common.generation.logprobs import completion_logprobs
 from llmq.common.generation.request_bodies import CompletionRequest
 from llmq.common.generation.responses import Completion, CompletionChoice, CompletionChunk
 from llmq.common.generation.run import Generation
-from llmq.common.pipeline import GenerationChunk, TokenGeneratorPipeline
+from llmq.common.pipeline import TokenGeneratorPipeline
+from llmq.common.request_stream import GenerationChunk
 
 
 async def _encoded_prompts(

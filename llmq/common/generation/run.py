@@ -16,7 +16,7 @@ from llmq.common.generation.choices import Choice
 from llmq.common.generation.metrics import ChoiceRecorder
 from llmq.common.generation.request_bodies import SamplingFields
 from llmq.common.generation.responses import PromptTokensDetails, Usage, WireModel
-from llmq.common.pipeline import GenerationChunk, RequestStream
+from llmq.common.request_stream import GenerationChunk, RequestStream
 
 
 class Generation(ABC):

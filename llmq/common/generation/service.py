@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from pydantic import BaseModel, ValidationError
@@ -43,6 +43,7 @@ ENDPOINT_BODIES: dict[str, type[BaseModel]] = {
 }
 
 _INTERACTIVE = SubmitOptions()
+G = TypeVar("G", bound=Generation)
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ class GenerationService:
         body: SamplingFields,
         options: SubmitOptions,
         prepare: PrepareChoices,
-        kind: type[Generation],
-    ):
+        kind: type[G],
+    ) -> G:
         pipeline, engine = await self.registry.get(body.model)
         choices, prompt_tokens = await prepare(pipeline, engine, body)
         try:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from llmq.common.generation.choices import Choice
 from llmq.common.generation.request_bodies import SamplingFields
-from llmq.common.pipeline import RequestStream, TokenGeneratorPipeline
+from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.protocol import PRIORITY_INTERACTIVE
+from llmq.common.request_stream import RequestStream
 
 
 @dataclass(frozen=True, slots=True)
