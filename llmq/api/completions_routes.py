@@ -7,7 +7,8 @@ from fastapi import APIRouter, Request
 
 from llmq.api.streaming import streamed_answer, whole_answer
 from llmq.common.generation import Generation
-from llmq.common.generation.request_bodies import ChatCompletionRequest, CompletionRequest
+from llmq.common.generation.chat_request import ChatCompletionRequest
+from llmq.common.generation.request_bodies import CompletionRequest
 
 router = APIRouter()
 

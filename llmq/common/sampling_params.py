@@ -21,6 +21,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Constrained decoding: an llguidance grammar (the JSON text LLMatcher.grammar_from_*
+    # returns), built and validated by the API; None: unconstrained.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ answer and chunks."""
 from __future__ import annotations
 
 from llmq.common.engine_status import EngineStatus
+from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import (
     Choice,
     PromptGroup,
@@ -13,7 +14,6 @@ from llmq.common.generation.choices import (
     truncated,
 )
 from llmq.common.generation.logprobs import chat_logprobs
-from llmq.common.generation.request_bodies import ChatCompletionRequest
 from llmq.common.generation.responses import (
     AssistantMessage,
     ChatChoice,

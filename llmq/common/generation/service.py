@@ -13,13 +13,13 @@ from pydantic import BaseModel, ValidationError
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import LLMQError, Unavailable
 from llmq.common.generation.chat import ChatGeneration, chat_choices
+from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import Choice
 from llmq.common.generation.completions import CompletionGeneration, completion_choices
 from llmq.common.generation.embeddings import embed, embedding_inputs
 from llmq.common.generation.metrics import ChoiceRecorder, GenerationMetrics
 from llmq.common.generation.model_cards import find_model, model_list
 from llmq.common.generation.request_bodies import (
-    ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     SamplingFields,
