@@ -388,10 +388,10 @@ def test_a_gap_is_filled_with_its_logprobs(llama_dir):
                 lps = [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in (5, 6)]
                 msg = OutputMessage(index=0, tokens=[5, 6], logprobs=lps)
                 engine.emit([Emission("gap", "0-1", msg)])  # nobody subscribed: missed
-                whole, _ = await p._recover(asked, 0)
-                tail, _ = await p._recover(asked, 1)
+                whole, _ = await p.output.recover(asked, 0)
+                tail, _ = await p.output.recover(asked, 1)
                 plain = EngineRequest(id="gap", prompt_token_ids=[1, 2])
-                none, _ = await p._recover(plain, 0)
+                none, _ = await p.output.recover(plain, 0)
                 return whole, tail, none
 
         whole, tail, none = asyncio.run(run())

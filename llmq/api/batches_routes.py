@@ -23,6 +23,17 @@ def _store(request: Request) -> Store:
     return request.app.state.store
 
 
+def _list_page(items: list[dict], has_more: bool) -> dict:
+    """One page of a list, in OpenAI's cursor shape."""
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
+    }
+
+
 # ---- files -------------------------------------------------------------------------------
 @router.post("/v1/files")
 async def create_file(
@@ -48,13 +59,7 @@ async def list_files(
     order: Literal["asc", "desc"] = "desc",
 ) -> dict:
     page, more = await _store(request).list_files(purpose, after, limit, order == "desc")
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": more,
-    }
+    return _list_page(page, more)
 
 
 async def _file(request: Request, file_id: str) -> dict:
@@ -137,13 +142,7 @@ async def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict:
     batches, has_more = await _store(request).list_batches(after, limit)
-    return {
-        "object": "list",
-        "data": batches,
-        "first_id": batches[0]["id"] if batches else None,
-        "last_id": batches[-1]["id"] if batches else None,
-        "has_more": has_more,
-    }
+    return _list_page(batches, has_more)
 
 
 async def _batch(request: Request, batch_id: str) -> dict:

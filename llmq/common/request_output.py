@@ -22,7 +22,7 @@ from llmq.common.transport import AsyncTransport
 log = logging.getLogger(__name__)
 
 _POLL = 1.0  # seconds between checks of a silent request's state
-_UNAVAILABLE = "unavailable"  # _recover could not read Redis
+_UNAVAILABLE = "unavailable"  # recover() could not read Redis
 
 
 class OutputReader:
@@ -48,7 +48,7 @@ class OutputReader:
                 raise _deadline(request)
             msg = await _next(queue, min(_POLL, remaining))
             if msg is None:
-                msg, state = await self._recover(request, expected)
+                msg, state = await self.recover(request, expected)
                 if msg is None:
                     if await self._still_waiting(request, state, last_activity):
                         last_activity = time.monotonic()
@@ -110,7 +110,7 @@ class OutputReader:
         """Tokens [expected, upto) from the request's record. Retried while Redis is
         unreachable: a restart drops pub/sub messages and stale pool connections alike."""
         while True:
-            filled, state = await self._recover(request, expected)
+            filled, state = await self.recover(request, expected)
             if state != _UNAVAILABLE:
                 if filled is None or filled.index + len(filled.tokens) < upto:
                     raise EngineFailure("output tokens were lost in transit", code="output_lost")
@@ -119,7 +119,7 @@ class OutputReader:
                 raise _deadline(request)
             await asyncio.sleep(0.1)
 
-    async def _recover(
+    async def recover(
         self, request: EngineRequest, expected: int
     ) -> tuple[OutputMessage | None, str | None]:
         """Read the request's record: tokens published while this client missed them (Redis
