@@ -11,7 +11,7 @@ import yaml
 from llmq.cli import build_parser
 from llmq.tools.settings_doc import BEGIN, END, settings_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_settings_table_is_generated_from_settings():

@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs give ``generate``'s tokens (needs a CUDA GPU).
 
-The engine's exactness load (tests/test_engine_exact.py: 16 prompts arriving while others
+The engine's exactness load (tests/worker/test_engine_exact.py: 16 prompts arriving while others
 decode) on the GPU in float32 with graphs on, against ``model.generate`` on the same GPU:
 batches and contexts change every few steps, so many (batch, blocks) buckets are captured and
 replayed, beside chunked prefills and preemption."""
@@ -12,7 +12,7 @@ import torch
 
 from llmq.common.model_loader import load_causal_lm
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from tests.test_engine_exact import EOS, drive, make_prompts, reference_generate
+from tests.worker.test_engine_exact import EOS, drive, make_prompts, reference_generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

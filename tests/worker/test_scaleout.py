@@ -144,7 +144,7 @@ def test_hosts_in_namespaces_survive_a_killed_worker_host(network, llama_dir, tm
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent),
+            cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]),
         )
         line = client.stdout.readline()
         assert line.startswith("RUNNING"), line + client.stderr.read()
