@@ -103,3 +103,23 @@ def test_every_line_is_recorded_with_its_status_and_request_id():
     assert not passed and refused["custom_id"] == 7
     assert refused["response"]["body"]["error"]["message"] == "line 4: custom_id must be a string"
     assert len(service.calls) == 1
+
+
+def test_lines_python_reads_but_json_does_not_fail_alone_with_a_400():
+    """NaN and Infinity (Python's json takes them; no answer could carry them) and nesting too
+    deep to parse: that line's 400, not a 500 or a task that dies on the whole file."""
+    from llmq.worker.batch.input_lines import LineRefused, custom_id_of, parse_line
+
+    deep = '{"custom_id": "d", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    nan = {"custom_id": "n", "url": CHAT, "body": {"temperature": float("nan")}}
+    inf = {"custom_id": "i", "url": CHAT, "body": {"top_p": float("-inf")}}
+    lines = {json.dumps(nan): "NaN", json.dumps(inf): "-Infinity", deep: "nested too deeply"}
+    for n, (text, why) in enumerate(lines.items(), 1):
+        try:
+            parse_line(InputLine(n, text), CHAT)
+        except LineRefused as refused:
+            assert refused.error.status == 400 and refused.error.code == "invalid_line"
+            assert why in refused.error.message, refused.error.message
+        else:
+            raise AssertionError(f"line {n} was accepted")
+        assert custom_id_of(text) is None  # the unrun row names no custom_id it cannot read

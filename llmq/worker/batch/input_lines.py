@@ -12,6 +12,20 @@ from llmq.common.errors import InvalidRequest
 from llmq.common.store import Store
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads(text: str):
+    """JSON as RFC 8259 has it: NaN and Infinity (which Python's json accepts, and which no
+    answer could carry) and nesting too deep to parse are ValueErrors, so the line fails alone
+    with a 400 instead of a 500, or a task that dies on the whole file."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("the line is nested too deeply") from None
+
+
 class InputLine(NamedTuple):
     number: int  # 1-based, counting empty lines too
     text: str
@@ -51,7 +65,7 @@ def _validate(lines: list[InputLine]) -> list[ValidationError]:
     seen: dict[str, int] = {}
     for n, line in lines:
         try:
-            obj = json.loads(line)
+            obj = loads(line)
         except ValueError:
             continue
         parsed += 1
@@ -86,7 +100,7 @@ def parse_line(line: InputLine, endpoint: str) -> LineRequest:
     """The request on one line, or LineRefused."""
     custom_id = None
     try:
-        obj = json.loads(line.text)
+        obj = loads(line.text)
         if not isinstance(obj, dict):
             raise ValueError("the line is not a JSON object")
         custom_id = obj.get("custom_id")
@@ -109,6 +123,6 @@ def parse_line(line: InputLine, endpoint: str) -> LineRequest:
 def custom_id_of(text: str) -> str | None:
     """The custom_id of a line that may not parse (for the rows of lines that never ran)."""
     with contextlib.suppress(ValueError, AttributeError):
-        cid = json.loads(text).get("custom_id")
+        cid = loads(text).get("custom_id")
         return cid if isinstance(cid, str) else None
     return None
