@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llmq.worker.engine.sequence import Sequence
+from llmq.worker.runner.token_mask import TokenMask, apply_token_mask
 
 
 @dataclass(slots=True)
@@ -47,12 +48,15 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.eos_token_ids = sorted(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """``logits``: float32 [N, V], row i for ``seqs[i]``."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], mask: TokenMask | None = None
+    ) -> SamplerOutput:
+        """``logits``: float32 [N, V], row i for ``seqs[i]``; ``mask``: the tokens a grammar
+        allows in the constrained rows."""
         n = len(seqs)
         params = [s.params for s in seqs]
         raw = logits
-        if any(p.min_tokens or p.adjusts_logits for p in params):
+        if mask is not None or any(p.min_tokens or p.adjusts_logits for p in params):
             logits = logits.clone()
             for i, seq in enumerate(seqs):
                 p = seq.params
@@ -66,6 +70,9 @@ class Sampler:
                         logits[i, banned] = float("-inf")
                 if p.has_penalties:
                     _apply_penalties(logits[i], seq)
+        want = [p.logprobs for p in params]
+        if mask is not None:
+            raw = _constrain(logits, raw, mask, any(want[r] is not None for r in mask.rows))
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -73,7 +80,6 @@ class Sampler:
         else:
             token_ids = self._sample_random(logits, seqs, greedy)
 
-        want = [p.logprobs for p in params]
         logprobs: list[TokenLogprobs | None] = [None] * n
         if any(k is not None for k in want):
             logp = torch.log_softmax(raw, dim=-1)
@@ -87,6 +93,8 @@ class Sampler:
                 top = []
                 if k:
                     top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+                    if mask is not None:  # a grammar may allow fewer than k tokens
+                        top = [(t, v) for t, v in top if v != float("-inf")]
                 logprobs[i] = TokenLogprobs(token_ids[i], chosen[i], top)
         return SamplerOutput(token_ids, logprobs)
 
@@ -129,6 +137,30 @@ class Sampler:
             rows = torch.tensor(greedy, device=dev)
             drawn = torch.where(rows, fast_argmax(logits), drawn)
         return drawn.tolist()
+
+
+def _constrain(
+    logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask, logprobs: bool
+) -> torch.Tensor:
+    """Mask the constrained rows of ``logits`` (a copy, after logit_bias, penalties and the
+    min_tokens bans; before temperature, top-k/p and min-p, which is the same as after them:
+    -inf / t is -inf and a forbidden token never survives a filter). Returns the logits that
+    logprobs are taken from: the masked model logits where a constrained row asks for them,
+    so they describe the distribution the token was drawn from, restricted to the grammar."""
+    apply_token_mask(logits, mask)
+    rows = torch.tensor(mask.rows, device=logits.device)
+    # A row the bans left with no token at all (min_tokens forbids the end of sequence where
+    # the grammar allows nothing else): the grammar wins, the bans go.
+    dead = logits.index_select(0, rows).amax(dim=-1) == float("-inf")
+    if bool(dead.any()):
+        for i in dead.nonzero()[:, 0].tolist():
+            logits[mask.rows[i]] = raw[mask.rows[i]]
+        apply_token_mask(logits, mask)
+    if not logprobs:
+        return raw
+    raw = raw.clone()
+    apply_token_mask(raw, mask)
+    return raw
 
 
 _ARGMAX_BLOCK = 256
