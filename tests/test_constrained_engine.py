@@ -15,7 +15,9 @@ import torch
 from llguidance import LLMatcher
 
 from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.protocol import EngineRequest
 from llmq.common.sampling_params import SamplingParams
+from llmq.worker.backends import GenerationBackend
 from llmq.worker.engine.sequence import FinishReason
 from llmq.worker.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from llmq.worker.request_error import RequestError
@@ -327,3 +329,33 @@ def test_apply_token_mask_matches_a_plain_mask(device):
         expected[r, ~allowed[k].to(device)] = float("-inf")
     apply_token_mask(logits, TokenMask(rows, bitmask))
     assert torch.equal(logits, expected)
+
+
+def test_min_tokens_bans_yield_to_the_grammar(llama_case):
+    # After "a" the grammar allows "b" or the end; min_tokens bans the end and the stop token
+    # bans "b": the row has no token left, and the grammar's own mask decides.
+    engine = make_engine(llama_case)
+    tokenizer = llama_case[1]
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, stop_token_ids=[b])
+    params.logit_bias = {a: 100.0}
+    params.grammar = choice_grammar(["a", "ab"])
+    engine.add_request("r", [9, 10, 11], params)
+    outs = run(engine)["r"]
+    assert outs[0].token_ids == [a]
+    assert text_of(tokenizer, outs) in ("a", "ab")
+
+
+def test_backend_reports_a_grammar_failure_as_that_requests_error(llama_case):
+    backend = GenerationBackend(make_engine(llama_case))
+    bad = SamplingParams(grammar=LLMatcher.grammar_from_regex("(unclosed"))
+    backend.add(EngineRequest("bad", [4, 5], bad), [])
+    backend.add(EngineRequest("good", [4, 5], SamplingParams(max_tokens=3, ignore_eos=True)), [])
+    messages: dict[str, list] = {}
+    while backend.has_unfinished():
+        for rid, msg in backend.step():
+            messages.setdefault(rid, []).append(msg)
+    (msg,) = messages["bad"]
+    assert msg.done and msg.usage is None and msg.tokens == []
+    assert msg.error.type == "invalid_request_error" and msg.error.code == "invalid_grammar"
+    assert messages["good"][-1].finish_reason == "length" and messages["good"][-1].error is None

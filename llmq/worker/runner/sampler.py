@@ -56,23 +56,14 @@ class Sampler:
         n = len(seqs)
         params = [s.params for s in seqs]
         raw = logits
+        banned_rows: list[int] = []
         if mask is not None or any(p.min_tokens or p.adjusts_logits for p in params):
             logits = logits.clone()
-            for i, seq in enumerate(seqs):
-                p = seq.params
-                if p.logit_bias:
-                    ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                    bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
-                    logits[i, ids] += bias
-                if seq.num_output_tokens < p.min_tokens:
-                    banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                    if banned:
-                        logits[i, banned] = float("-inf")
-                if p.has_penalties:
-                    _apply_penalties(logits[i], seq)
+            banned_rows = self._adjust(logits, seqs)
         want = [p.logprobs for p in params]
         if mask is not None:
-            raw = _constrain(logits, raw, mask, any(want[r] is not None for r in mask.rows))
+            wants_logprobs = any(want[r] is not None for r in mask.rows)
+            raw = _constrain(logits, raw, mask, banned_rows, wants_logprobs)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -97,6 +88,26 @@ class Sampler:
                         top = [(t, v) for t, v in top if v != float("-inf")]
                 logprobs[i] = TokenLogprobs(token_ids[i], chosen[i], top)
         return SamplerOutput(token_ids, logprobs)
+
+    def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logit_bias, min_tokens' bans and penalties, in place; the rows that got a bias or a
+        ban (only those can lose every token a grammar allows)."""
+        banned_rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
+                logits[i, ids] += bias
+                banned_rows.append(i)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+                    banned_rows.append(i)
+            if p.has_penalties:
+                _apply_penalties(logits[i], seq)
+        return banned_rows
 
     def _sample_random(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]
@@ -140,22 +151,28 @@ class Sampler:
 
 
 def _constrain(
-    logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask, logprobs: bool
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    mask: TokenMask,
+    banned_rows: list[int],
+    logprobs: bool,
 ) -> torch.Tensor:
     """Mask the constrained rows of ``logits`` (a copy, after logit_bias, penalties and the
     min_tokens bans; before temperature, top-k/p and min-p, which is the same as after them:
     -inf / t is -inf and a forbidden token never survives a filter). Returns the logits that
     logprobs are taken from: the masked model logits where a constrained row asks for them,
-    so they describe the distribution the token was drawn from, restricted to the grammar."""
+    so they describe the distribution the token was drawn from, restricted to the grammar.
+
+    Cost (49152 tokens, one thread, 2 cores): 0.04 ms for one row, 1.1-1.6 ms for 32 (the
+    clone included); filling the bitmask adds 0.01 and 0.06 ms."""
     apply_token_mask(logits, mask)
-    rows = torch.tensor(mask.rows, device=logits.device)
     # A row the bans left with no token at all (min_tokens forbids the end of sequence where
-    # the grammar allows nothing else): the grammar wins, the bans go.
-    dead = logits.index_select(0, rows).amax(dim=-1) == float("-inf")
-    if bool(dead.any()):
-        for i in dead.nonzero()[:, 0].tolist():
-            logits[mask.rows[i]] = raw[mask.rows[i]]
-        apply_token_mask(logits, mask)
+    # the grammar allows nothing else): the grammar wins over its bans and bias.
+    constrained = set(mask.rows)
+    for i in sorted(set(banned_rows) & constrained):
+        if bool(logits[i].amax() == float("-inf")):
+            logits[i] = raw[i]
+            apply_token_mask(logits, TokenMask([i], mask.bitmask[[mask.rows.index(i)]]))
     if not logprobs:
         return raw
     raw = raw.clone()
