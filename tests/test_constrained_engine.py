@@ -359,3 +359,25 @@ def test_backend_reports_a_grammar_failure_as_that_requests_error(llama_case):
     assert msg.done and msg.usage is None and msg.tokens == []
     assert msg.error.type == "invalid_request_error" and msg.error.code == "invalid_grammar"
     assert messages["good"][-1].finish_reason == "length" and messages["good"][-1].error is None
+
+
+def test_a_matcher_error_mid_generation_fails_only_that_request(llama_case):
+    engine = make_engine(llama_case)
+    tokenizer = llama_case[1]
+    grammar = LLMatcher.grammar_from_regex("[0-9]{6}")
+    for rid in ("broken", "fine"):
+        engine.add_request(rid, [4, 5, 6], SamplingParams(max_tokens=20, grammar=grammar))
+    outputs: dict[str, list[RequestOutput]] = {}
+    while "broken" not in engine.constrained.matchers:
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o)
+    # A token its grammar refuses puts the matcher in its error state, as a runtime fault would.
+    assert not engine.constrained.matchers["broken"].consume_token(tokenizer.encode("x")[0])
+    for rid, outs in run(engine).items():
+        outputs.setdefault(rid, []).extend(outs)
+    failure = outputs["broken"][-1]
+    assert failure.finish_reason is FinishReason.ABORT and failure.token_ids == []
+    assert failure.error.code == "grammar_error" and "\n" not in failure.error.message
+    assert failure.num_output_tokens == sum(len(o.token_ids) for o in outputs["broken"])
+    assert re.fullmatch("[0-9]{6}", text_of(tokenizer, outputs["fine"]))
+    assert not engine.requests and engine.block_manager.num_used_blocks == 0
