@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -381,3 +382,27 @@ def test_a_matcher_error_mid_generation_fails_only_that_request(llama_case):
     assert failure.num_output_tokens == sum(len(o.token_ids) for o in outputs["broken"])
     assert re.fullmatch("[0-9]{6}", text_of(tokenizer, outputs["fine"]))
     assert not engine.requests and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_grammar_being_built_stalls_no_other_request(llama_case):
+    engine = make_engine(llama_case)
+    compiler = engine.constrained.compiler
+    grammar = LLMatcher.grammar_from_regex("[0-9]{4}")
+    built = compiler.template(grammar).result()
+    held: Future = Future()  # a build that has not finished yet
+    compiler.template = lambda _grammar: held
+    engine.add_request("slow", [4, 5, 6], SamplingParams(max_tokens=10, grammar=grammar))
+    engine.add_request("free", [4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True))
+    free = run_until_finished(engine, "free")
+    assert sum(len(o.token_ids) for o in free) == 6
+    assert engine.has_unfinished() and engine.num_waiting == 1 and engine.num_running == 0
+    held.set_result(built)
+    slow = run(engine)["slow"]
+    assert re.fullmatch("[0-9]{4}", text_of(llama_case[1], slow))
+
+
+def run_until_finished(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while not outs or not outs[-1].finished:
+        outs.extend(o for o in engine.step() if o.request_id == request_id)
+    return outs
