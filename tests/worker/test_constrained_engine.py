@@ -23,7 +23,7 @@ from llmq.worker.engine.sequence import FinishReason
 from llmq.worker.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.token_mask import TokenMask, apply_token_mask
-from tests.test_engine_exact import reference_generate
+from tests.worker.test_engine_exact import reference_generate
 
 pytestmark = pytest.mark.unit
 
