@@ -9,6 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic.json_schema import SkipJsonSchema
 
 from llmq.common.generation.request_bodies import MAX_TOP_LOGPROBS, SamplingFields, refuse
+from llmq.common.generation.tool_request import (
+    AssistantToolCall,
+    FunctionTool,
+    ToolChoice,
+    check_tool_history,
+    forced_tool_name,
+)
 
 
 class TextPart(BaseModel):
@@ -23,6 +30,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | SkipJsonSchema[None] = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -39,6 +48,17 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def template_dict(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.role == "tool":
+            if self.tool_call_id is not None:
+                message["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                message["name"] = self.name
+        return message
+
 
 # Chat fields refused when set, with what they would ask for.
 _CHAT_REFUSED = {
@@ -53,12 +73,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # Refused, not ignored: a caller relying on JSON output or tool calls must not get free
-    # text back as if it were that. Left out of the OpenAPI schema: nothing they describe is
-    # served.
+    # Refused, not ignored: a caller relying on JSON output must not get free text back as if
+    # it were that. Left out of the OpenAPI schema: nothing they describe is served.
     response_format: SkipJsonSchema[dict[str, Any] | None] = None
-    tool_choice: SkipJsonSchema[str | dict[str, Any] | None] = None  # before tools: read there
-    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    tools: list[FunctionTool] | None = None  # before tool_choice: read there
+    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
     modalities: SkipJsonSchema[list[str] | None] = None
     audio: SkipJsonSchema[dict[str, Any] | None] = None
@@ -72,12 +92,29 @@ class ChatCompletionRequest(SamplingFields):
         "needs add_generation_prompt: false (vLLM's option).",
     )
 
+    @field_validator("messages")
+    @classmethod
+    def _tool_history(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        check_tool_history(v)
+        return v
+
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
+    def _tool_choice(cls, v, info: ValidationInfo):
+        if v in (None, "none", "auto"):
+            return v
+        tools = info.data.get("tools") or []
+        if not tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        name = forced_tool_name(v)
+        if name is not None and name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+        if info.data.get("structured_outputs") is not None or (
+            (info.data.get("response_format") or {}).get("type", "text") != "text"
+        ):
             raise ValueError(
-                "tool calling is not supported by this server; tool_choice may be 'none' or 'auto'"
+                "a tool_choice that forces calls cannot be combined with response_format or "
+                "structured_outputs"
             )
         return v
 
@@ -110,12 +147,10 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("tools")
     @classmethod
-    def _no_tool_calls(cls, v, info: ValidationInfo):
-        if v and info.data.get("tool_choice") != "none":
-            raise ValueError(
-                "tool calling is not supported by this server; send no tools, or tool_choice "
-                "'none' for a text answer"
-            )
+    def _distinct_tools(cls, v: list[FunctionTool] | None):
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools must have distinct function names")
         return v
 
     @field_validator(*_CHAT_REFUSED)
@@ -143,8 +178,22 @@ class ChatCompletionRequest(SamplingFields):
             "continue_final_message": self.continue_final_message,
         }
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's shape), or None."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_mode(self) -> str | None:
+        """None (no tools: plain text), "none", "auto", "required" or "named"."""
+        if not self.tools:
+            return None
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
+
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_dict() for m in self.messages]
