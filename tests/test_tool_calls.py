@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -96,22 +97,30 @@ def tools_model(llama_dir, tmp_path_factory) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str
+    model: str
+
+    def create(self, **kwargs):
+        client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120
+        )
+        return client.chat.completions.create(model=self.model, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def base(tools_model, tmp_path_factory):
+def base(tools_model, tmp_path_factory) -> Served:
     logs = tmp_path_factory.mktemp("tool-logs")
     with RedisServer() as server:
         worker = start_worker(server.url, tools_model, "w-tools", logs, wait=False)
         api, url = start_api(server.url, tools_model, logs, "api-tools")
         try:
             wait_worker(server.url, "w-tools", worker)
-            yield url
+            yield Served(url, str(tools_model))
         finally:
             api.terminate()
             worker.terminate()
-
-
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def valid_call(name: str, arguments: str) -> dict:
@@ -120,10 +129,10 @@ def valid_call(name: str, arguments: str) -> dict:
     return args
 
 
-def streamed(base: str, **kwargs) -> tuple[dict[int, dict], list]:
+def streamed(base: Served, **kwargs) -> tuple[dict[int, dict], list]:
     """Each choice's content, calls (reassembled from their deltas) and finish reason."""
     choices: dict[int, dict] = {}
-    chunks = list(client(base).chat.completions.create(stream=True, **kwargs))
+    chunks = list(base.create(stream=True, **kwargs))
     for chunk in chunks:
         for c in chunk.choices:
             got = choices.setdefault(c.index, {"content": "", "calls": {}, "finish": None})
@@ -157,7 +166,7 @@ def test_forced_calls_are_valid_and_streamed_alike(base, choice):
         max_tokens=200,
         parallel_tool_calls=False,
     )
-    r = client(base).chat.completions.create(**kwargs)
+    r = base.create(**kwargs)
     message, reason = r.choices[0].message, r.choices[0].finish_reason
     calls = whole_calls(message)
     assert len(calls) == 1 and message.content is None
@@ -183,8 +192,9 @@ def test_required_with_parallel_calls_and_sampling(base):
         n=3,
         max_tokens=400,
     )
-    r = client(base).chat.completions.create(**kwargs)
+    r = base.create(**kwargs)
     choices, _ = streamed(base, **kwargs)
+    assert any(c.finish_reason == "tool_calls" for c in r.choices)
     for c in r.choices:
         if c.finish_reason == "length":  # random weights may go on adding calls
             continue
@@ -192,6 +202,17 @@ def test_required_with_parallel_calls_and_sampling(base):
         calls = whole_calls(c.message)
         assert calls and all(valid_call(n, a) is not None for n, a in calls)
         assert [tuple(x) for x in choices[c.index]["calls"].values()] == calls  # same seed
+        assert choices[c.index]["finish"] == "tool_calls"
+
+
+def test_auto_text_streams_as_it_answers(base):
+    """Auto on a model that writes no call: the text, streamed or not, is the same."""
+    kwargs = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=30)
+    r = base.create(**kwargs)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    choices, _ = streamed(base, **kwargs)
+    assert choices[0]["content"] == r.choices[0].message.content
+    assert choices[0]["finish"] == r.choices[0].finish_reason and not choices[0]["calls"]
 
 
 def test_named_call_streams_arguments_as_generated(base):
@@ -224,13 +245,12 @@ def test_a_tool_call_history_is_rendered(base):
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 21 C"},
     ]
-    c = client(base)
-    with_history = c.chat.completions.create(messages=history, tools=TOOLS, max_tokens=2)
-    plain = c.chat.completions.create(messages=MESSAGES, max_tokens=2)
-    with_tools = c.chat.completions.create(messages=MESSAGES, tools=TOOLS, max_tokens=2)
+    with_history = base.create(messages=history, tools=TOOLS, max_tokens=2)
+    plain = base.create(messages=MESSAGES, max_tokens=2)
+    with_tools = base.create(messages=MESSAGES, tools=TOOLS, max_tokens=2)
     assert plain.usage.prompt_tokens < with_tools.usage.prompt_tokens  # the tools are shown
     assert with_tools.usage.prompt_tokens < with_history.usage.prompt_tokens
-    forced = c.chat.completions.create(
+    forced = base.create(
         messages=history,
         tools=TOOLS,
         tool_choice="required",
@@ -243,7 +263,7 @@ def test_a_tool_call_history_is_rendered(base):
 
 
 def test_tool_requests_refused_with_400(base):
-    url = f"{base}/v1/chat/completions"
+    url = f"{base.url}/v1/chat/completions"
     other = {"type": "function", "function": {"name": "nope"}}
     cases = [
         ({"tools": TOOLS, "tool_choice": other}, "tool_choice"),
@@ -255,6 +275,6 @@ def test_tool_requests_refused_with_400(base):
     history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [bad_args]}]
     cases.append(({"messages": history}, "messages.1.tool_calls.0.function.arguments"))
     for extra, param in cases:
-        r = httpx.post(url, json={"messages": MESSAGES, **extra}, timeout=60)
+        r = httpx.post(url, json={"messages": MESSAGES, "model": base.model, **extra}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
