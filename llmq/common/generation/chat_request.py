@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic.json_schema import SkipJsonSchema
+from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
 from llmq.common.generation.request_bodies import MAX_TOP_LOGPROBS, SamplingFields, refuse
 from llmq.common.generation.tool_request import (
@@ -27,11 +27,17 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     # The schema asks for content: only an assistant turn may leave it out.
     model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["role", "content"]})
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # A tool message answers an assistant turn's tool_calls, which the OpenAPI schema leaves
+    # out (as it does tools): the schema leaves the "tool" role out with them.
+    role: Annotated[
+        Literal["system", "user", "assistant", "tool", "developer"],
+        WithJsonSchema({"enum": ["system", "user", "assistant", "developer"], "type": "string"}),
+    ]
     content: str | list[TextPart] | SkipJsonSchema[None] = Field(None, validate_default=True)
     name: str | None = None
-    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
+    # Out of the OpenAPI schema, as the tools are (see ChatCompletionRequest).
+    tool_calls: SkipJsonSchema[list[AssistantToolCall] | None] = None  # an assistant's calls
+    tool_call_id: SkipJsonSchema[str | None] = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -76,9 +82,11 @@ class ChatCompletionRequest(SamplingFields):
     # Refused, not ignored: a caller relying on JSON output must not get free text back as if
     # it were that. Left out of the OpenAPI schema: nothing they describe is served.
     response_format: SkipJsonSchema[dict[str, Any] | None] = None
-    tools: list[FunctionTool] | None = None  # before tool_choice: read there
-    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, "none" without
-    parallel_tool_calls: bool = True
+    # Tools stay out of the OpenAPI schema, as before they were served: requests generated
+    # from it would mostly be 400s (random schemas and names).
+    tools: SkipJsonSchema[list[FunctionTool] | None] = None  # before tool_choice: read there
+    tool_choice: SkipJsonSchema[ToolChoice | None] = None  # unset: auto with tools, else none
+    parallel_tool_calls: SkipJsonSchema[bool] = True
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
     modalities: SkipJsonSchema[list[str] | None] = None
     audio: SkipJsonSchema[dict[str, Any] | None] = None
