@@ -73,8 +73,13 @@ class TokenGeneratorPipeline:
             lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         )
 
-    async def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs
+    ) -> list[int]:
+        """The prompt's token ids: ``messages`` (and the ``tools`` offered, when any) through
+        the chat template."""
         check_text(messages, "messages")
+        check_text(tools, "tools")
 
         def run() -> list[int]:
             if not getattr(self.tokenizer, "chat_template", None):
@@ -82,6 +87,7 @@ class TokenGeneratorPipeline:
             try:
                 ids = self.tokenizer.apply_chat_template(
                     messages,
+                    tools=tools,
                     tokenize=True,
                     return_dict=False,
                     **{"add_generation_prompt": True, **template_kwargs},

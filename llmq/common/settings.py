@@ -133,6 +133,12 @@ class Settings(BaseSettings):
         60.0, description="Seconds without output after which a running request fails."
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Largest HTTP request body accepted.")
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        None,
+        description="How tool calls are read from a model's output under tool_choice auto: "
+        "hermes (<tool_call>{...}</tool_call>: Qwen2.5/3, SmolLM3), llama3_json, mistral "
+        "([TOOL_CALLS][...]); unset: the format the chat template names, else none (text).",
+    )
     redis_max_connections: int = Field(
         256, description="Redis connections one API process opens at most (more requests wait)."
     )

@@ -3,6 +3,9 @@ answer and chunks."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from llmq.common.engine_status import EngineStatus
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import (
@@ -14,6 +17,7 @@ from llmq.common.generation.choices import (
     truncated,
 )
 from llmq.common.generation.logprobs import chat_logprobs
+from llmq.common.generation.marker_tokens import MarkerKeepingStream, skipped_markers
 from llmq.common.generation.responses import (
     AssistantMessage,
     ChatChoice,
@@ -22,10 +26,16 @@ from llmq.common.generation.responses import (
     ChatCompletionChunk,
     ChatDelta,
     ChatLogprobs,
+    WireModel,
 )
 from llmq.common.generation.run import Generation
+from llmq.common.generation.tool_calls import ChoiceToolCalls
+from llmq.common.generation.tool_grammar import tool_grammar
+from llmq.common.generation.tool_parsers import FORCED_ARRAY, choose_format
+from llmq.common.generation.tool_request import forced_tool_name
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.request_stream import GenerationChunk
+from llmq.common.settings import get_settings
 
 
 async def chat_choices(
@@ -35,7 +45,9 @@ async def chat_choices(
     vocab = engine.vocab_size
     check_token_ids(body, vocab)
     await body.prepare_grammar()
-    prompt_ids = await pipeline.encode_chat(body.template_messages(), **body.template_kwargs())
+    prompt_ids = await pipeline.encode_chat(
+        body.template_messages(), tools=body.template_tools(), **body.template_kwargs()
+    )
     prompt_ids = truncated(body, prompt_ids, engine.max_model_len)
     limit = max_tokens(body, len(prompt_ids), engine.max_model_len)
     logprobs = body.wanted_logprobs()
@@ -44,11 +56,57 @@ async def chat_choices(
         Choice(i, prompt_ids, choice_params(body, limit, logprobs, i, vocab), group)
         for i in range(body.n)
     ]
+    if body.tools and body.tool_mode() in ("required", "named"):
+        grammar = tool_grammar(
+            body.tools, forced_tool_name(body.tool_choice), body.parallel_tool_calls
+        )
+        for c in choices:
+            c.params.grammar = grammar
     return choices, len(prompt_ids)
+
+
+class ChunkSequence(WireModel):
+    """Several stream chunks for one chunk of output (a call's opening, then its arguments)."""
+
+    chunks: list[ChatCompletionChunk]
+
+
+def choice_tool_calls(body: ChatCompletionRequest, tokenizer) -> ChoiceToolCalls | None:
+    """How a choice's output becomes tool calls; None: it is text."""
+    mode = body.tool_mode()
+    if mode == "named":
+        return ChoiceToolCalls("named", None, forced_tool_name(body.tool_choice), True)
+    if mode == "required":
+        return ChoiceToolCalls("required", FORCED_ARRAY, None, body.parallel_tool_calls)
+    if mode != "auto":
+        return None
+    template = getattr(tokenizer, "chat_template", None)
+    fmt = choose_format(get_settings().tool_parser, template if isinstance(template, str) else None)
+    return None if fmt is None else ChoiceToolCalls("auto", fmt, None, body.parallel_tool_calls)
 
 
 class ChatGeneration(Generation):
     id_prefix = "chatcmpl"
+
+    def __init__(self, tokenizer, body: ChatCompletionRequest, *args, **kwargs):
+        super().__init__(tokenizer, body, *args, **kwargs)
+        self.tool_calls: dict[int, ChoiceToolCalls] = {}
+        for c in self.choices:
+            if (calls := choice_tool_calls(body, tokenizer)) is not None:
+                self.tool_calls[c.index] = calls
+        fmt = next(iter(self.tool_calls.values())).fmt if self.tool_calls else None
+        markers = skipped_markers(tokenizer, fmt.markers) if fmt is not None else {}
+        if markers:
+            self.streams = [MarkerKeepingStream(s, tokenizer, markers) for s in self.streams]
+
+    async def chunks(self) -> AsyncIterator[WireModel]:
+        async with contextlib.aclosing(super().chunks()) as chunks:
+            async for item in chunks:
+                if isinstance(item, ChunkSequence):
+                    for c in item.chunks:
+                        yield c
+                else:
+                    yield item
 
     def _logprobs(self, entries: list[dict]) -> ChatLogprobs:
         return chat_logprobs(self.tokenizer, entries)
@@ -67,7 +125,10 @@ class ChatGeneration(Generation):
             for c in self.choices
         ]
 
-    def chunk(self, choice: Choice, chunk: GenerationChunk) -> ChatCompletionChunk:
+    def chunk(self, choice: Choice, chunk: GenerationChunk) -> WireModel:
+        calls = self.tool_calls.get(choice.index)
+        if calls is not None:
+            return self._tool_chunks(choice, chunk, calls)
         has_text = chunk.text or chunk.finish_reason is None
         row = ChatChunkChoice(
             index=choice.index,
@@ -79,19 +140,48 @@ class ChatGeneration(Generation):
         )
         return self._chunk([row])
 
+    def _tool_chunks(
+        self, choice: Choice, chunk: GenerationChunk, calls: ChoiceToolCalls
+    ) -> ChunkSequence:
+        """Text held back while it may open a call; a call's opening and its arguments as
+        deltas of their own. Logprobs go with the first chunk, the finish reason with the
+        last."""
+        reason = chunk.finish_reason
+        deltas = calls.feed(chunk.text) + (calls.finish() if reason is not None else [])
+        logprobs = (
+            self._logprobs(chunk.logprobs) if self.wants_logprobs and chunk.logprobs else None
+        )
+        if not deltas and (reason is not None or logprobs is not None):
+            deltas = [ChatDelta()]
+        rows = [
+            ChatChunkChoice(index=choice.index, delta=d, logprobs=None, finish_reason=None)
+            for d in deltas
+        ]
+        if rows:
+            rows[0].logprobs = logprobs
+            if reason is not None:
+                rows[-1].finish_reason = calls.stream_finish_reason(reason)
+        return ChunkSequence(chunks=[self._chunk([r]) for r in rows])
+
     def usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk([], usage=self.usage())
 
     def response(self) -> ChatCompletion:
-        rows = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content="".join(c.text)),
-                logprobs=self._logprobs(c.logprobs) if self.wants_logprobs else None,
-                finish_reason=c.finish_reason,
-            )
-            for c in self.choices
-        ]
+        rows = [self._choice(c) for c in self.choices]
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=rows, usage=self.usage()
+        )
+
+    def _choice(self, c: Choice) -> ChatChoice:
+        text, reason = "".join(c.text), c.finish_reason
+        calls = self.tool_calls.get(c.index)
+        if calls is not None and reason is not None:
+            message, reason = calls.message(text, reason)
+        else:
+            message = AssistantMessage(content=text)
+        return ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=self._logprobs(c.logprobs) if self.wants_logprobs else None,
+            finish_reason=reason,
         )

@@ -6,9 +6,16 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic.json_schema import SkipJsonSchema
+from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
 from llmq.common.generation.request_bodies import MAX_TOP_LOGPROBS, SamplingFields, refuse
+from llmq.common.generation.tool_request import (
+    AssistantToolCall,
+    FunctionTool,
+    ToolChoice,
+    check_tool_history,
+    forced_tool_name,
+)
 
 
 class TextPart(BaseModel):
@@ -20,9 +27,17 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     # The schema asks for content: only an assistant turn may leave it out.
     model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["role", "content"]})
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # A tool message answers an assistant turn's tool_calls, which the OpenAPI schema leaves
+    # out (as it does tools): the schema leaves the "tool" role out with them.
+    role: Annotated[
+        Literal["system", "user", "assistant", "tool", "developer"],
+        WithJsonSchema({"enum": ["system", "user", "assistant", "developer"], "type": "string"}),
+    ]
     content: str | list[TextPart] | SkipJsonSchema[None] = Field(None, validate_default=True)
     name: str | None = None
+    # Out of the OpenAPI schema, as the tools are (see ChatCompletionRequest).
+    tool_calls: SkipJsonSchema[list[AssistantToolCall] | None] = None  # an assistant's calls
+    tool_call_id: SkipJsonSchema[str | None] = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -39,6 +54,17 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def template_dict(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.role == "tool":
+            if self.tool_call_id is not None:
+                message["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                message["name"] = self.name
+        return message
+
 
 # Chat fields refused when set, with what they would ask for.
 _CHAT_REFUSED = {
@@ -48,15 +74,27 @@ _CHAT_REFUSED = {
 }
 
 
+# Structured-output fields (on SamplingFields) besides response_format: each constrains the
+# output, which a forced tool call constrains already.
+_CONSTRAINT_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # Refused, not ignored: a caller relying on tool calls must not get free text back as if it
-    # were that. Left out of the OpenAPI schema: nothing they describe is served.
-    tool_choice: SkipJsonSchema[str | dict[str, Any] | None] = None  # before tools: read there
-    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    # Tools stay out of the OpenAPI schema, as before they were served: requests generated
+    # from it would mostly be 400s (random schemas and names).
+    tools: SkipJsonSchema[list[FunctionTool] | None] = None  # before tool_choice: read there
+    tool_choice: SkipJsonSchema[ToolChoice | None] = None  # unset: auto with tools, else none
+    parallel_tool_calls: SkipJsonSchema[bool] = True
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
     modalities: SkipJsonSchema[list[str] | None] = None
     audio: SkipJsonSchema[dict[str, Any] | None] = None
@@ -70,12 +108,31 @@ class ChatCompletionRequest(SamplingFields):
         "needs add_generation_prompt: false (vLLM's option).",
     )
 
+    @field_validator("messages")
+    @classmethod
+    def _tool_history(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        check_tool_history(v)
+        return v
+
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
+    def _tool_choice(cls, v, info: ValidationInfo):
+        if v in (None, "none", "auto"):
+            return v
+        tools = info.data.get("tools") or []
+        if not tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        name = forced_tool_name(v)
+        if name is not None and name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+        constrained = [f for f in _CONSTRAINT_FIELDS if info.data.get(f) is not None]
+        response_format = info.data.get("response_format")
+        if response_format is not None and response_format.type != "text":
+            constrained.insert(0, "response_format")
+        if constrained:
             raise ValueError(
-                "tool calling is not supported by this server; tool_choice may be 'none' or 'auto'"
+                "tool_choice 'required' or a named function cannot be combined with "
+                f"{' or '.join(constrained)}: the calls are the constrained output"
             )
         return v
 
@@ -97,12 +154,10 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("tools")
     @classmethod
-    def _no_tool_calls(cls, v, info: ValidationInfo):
-        if v and info.data.get("tool_choice") != "none":
-            raise ValueError(
-                "tool calling is not supported by this server; send no tools, or tool_choice "
-                "'none' for a text answer"
-            )
+    def _distinct_tools(cls, v: list[FunctionTool] | None):
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools must have distinct function names")
         return v
 
     @field_validator(*_CHAT_REFUSED)
@@ -130,8 +185,22 @@ class ChatCompletionRequest(SamplingFields):
             "continue_final_message": self.continue_final_message,
         }
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's shape), or None."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_mode(self) -> str | None:
+        """None (no tools: plain text), "none", "auto", "required" or "named"."""
+        if not self.tools:
+            return None
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
+
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_dict() for m in self.messages]

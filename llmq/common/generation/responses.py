@@ -53,9 +53,23 @@ class ChatLogprobs(WireModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(WireModel):
+    name: str
+    arguments: str  # the JSON text of an object
+
+
+class ToolCall(WireModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(WireModel):
+    omit_if_none = frozenset({"tool_calls"})
+
     role: str = "assistant"
-    content: str
+    content: str | None  # None: the answer is tool calls alone
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(WireModel):
@@ -74,11 +88,31 @@ class ChatCompletion(WireModel):
     usage: Usage
 
 
+class FunctionCallDelta(WireModel):
+    omit_if_none = frozenset({"name", "arguments"})
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(WireModel):
+    """A call's first delta has its id, type and name (and arguments ""); the next ones add
+    to its arguments."""
+
+    omit_if_none = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(WireModel):
-    omit_if_none = frozenset({"role", "content"})
+    omit_if_none = frozenset({"role", "content", "tool_calls"})
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(WireModel):

@@ -1,0 +1,280 @@
+"""Tool calls end to end: the openai client against a real API and worker on a random model
+whose chat template renders tools. On random weights only the grammar makes a forced call's
+arguments valid, so every call checked here is validated against its tool's schema."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from llmq.common.redis_server import RedisServer
+from tests.harness import start_api, start_worker, wait_worker
+
+# A Hermes-style template (as Qwen2.5's): tools in the system turn, calls in <tool_call> tags,
+# results as <tool_response>; it refuses arguments that are not a mapping.
+TOOLS_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}
+{%- for call in message.tool_calls %}
+{%- if call.function.arguments is not mapping %}{{ raise_exception("arguments must be a mapping") }}{% endif %}
+<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city over some days",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                "metric": {"type": "boolean"},
+            },
+            "required": ["city", "days", "metric"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def tools_model(llama_dir, tmp_path_factory) -> Path:
+    """The test model with a chat template that renders tools."""
+    path = tmp_path_factory.mktemp("tools-model") / "llama"
+    shutil.copytree(llama_dir, path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    model: str
+
+    def create(self, **kwargs):
+        client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120
+        )
+        return client.chat.completions.create(model=self.model, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def base(tools_model, tmp_path_factory) -> Served:
+    logs = tmp_path_factory.mktemp("tool-logs")
+    with RedisServer() as server:
+        worker = start_worker(server.url, tools_model, "w-tools", logs, wait=False)
+        api, url = start_api(server.url, tools_model, logs, "api-tools")
+        try:
+            wait_worker(server.url, "w-tools", worker)
+            yield Served(url, str(tools_model))
+        finally:
+            api.terminate()
+            worker.terminate()
+
+
+def valid_call(name: str, arguments: str) -> dict:
+    args = json.loads(arguments)
+    jsonschema.validate(args, SCHEMAS[name])
+    return args
+
+
+def streamed(base: Served, **kwargs) -> tuple[dict[int, dict], list]:
+    """Each choice's content, calls (reassembled from their deltas) and finish reason."""
+    choices: dict[int, dict] = {}
+    chunks = list(base.create(stream=True, **kwargs))
+    for chunk in chunks:
+        for c in chunk.choices:
+            got = choices.setdefault(c.index, {"content": "", "calls": {}, "finish": None})
+            got["content"] += c.delta.content or ""
+            for call in c.delta.tool_calls or []:
+                if call.index not in got["calls"]:  # its first delta: id, type, name, ""
+                    assert call.id.startswith("call_") and call.type == "function"
+                    assert call.function.arguments == ""
+                    got["calls"][call.index] = [call.function.name, ""]
+                else:
+                    assert call.id is None and call.function.name is None
+                    got["calls"][call.index][1] += call.function.arguments
+            if c.finish_reason is not None:
+                got["finish"] = c.finish_reason
+    return choices, chunks
+
+
+def whole_calls(message) -> list[tuple[str, str]]:
+    for call in message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_calls_are_valid_and_streamed_alike(base, choice):
+    kwargs = dict(
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=0,
+        max_tokens=200,
+        parallel_tool_calls=False,
+    )
+    r = base.create(**kwargs)
+    message, reason = r.choices[0].message, r.choices[0].finish_reason
+    calls = whole_calls(message)
+    assert len(calls) == 1 and message.content is None
+    if choice == "required":
+        assert reason == "tool_calls"
+    else:
+        assert reason == "stop" and calls[0][0] == "get_weather"
+    for name, arguments in calls:
+        valid_call(name, arguments)
+    choices, _ = streamed(base, **kwargs)
+    got = choices[0]
+    assert [tuple(c) for c in got["calls"].values()] == calls  # greedy: the same calls
+    assert got["content"] == "" and got["finish"] == reason
+
+
+def test_required_with_parallel_calls_and_sampling(base):
+    kwargs = dict(
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=1.0,
+        seed=7,
+        n=3,
+        max_tokens=400,
+    )
+    r = base.create(**kwargs)
+    choices, _ = streamed(base, **kwargs)
+    assert any(c.finish_reason == "tool_calls" for c in r.choices)
+    for c in r.choices:
+        if c.finish_reason == "length":  # random weights may go on adding calls
+            continue
+        assert c.finish_reason == "tool_calls"
+        calls = whole_calls(c.message)
+        assert calls and all(valid_call(n, a) is not None for n, a in calls)
+        assert [tuple(x) for x in choices[c.index]["calls"].values()] == calls  # same seed
+        assert choices[c.index]["finish"] == "tool_calls"
+
+
+def test_auto_text_streams_as_it_answers(base):
+    """Auto on a model that writes no call: the text, streamed or not, is the same."""
+    kwargs = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=30)
+    r = base.create(**kwargs)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    choices, _ = streamed(base, **kwargs)
+    assert choices[0]["content"] == r.choices[0].message.content
+    assert choices[0]["finish"] == r.choices[0].finish_reason and not choices[0]["calls"]
+
+
+def test_named_call_streams_arguments_as_generated(base):
+    choices, chunks = streamed(
+        base, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=200
+    )
+    fragments = [
+        call.function.arguments
+        for chunk in chunks
+        for c in chunk.choices
+        for call in c.delta.tool_calls or []
+        if call.function.arguments
+    ]
+    assert len(fragments) > 1  # not one piece at the end
+    name, arguments = choices[0]["calls"][0]
+    assert name == "get_weather" and valid_call(name, arguments)
+
+
+def test_a_tool_call_history_is_rendered(base):
+    call = {
+        "id": "call_abc",
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "arguments": '{"city": "Paris", "days": 1, "metric": true}',
+        },
+    }
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 21 C"},
+    ]
+    with_history = base.create(messages=history, tools=TOOLS, max_tokens=2)
+    plain = base.create(messages=MESSAGES, max_tokens=2)
+    with_tools = base.create(messages=MESSAGES, tools=TOOLS, max_tokens=2)
+    assert plain.usage.prompt_tokens < with_tools.usage.prompt_tokens  # the tools are shown
+    assert with_tools.usage.prompt_tokens < with_history.usage.prompt_tokens
+    forced = base.create(
+        messages=history,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=200,
+        parallel_tool_calls=False,
+    )
+    for name, arguments in whole_calls(forced.choices[0].message):
+        valid_call(name, arguments)
+
+
+def test_tool_requests_refused_with_400(base):
+    url = f"{base.url}/v1/chat/completions"
+    other = {"type": "function", "function": {"name": "nope"}}
+    cases = [
+        ({"tools": TOOLS, "tool_choice": other}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": NAMED}, "tool_choice"),
+        ({"tools": TOOLS, "messages": [*MESSAGES, {"role": "tool", "content": "x"}]}, "messages"),
+    ]
+    bad_args = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{"}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [bad_args]}]
+    cases.append(({"messages": history}, "messages.1.tool_calls.0.function.arguments"))
+    for extra, param in cases:
+        r = httpx.post(url, json={"messages": MESSAGES, "model": base.model, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
