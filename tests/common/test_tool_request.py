@@ -155,3 +155,29 @@ def test_an_unusable_schema_is_a_400_naming_tools():
     with pytest.raises(InvalidRequest) as info:
         tool_grammar(body(tools=[broken]).tools, "f", parallel=True)
     assert info.value.param == "tools"
+
+
+@pytest.mark.parametrize(
+    "constraint, named",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ],
+)
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_forced_call_and_another_constraint_are_one_400(constraint, named, choice):
+    """The calls are the constrained output: a second constraint cannot hold beside them."""
+    with pytest.raises(ValidationError) as caught:
+        body(tools=[WEATHER], tool_choice=choice, **constraint)
+    error = validation_error(list(caught.value.errors()))
+    assert (error.status, error.param) == (400, "tool_choice")
+    assert named in error.message and error.message.startswith("tool_choice "), error.message
+
+
+def test_a_forced_call_with_a_text_response_format_or_auto_with_a_schema_is_served():
+    body(tools=[WEATHER], tool_choice="required", response_format={"type": "text"})
+    body(tools=[WEATHER], tool_choice="auto", response_format={"type": "json_object"})
