@@ -82,13 +82,14 @@ class GenerationBackend:
             index=out.num_output_tokens - len(out.token_ids),
             tokens=out.token_ids,
             finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
+            error=out.error,
         )
         if out.logprobs:
             msg.logprobs = [
                 {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
                 for lp in out.logprobs
             ]
-        if msg.finish_reason is not None:
+        if msg.finish_reason is not None and msg.error is None:
             msg.usage = {
                 "prompt_tokens": out.num_prompt_tokens,
                 "completion_tokens": out.num_output_tokens,

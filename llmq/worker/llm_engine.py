@@ -8,15 +8,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmq.common.model_loader import resolve_device
+from llmq.common.protocol import EngineError
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler
-from llmq.worker.engine.sequence import FinishReason, Sequence
+from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
 
 if TYPE_CHECKING:
     from llmq.common.settings import Settings
+    from llmq.worker.constrained_sequences import ConstrainedSequences
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,9 @@ log = logging.getLogger(__name__)
 # 32-stream ITL p99 from 0.76-0.97 s to 0.27-0.29 s (`bench/compare.py`, 2 cores), with the
 # same output and a lower TTFT p50. A GPU step of 512 tokens is hardly longer than one of 128.
 CPU_PREFILL_TOKENS_WITH_DECODES = 128
+# How long an otherwise idle step waits for a grammar being built (a build finishing sooner
+# ends the wait): the engine loop pulls new requests and cancels between steps.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -99,6 +104,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    error: EngineError | None = None  # the request failed (its grammar): finish_reason abort
 
     @property
     def finished(self) -> bool:
@@ -106,7 +112,15 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None, eos_token_ids=frozenset()):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig | None = None,
+        eos_token_ids=frozenset(),
+        tokenizer=None,
+    ):
+        """``tokenizer``: the served tokenizer, for requests constrained by a grammar (without
+        one the engine refuses them)."""
         from llmq.worker.runner.model_runner import ModelRunner
 
         config = config or EngineConfig()
@@ -138,6 +152,11 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.sampler = Sampler(eos_token_ids)
+        self.constrained = (
+            _constrained_sequences(tokenizer, self.vocab_size, eos_token_ids, config)
+            if tokenizer is not None
+            else None
+        )
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
         self.num_steps = 0
@@ -175,6 +194,8 @@ class LLMEngine:
             raise RequestError(
                 f"the prompt has {len(tokens)} tokens; this model's context is {self.max_model_len}"
             )
+        if params.grammar is not None and self.constrained is None:
+            raise RequestError("this worker cannot run constrained requests (no tokenizer)")
         seq = Sequence(
             request_id,
             list(prompt_token_ids),
@@ -186,7 +207,10 @@ class LLMEngine:
         self._arrivals += 1
         self.num_requests_total += 1
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.grammar is not None:
+            self.constrained.add(seq)  # it enters the scheduler once its matcher is built
+        else:
+            self.scheduler.add(seq)
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -194,11 +218,19 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.abort(seq)
+        if self.constrained is not None and self.constrained.discard(request_id):
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+        else:
+            self.scheduler.abort(seq)
         return self._output(seq, [], seq.finish_reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._num_building > 0
+
+    @property
+    def _num_building(self) -> int:
+        """Requests waiting for their grammar's matcher."""
+        return len(self.constrained.pending) if self.constrained is not None else 0
 
     @property
     def num_running(self) -> int:
@@ -206,31 +238,70 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        return self.scheduler.num_waiting + self._num_building
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_constrained() if self._num_building else []
         out = self.scheduler.schedule()
         if not out:
-            return []
+            if self._num_building and not failed:
+                self.constrained.wait(GRAMMAR_WAIT_S)
+            return failed
         logits, entries = self.runner.execute(out)
         seqs = [out.scheduled[i].seq for i in entries]
-        sampled = self.sampler(logits, seqs) if seqs else None
+        mask = None
+        if self.constrained is not None and self.constrained.matchers:
+            mask = self.constrained.mask(seqs)
+        sampled = self.sampler(logits, seqs, mask) if seqs else None
         tokens: list[int | None] = [None] * len(out.scheduled)
         logprobs: dict[int, TokenLogprobs | None] = {}
         for row, i in enumerate(entries):
             tokens[i] = sampled.token_ids[row]
             logprobs[id(out.scheduled[i].seq)] = sampled.logprobs[row]
-        updates = self.scheduler.update(out, tokens)
+        grammar = None
+        if mask is not None:
+            grammar = self.constrained.advance(seqs, sampled.token_ids, mask.rows)
+        updates = self.scheduler.update(out, tokens, grammar.complete if grammar else ())
         self.num_steps += 1
         self.num_generated += len(updates)
-        outputs = []
+        outputs = failed
         for u in updates:
+            if grammar is not None and u.seq in grammar.failed:
+                u.seq.token_ids.pop()  # the token its grammar refused is not output
+                u.seq.output_token_ids.pop()
+                outputs.append(self._fail(u.seq, grammar.failed[u.seq], "grammar_error"))
+                continue
             lp = logprobs.get(id(u.seq))
             outputs.append(self._output(u.seq, [u.token_id], u.finish_reason, lp))
             if u.finish_reason is not None:
-                self.requests.pop(u.seq.request_id, None)
+                self._forget(u.seq)
         return outputs
+
+    def _admit_constrained(self) -> list[RequestOutput]:
+        """Hand the sequences whose matcher is ready to the scheduler; fail those whose grammar
+        could not be built."""
+        ready, failed = self.constrained.ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        return [self._fail(seq, error, "invalid_grammar", scheduled=False) for seq, error in failed]
+
+    def _fail(self, seq: Sequence, error: str, code: str, scheduled: bool = True) -> RequestOutput:
+        """End ``seq`` now with ``error`` (its blocks freed); the output that says so.
+        ``scheduled``: whether the scheduler holds it (not while its matcher was built)."""
+        if scheduled:
+            self.scheduler.abort(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+        self._forget(seq)
+        log.info("request %s failed: %s", seq.request_id, error)
+        out = self._output(seq, [], FinishReason.ABORT)
+        out.error = EngineError(error, "invalid_request_error", code)
+        return out
+
+    def _forget(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+        if self.constrained is not None:
+            self.constrained.discard(seq.request_id)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; their output token ids, in order. For tests and tools."""
@@ -254,3 +325,13 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
         )
+
+
+def _constrained_sequences(
+    tokenizer, vocab_size: int, eos_token_ids, config: EngineConfig
+) -> ConstrainedSequences:
+    from llmq.worker.constrained_sequences import ConstrainedSequences
+    from llmq.worker.grammar_compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, vocab_size, sorted(eos_token_ids))
+    return ConstrainedSequences(compiler, config.max_batch_size)

@@ -48,7 +48,12 @@ def build_backend(settings: Settings):
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
 
     model = load_causal_lm(settings.model, settings.dtype, settings.device)
-    engine = LLMEngine(model, EngineConfig.from_settings(settings), eos_token_ids(model, tokenizer))
+    engine = LLMEngine(
+        model,
+        EngineConfig.from_settings(settings),
+        eos_token_ids(model, tokenizer),
+        tokenizer=tokenizer,
+    )
     return GenerationBackend(engine), model, engine.max_model_len
 
 

@@ -15,7 +15,7 @@ recomputes it later: nothing is dropped.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -242,9 +242,15 @@ class Scheduler:
                 return False
         return True
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[SequenceUpdate]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: list[int | None],
+        complete: Collection[Sequence] = (),
+    ) -> list[SequenceUpdate]:
         """Apply one step's results: ``sampled[i]`` is the token drawn for ``out.scheduled[i]``
-        (None where that entry was a prefill chunk that does not sample)."""
+        (None where that entry was a prefill chunk that does not sample). ``complete``: the
+        sequences whose grammar this token completed; they stop."""
         updates: list[SequenceUpdate] = []
         bm = self.block_manager
         for item, token in zip(out.scheduled, sampled, strict=True):
@@ -257,7 +263,7 @@ class Scheduler:
                 continue
             assert token is not None
             seq.append_token(token)
-            reason = self._stop_reason(seq, token)
+            reason = FinishReason.STOP if seq in complete else self._stop_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
             updates.append(SequenceUpdate(seq, token, reason))

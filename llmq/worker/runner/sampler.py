@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llmq.worker.engine.sequence import Sequence
+from llmq.worker.runner.token_mask import TokenMask, apply_token_mask
 
 
 @dataclass(slots=True)
@@ -47,25 +48,22 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.eos_token_ids = sorted(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """``logits``: float32 [N, V], row i for ``seqs[i]``."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], mask: TokenMask | None = None
+    ) -> SamplerOutput:
+        """``logits``: float32 [N, V], row i for ``seqs[i]``; ``mask``: the tokens a grammar
+        allows in the constrained rows."""
         n = len(seqs)
         params = [s.params for s in seqs]
         raw = logits
-        if any(p.min_tokens or p.adjusts_logits for p in params):
+        banned_rows: list[int] = []
+        if mask is not None or any(p.min_tokens or p.adjusts_logits for p in params):
             logits = logits.clone()
-            for i, seq in enumerate(seqs):
-                p = seq.params
-                if p.logit_bias:
-                    ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                    bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
-                    logits[i, ids] += bias
-                if seq.num_output_tokens < p.min_tokens:
-                    banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                    if banned:
-                        logits[i, banned] = float("-inf")
-                if p.has_penalties:
-                    _apply_penalties(logits[i], seq)
+            banned_rows = self._adjust(logits, seqs)
+        want = [p.logprobs for p in params]
+        if mask is not None:
+            wants_logprobs = any(want[r] is not None for r in mask.rows)
+            raw = _constrain(logits, raw, mask, banned_rows, wants_logprobs)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -73,7 +71,6 @@ class Sampler:
         else:
             token_ids = self._sample_random(logits, seqs, greedy)
 
-        want = [p.logprobs for p in params]
         logprobs: list[TokenLogprobs | None] = [None] * n
         if any(k is not None for k in want):
             logp = torch.log_softmax(raw, dim=-1)
@@ -87,8 +84,30 @@ class Sampler:
                 top = []
                 if k:
                     top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+                    if mask is not None:  # a grammar may allow fewer than k tokens
+                        top = [(t, v) for t, v in top if v != float("-inf")]
                 logprobs[i] = TokenLogprobs(token_ids[i], chosen[i], top)
         return SamplerOutput(token_ids, logprobs)
+
+    def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logit_bias, min_tokens' bans and penalties, in place; the rows that got a bias or a
+        ban (only those can lose every token a grammar allows)."""
+        banned_rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
+                logits[i, ids] += bias
+                banned_rows.append(i)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+                    banned_rows.append(i)
+            if p.has_penalties:
+                _apply_penalties(logits[i], seq)
+        return banned_rows
 
     def _sample_random(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]
@@ -129,6 +148,36 @@ class Sampler:
             rows = torch.tensor(greedy, device=dev)
             drawn = torch.where(rows, fast_argmax(logits), drawn)
         return drawn.tolist()
+
+
+def _constrain(
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    mask: TokenMask,
+    banned_rows: list[int],
+    logprobs: bool,
+) -> torch.Tensor:
+    """Mask the constrained rows of ``logits`` (a copy, after logit_bias, penalties and the
+    min_tokens bans; before temperature, top-k/p and min-p, which is the same as after them:
+    -inf / t is -inf and a forbidden token never survives a filter). Returns the logits that
+    logprobs are taken from: the masked model logits where a constrained row asks for them,
+    so they describe the distribution the token was drawn from, restricted to the grammar.
+
+    Cost (49152 tokens, one thread, 2 cores): 0.04 ms for one row, 1.1-1.6 ms for 32 (the
+    clone included); filling the bitmask adds 0.01 and 0.06 ms."""
+    apply_token_mask(logits, mask)
+    # A row the bans left with no token at all (min_tokens forbids the end of sequence where
+    # the grammar allows nothing else): the grammar wins over its bans and bias.
+    constrained = set(mask.rows)
+    for i in sorted(set(banned_rows) & constrained):
+        if bool(logits[i].amax() == float("-inf")):
+            logits[i] = raw[i]
+            apply_token_mask(logits, TokenMask([i], mask.bitmask[[mask.rows.index(i)]]))
+    if not logprobs:
+        return raw
+    raw = raw.clone()
+    apply_token_mask(raw, mask)
+    return raw
 
 
 _ARGMAX_BLOCK = 256
