@@ -18,6 +18,7 @@ _UNION_MEMBERS = {
     "list[constrained-int]": "an array of token ids",
     "list[list[constrained-int]]": "an array of arrays of token ids",
     "list[TextPart]": "an array of text parts",
+    "dict[str,any]": "a JSON schema object",
 }
 
 

@@ -733,12 +733,7 @@ def test_400_bad_values(main):
     # What this server does not do is refused, not ignored.
     assert_error(httpx.post(comp, json={"prompt": "x", "best_of": 3}), 400, param="best_of")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for name, value in (
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-        ("tools", [tool]),
-        ("functions", [tool["function"]]),
-    ):
+    for name, value in (("tools", [tool]), ("functions", [tool["function"]])):
         body = {"messages": MESSAGES, name: value}
         msg = assert_error(httpx.post(chat, json=body), 400, param=name)["message"]
         assert "not supported" in msg and f"{name}: {name}" not in msg, msg  # named once
@@ -749,15 +744,22 @@ def test_400_bad_values(main):
     assert_error(httpx.post(comp, json={"prompt": "x", "suffix": "end"}), 400, param="suffix")
     for url, extra in ((chat, {"messages": MESSAGES}), (comp, {"prompt": "x"})):
         for name, value in (
-            ("guided_json", {"type": "object"}),
-            ("guided_choice", ["a", "b"]),
-            ("structured_outputs", {"regex": "a+"}),
             ("allowed_token_ids", [1, 2]),
             ("bad_words", ["x"]),
             ("prompt_logprobs", 0),
             ("truncate_prompt_tokens", 0),
         ):
             assert_error(httpx.post(url, json={**extra, name: value}), 400, param=name)
+        # Structured output is served; a constraint that cannot be built is refused, naming it.
+        schema_format = {"type": "json_schema", "json_schema": {"name": "x"}}
+        for name, value, param in (
+            ("response_format", schema_format, "response_format.json_schema.schema"),
+            ("response_format", {"type": "xml"}, "response_format.type"),
+            ("guided_json", {"type": "object", "not": {}}, "guided_json"),
+            ("guided_choice", [], "guided_choice"),
+            ("structured_outputs", {"regex": "a("}, "structured_outputs.regex"),
+        ):
+            assert_error(httpx.post(url, json={**extra, name: value}), 400, param=param)
     for name, value in (
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),

@@ -34,6 +34,7 @@ async def chat_choices(
     """The request's choices, and its prompt tokens."""
     vocab = engine.vocab_size
     check_token_ids(body, vocab)
+    await body.prepare_grammar()
     prompt_ids = await pipeline.encode_chat(body.template_messages(), **body.template_kwargs())
     prompt_ids = truncated(body, prompt_ids, engine.max_model_len)
     limit = max_tokens(body, len(prompt_ids), engine.max_model_len)

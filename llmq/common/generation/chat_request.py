@@ -53,10 +53,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # Refused, not ignored: a caller relying on JSON output or tool calls must not get free
-    # text back as if it were that. Left out of the OpenAPI schema: nothing they describe is
-    # served.
-    response_format: SkipJsonSchema[dict[str, Any] | None] = None
+    # Refused, not ignored: a caller relying on tool calls must not get free text back as if it
+    # were that. Left out of the OpenAPI schema: nothing they describe is served.
     tool_choice: SkipJsonSchema[str | dict[str, Any] | None] = None  # before tools: read there
     tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
     functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
@@ -95,17 +93,6 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("continue_final_message needs add_generation_prompt: false")
         if v and info.data.get("messages") and info.data["messages"][-1].role != "assistant":
             raise ValueError("continue_final_message needs an assistant message last")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        kind = (v or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(
-                f"response_format {kind!r} is not supported by this server (no constrained "
-                "decoding); use 'text'"
-            )
         return v
 
     @field_validator("tools")

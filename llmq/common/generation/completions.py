@@ -51,6 +51,7 @@ async def completion_choices(
     """The request's choices (n per prompt, in prompt order), and its prompt tokens."""
     vocab = engine.vocab_size
     check_token_ids(body, vocab)
+    await body.prepare_grammar()
     encoded = await _encoded_prompts(pipeline, engine, body)
     logprobs = body.wanted_logprobs()
     choices: list[Choice] = []

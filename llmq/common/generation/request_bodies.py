@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from llmq.common.generation.structured_output import (
+    Choices,
+    JsonSchemaSource,
+    ResponseFormat,
+    StructuredOutputs,
+    build_grammar,
+    grammar_for,
+    requested_constraint,
+)
 from llmq.common.sampling_params import SamplingParams
 
 MAX_N = 8
@@ -67,19 +76,26 @@ class SamplingFields(BaseModel):
         description="Keep only the prompt's last k tokens; -1: as many as leave room for "
         "max_tokens in the context.",
     )
+    # Structured output (structured_output.py): at most one of these; out of the OpenAPI schema,
+    # as vLLM's options, so that a generated request does not trip over their rules.
+    response_format: SkipJsonSchema[ResponseFormat | None] = None
+    structured_outputs: SkipJsonSchema[StructuredOutputs | None] = None
+    guided_json: SkipJsonSchema[JsonSchemaSource | None] = None
+    guided_regex: SkipJsonSchema[str | None] = None
+    guided_choice: SkipJsonSchema[Choices | None] = None
+    guided_grammar: SkipJsonSchema[str | None] = None
     # vLLM options that change what is generated and that this server does not serve: refused,
     # not ignored (and left out of the OpenAPI schema).
-    guided_json: SkipJsonSchema[Any] = None
-    guided_regex: SkipJsonSchema[Any] = None
-    guided_choice: SkipJsonSchema[Any] = None
-    guided_grammar: SkipJsonSchema[Any] = None
-    structured_outputs: SkipJsonSchema[Any] = None
     allowed_token_ids: SkipJsonSchema[Any] = None
     bad_words: SkipJsonSchema[Any] = None
     prompt_logprobs: SkipJsonSchema[Any] = None
 
     # Refused unless it equals n (left out of the OpenAPI schema): every choice is returned.
     best_of: SkipJsonSchema[int | None] = None
+
+    # The grammar of the structured output asked for, once built (prepare_grammar).
+    _grammar: str | None = PrivateAttr(None)
+    _grammar_built: bool = PrivateAttr(False)
 
     @field_validator("best_of")
     @classmethod
@@ -88,16 +104,7 @@ class SamplingFields(BaseModel):
             raise ValueError("best_of is not supported (every choice is returned: use n)")
         return v
 
-    @field_validator(
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
-        "allowed_token_ids",
-        "bad_words",
-        "prompt_logprobs",
-    )
+    @field_validator("allowed_token_ids", "bad_words", "prompt_logprobs")
     @classmethod
     def _unserved(cls, v, info: ValidationInfo):
         if v is not None:
@@ -133,6 +140,22 @@ class SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
+    async def prepare_grammar(self) -> None:
+        """Build and validate the structured output's grammar (a 400 if it is invalid), in a
+        thread if it is large; call it before submitting anything."""
+        if not self._grammar_built:
+            self._grammar = await grammar_for(self)
+            self._grammar_built = True
+
+    def grammar(self) -> str | None:
+        """The structured output's grammar (None: free text); built here, on the event loop,
+        if ``prepare_grammar`` was not awaited."""
+        if not self._grammar_built:
+            constraint = requested_constraint(self)
+            self._grammar = build_grammar(constraint) if constraint else None
+            self._grammar_built = True
+        return self._grammar
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature,
@@ -149,6 +172,7 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            grammar=self.grammar(),
         )
 
 
