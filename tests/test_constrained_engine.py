@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -359,3 +360,49 @@ def test_backend_reports_a_grammar_failure_as_that_requests_error(llama_case):
     assert msg.done and msg.usage is None and msg.tokens == []
     assert msg.error.type == "invalid_request_error" and msg.error.code == "invalid_grammar"
     assert messages["good"][-1].finish_reason == "length" and messages["good"][-1].error is None
+
+
+def test_a_matcher_error_mid_generation_fails_only_that_request(llama_case):
+    engine = make_engine(llama_case)
+    tokenizer = llama_case[1]
+    grammar = LLMatcher.grammar_from_regex("[0-9]{6}")
+    for rid in ("broken", "fine"):
+        engine.add_request(rid, [4, 5, 6], SamplingParams(max_tokens=20, grammar=grammar))
+    outputs: dict[str, list[RequestOutput]] = {}
+    while "broken" not in engine.constrained.matchers:
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o)
+    # A token its grammar refuses puts the matcher in its error state, as a runtime fault would.
+    assert not engine.constrained.matchers["broken"].consume_token(tokenizer.encode("x")[0])
+    for rid, outs in run(engine).items():
+        outputs.setdefault(rid, []).extend(outs)
+    failure = outputs["broken"][-1]
+    assert failure.finish_reason is FinishReason.ABORT and failure.token_ids == []
+    assert failure.error.code == "grammar_error" and "\n" not in failure.error.message
+    assert failure.num_output_tokens == sum(len(o.token_ids) for o in outputs["broken"])
+    assert re.fullmatch("[0-9]{6}", text_of(tokenizer, outputs["fine"]))
+    assert not engine.requests and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_grammar_being_built_stalls_no_other_request(llama_case):
+    engine = make_engine(llama_case)
+    compiler = engine.constrained.compiler
+    grammar = LLMatcher.grammar_from_regex("[0-9]{4}")
+    built = compiler.template(grammar).result()
+    held: Future = Future()  # a build that has not finished yet
+    compiler.template = lambda _grammar: held
+    engine.add_request("slow", [4, 5, 6], SamplingParams(max_tokens=10, grammar=grammar))
+    engine.add_request("free", [4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True))
+    free = run_until_finished(engine, "free")
+    assert sum(len(o.token_ids) for o in free) == 6
+    assert engine.has_unfinished() and engine.num_waiting == 1 and engine.num_running == 0
+    held.set_result(built)
+    slow = run(engine)["slow"]
+    assert re.fullmatch("[0-9]{4}", text_of(llama_case[1], slow))
+
+
+def run_until_finished(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while not outs or not outs[-1].finished:
+        outs.extend(o for o in engine.step() if o.request_id == request_id)
+    return outs

@@ -128,7 +128,8 @@ class ConstrainedSequences:
         for i in rows:
             seq = seqs[i]
             m = self.matchers[seq.request_id]
-            if not m.consume_token(tokens[i]):
+            # An errored matcher allows and accepts the end of sequence: check its state too.
+            if not m.consume_token(tokens[i]) or m.is_error():
                 result.failed[seq] = f"grammar error: {first_line(m.get_error())}"
             elif m.is_stopped():
                 result.complete.add(seq)
