@@ -8,7 +8,7 @@ and so on. Each round streams --requests requests, --concurrency at a time (32),
 same load code as ``llmq bench``. It prints, for each kind of round, the output tok/s (and the
 constrained/plain ratio), TTFT and ITL p50/p99, the server tree's peak RSS and CPU time per
 output token, and the grammar build time: the TTFT of a lone request with a schema the server
-has not seen against the same schema again (the API and the engine cache its grammar) and
+has not seen against the same schema again (the engine keeps each grammar's matcher) and
 against a plain request.
 
 The engine does not report the mask's own CPU cost per token; the CPU per output token of the
@@ -174,6 +174,8 @@ def kind_figures(summaries: list[dict], resources: list[dict]) -> dict:
         cpu_s = sum(r["server_cpu_s"] for r in resources)
         figures["peak_rss_gib"] = max(r["peak_rss_gib"] for r in resources)
         figures["server_cpu_ms_per_token"] = 1000 * cpu_s / tokens if tokens else None
+        busy = [r["machine_busy_cores"] for r in resources if r["machine_busy_cores"] is not None]
+        figures["machine_busy_cores"] = statistics.mean(busy) if busy else None
     return figures
 
 
@@ -187,6 +189,7 @@ def table(figures: dict[str, dict], build: dict) -> str:
         ("ITL p99 ms", "itl_p99_s", "{:.1f}", 1000),
         ("peak RSS GiB", "peak_rss_gib", "{:.2f}", 1),
         ("server CPU ms/token", "server_cpu_ms_per_token", "{:.2f}", 1),
+        ("machine busy cores", "machine_busy_cores", "{:.2f}", 1),
         ("errors", "errors", "{}", 1),
         ("short outputs", "short_outputs", "{}", 1),
     ]
@@ -234,7 +237,12 @@ def measure(url: str, model: str, args, server: Server | None) -> dict:
     build = asyncio.run(grammar_build(url, model, args))
     rounds = run_rounds(url, model, args, server)
     figures = {k: kind_figures(rounds.summaries[k], rounds.resources[k]) for k in KINDS}
-    return {"figures": figures, "grammar_build_ttft_s": build, "rounds": rounds.summaries}
+    return {
+        "figures": figures,
+        "grammar_build_ttft_s": build,
+        "rounds": rounds.summaries,
+        "resources": rounds.resources,
+    }
 
 
 def main(argv=None) -> int:
