@@ -1,0 +1,261 @@
+"""Agent frameworks against `llmq up`'s processes (its embedded Redis, a worker, the API): LangChain's
+ChatOpenAI and the OpenAI Agents SDK, offline, with a dummy key. The test model has random
+weights, so its free text is noise: only structured output (a schema's grammar) and forced tool
+calls give answers worth checking, and every one is validated against its schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+from contextlib import suppress
+from pathlib import Path
+from typing import Annotated, Literal
+
+import httpx
+import openai
+import psutil
+import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    ToolCallItem,
+    ToolCallOutputItem,
+    function_tool,
+    set_tracing_disabled,
+)
+from langchain_core.messages import AIMessage
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmq.common.redis_server import free_port
+from tests.harness import LLMQ, wait_for
+
+API_KEY = "sk-dummy"  # the server asks for none; the clients insist on one
+QUESTION = "What is the weather in Paris over the next three days?"
+
+# A Hermes-style template (as Qwen2.5's): tools in a system turn, calls in <tool_call> tags,
+# results as <tool_response>.
+TOOLS_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content or "" }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+class Forecast(BaseModel):
+    """A bounded schema: on random weights an unbounded string or integer may run to
+    max_tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Oslo", "Lima"]
+    days: int = Field(ge=1, le=9)
+    sky: Literal["sunny", "cloudy", "rain"]
+    summary: str = Field(max_length=24)
+
+
+class GetWeather(BaseModel):
+    """The weather in a city over some days."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Oslo", "Lima"]
+    days: int = Field(ge=1, le=9)
+
+
+# ---- llmq up -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tools_model(llama_dir, tmp_path_factory) -> Path:
+    """The test model with a chat template that renders tools and their results."""
+    path = tmp_path_factory.mktemp("agent-model") / "llama"
+    shutil.copytree(llama_dir, path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tools_model, tmp_path_factory) -> str:
+    """`llmq up` (embedded Redis, one worker, the API) on a free port; its base URL once an
+    engine is ready."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
+    env.update(
+        LLMQ_MODEL=str(tools_model),
+        LLMQ_PORT=str(port),
+        LLMQ_WORKERS="1",
+        LLMQ_DTYPE="float32",
+        LLMQ_TORCH_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    logs = tmp_path_factory.mktemp("agent-logs")
+    log = logs / "up.log"
+    with open(log, "w") as out:
+        up = subprocess.Popen(
+            [LLMQ, "up"], env=env, cwd=logs, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if up.poll() is not None:
+            raise RuntimeError(f"llmq up exited:\n{log.read_text()[-4000:]}")
+        try:
+            return httpx.get(f"{url}/ready", timeout=1).json().get("engines", 0) >= 1
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    try:
+        wait_for(ready, 90, "an engine behind llmq up", 0.2)
+        yield url
+    finally:
+        children = []
+        with suppress(psutil.Error):
+            children = psutil.Process(up.pid).children(recursive=True)
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        for child in psutil.wait_procs(children, timeout=10)[1]:
+            child.kill()
+
+
+@pytest.fixture(scope="module")
+def model(base) -> str:
+    c = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    return c.models.list().data[0].id
+
+
+# ---- LangChain ------------------------------------------------------------------------------
+def chat_model(base: str, model: str, **kwargs) -> ChatOpenAI:
+    return ChatOpenAI(
+        model=model, base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120, **kwargs
+    )
+
+
+def test_langchain_structured_output_is_a_valid_instance(base, model):
+    """`with_structured_output(Model)` sends a strict json_schema response_format and parses
+    the answer into the model: on random weights only the grammar makes it parse."""
+    llm = chat_model(base, model, max_completion_tokens=200)
+    structured = llm.with_structured_output(Forecast, method="json_schema", include_raw=True)
+    for question in (QUESTION, "And in Oslo?"):
+        out = structured.invoke(question)
+        assert out["parsing_error"] is None, out
+        forecast = out["parsed"]
+        assert isinstance(forecast, Forecast)
+        assert Forecast.model_validate_json(out["raw"].content) == forecast
+
+
+def test_langchain_bind_tools_any_returns_valid_tool_calls(base, model):
+    """tool_choice "any" (OpenAI's "required") forces calls; each call's args validate."""
+    llm = chat_model(base, model, max_completion_tokens=200)
+    bound = llm.bind_tools([GetWeather], tool_choice="any")
+    message = bound.invoke(QUESTION)
+    assert isinstance(message, AIMessage)
+    assert message.tool_calls, message
+    assert not message.invalid_tool_calls, message.invalid_tool_calls
+    for call in message.tool_calls:
+        assert call["name"] == "GetWeather"
+        GetWeather.model_validate(call["args"])
+        assert call["id"]
+
+
+# ---- OpenAI Agents SDK -----------------------------------------------------------------------
+def test_openai_agents_calls_the_tool_and_feeds_its_result_back(base, model):
+    set_tracing_disabled(True)  # offline: nothing may be sent to OpenAI's trace exporter
+    calls: list[tuple[str, int]] = []
+    requests: list[dict] = []
+
+    @function_tool
+    def get_weather(
+        city: Literal["Paris", "Oslo", "Lima"], days: Annotated[int, Field(ge=1, le=9)]
+    ) -> str:
+        """The weather in a city over some days."""
+        calls.append((city, days))
+        return f"sunny in {city} for {days} days"
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/chat/completions"):
+            requests.append(json.loads(request.content))
+
+    async def run():
+        http = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, http_client=http
+        )
+        # Random weights call no tool of their own accord: the first turn is forced
+        # ("required"), and reset_tool_choice (the default, said here) drops it after the call,
+        # so the second turn, which sees the tool's result, may answer in text and the run
+        # ends. One call per turn keeps the recorded calls countable; max_tokens leaves room
+        # for the whole forced call (one cut short by max_tokens is no call at all).
+        agent = Agent(
+            name="forecaster",
+            instructions="Answer with the weather.",
+            tools=[get_weather],
+            model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+            model_settings=ModelSettings(
+                tool_choice="required", parallel_tool_calls=False, max_tokens=120
+            ),
+            reset_tool_choice=True,
+        )
+        try:
+            return await Runner.run(agent, QUESTION, max_turns=3)
+        finally:
+            await http.aclose()
+
+    result = asyncio.run(run())
+    assert len(calls) == 1, calls
+    city, days = calls[0]
+    assert city in ("Paris", "Oslo", "Lima") and 1 <= days <= 9
+    call_items = [i for i in result.new_items if isinstance(i, ToolCallItem)]
+    outputs = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]
+    assert len(call_items) == 1 and len(outputs) == 1, result.new_items
+    assert outputs[0].output == f"sunny in {city} for {days} days"
+
+    # Two model calls: the forced one, then one that sees the tool's result as a tool message
+    # answering the call the first one made.
+    assert len(requests) == 2, requests
+    assert requests[0]["tool_choice"] == "required"
+    assert requests[1].get("tool_choice") in (None, "auto")
+    assistant = next(m for m in requests[1]["messages"] if m.get("tool_calls"))
+    tool = next(m for m in requests[1]["messages"] if m["role"] == "tool")
+    assert tool["tool_call_id"] == assistant["tool_calls"][0]["id"]
+    assert tool["content"] == outputs[0].output
+    assert json.loads(assistant["tool_calls"][0]["function"]["arguments"]) == {
+        "city": city,
+        "days": days,
+    }
+    assert isinstance(result.final_output, str)
