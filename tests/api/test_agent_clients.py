@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 from contextlib import suppress
@@ -35,40 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmq.common.redis_server import free_port
 from tests.harness import LLMQ, wait_for
+from tests.tool_model import with_tools_template
 
 API_KEY = "sk-dummy"  # the server asks for none; the clients insist on one
 QUESTION = "What is the weather in Paris over the next three days?"
-
-# A Hermes-style template (as Qwen2.5's): tools in a system turn, calls in <tool_call> tags,
-# results as <tool_response>.
-TOOLS_TEMPLATE = """
-{%- if tools %}<|im_start|>system
-You may call these functions:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{{ message.content or "" }}
-{%- for call in message.tool_calls %}
-<tool_call>
-{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 
 class Forecast(BaseModel):
@@ -94,14 +63,7 @@ class GetWeather(BaseModel):
 @pytest.fixture(scope="module")
 def tools_model(llama_dir, tmp_path_factory) -> Path:
     """The test model with a chat template that renders tools and their results."""
-    path = tmp_path_factory.mktemp("agent-model") / "llama"
-    shutil.copytree(llama_dir, path)
-    (path / "chat_template.jinja").unlink(missing_ok=True)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return path
+    return with_tools_template(llama_dir, tmp_path_factory.mktemp("agent-model") / "llama")
 
 
 @pytest.fixture(scope="module")
