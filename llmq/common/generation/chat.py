@@ -11,7 +11,6 @@ from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import (
     Choice,
     PromptGroup,
-    check_token_ids,
     choice_params,
     max_tokens,
     truncated,
@@ -43,8 +42,6 @@ async def chat_choices(
 ) -> tuple[list[Choice], int]:
     """The request's choices, and its prompt tokens."""
     vocab = engine.vocab_size
-    check_token_ids(body, vocab)
-    await body.prepare_grammar()
     prompt_ids = await pipeline.encode_chat(
         body.template_messages(), tools=body.template_tools(), **body.template_kwargs()
     )

@@ -9,7 +9,6 @@ from llmq.common.generation.choices import (
     Choice,
     PromptGroup,
     check_prompt_ids,
-    check_token_ids,
     choice_params,
     max_tokens,
     truncated,
@@ -50,8 +49,6 @@ async def completion_choices(
 ) -> tuple[list[Choice], int]:
     """The request's choices (n per prompt, in prompt order), and its prompt tokens."""
     vocab = engine.vocab_size
-    check_token_ids(body, vocab)
-    await body.prepare_grammar()
     encoded = await _encoded_prompts(pipeline, engine, body)
     logprobs = body.wanted_logprobs()
     choices: list[Choice] = []

@@ -14,7 +14,7 @@ from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import LLMQError, Unavailable
 from llmq.common.generation.chat import ChatGeneration, chat_choices
 from llmq.common.generation.chat_request import ChatCompletionRequest
-from llmq.common.generation.choices import Choice
+from llmq.common.generation.choices import Choice, check_token_ids
 from llmq.common.generation.completions import CompletionGeneration, completion_choices
 from llmq.common.generation.embeddings import embed, embedding_inputs
 from llmq.common.generation.metrics import ChoiceRecorder, GenerationMetrics
@@ -72,6 +72,8 @@ class GenerationService:
         kind: type[G],
     ) -> G:
         pipeline, engine = await self.registry.get(body.model)
+        check_token_ids(body, engine.vocab_size)
+        await body.prepare_grammar()  # a 400 for a bad constraint before anything is enqueued
         choices, prompt_tokens = await prepare(pipeline, engine, body)
         try:
             streams = await submit_all(pipeline, choices, body, options)
