@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,7 +29,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        # Below 1e-5 (as vLLM): logits divided by such a temperature overflow to inf and NaN,
+        # and 1e-40 sampled noise instead of the greedy answer.
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -124,7 +124,9 @@ class SamplingFields(BaseModel):
         if v and len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for key in v or {}:
-            if not key.isascii() or not key.isdigit():
+            # Ten digits at most: a token id is far below 10**10, and int() of a string of
+            # over 4300 digits raises (a 5000-digit key answered a 500).
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
                 raise ValueError(f"logit_bias keys must be token ids, not {key[:32]!r}")
         return v
 

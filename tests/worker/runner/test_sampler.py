@@ -135,6 +135,8 @@ def test_top_k_1_is_greedy_on_random_rows():
     logits = torch.randn(32, 300, generator=gen) * 3
     variants = [
         SamplingParams(temperature=0),
+        SamplingParams(temperature=1e-40),  # below 1e-5: greedy (dividing by it overflows)
+        SamplingParams(temperature=9.9e-6, seed=11),
         SamplingParams(temperature=1.0, top_k=1),
         SamplingParams(temperature=2.5, top_k=1, top_p=0.9, min_p=0.05),
         SamplingParams(temperature=0.7, top_k=1, seed=3),
