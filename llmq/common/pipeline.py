@@ -141,12 +141,13 @@ class TokenGeneratorPipeline:
         priority: int = PRIORITY_INTERACTIVE,
         timeout: float | None = None,
         model: str | None = None,
-        queue_limit: bool = True,
+        queue_slots: int = 1,
         attach: bool = False,
     ) -> RequestStream:
         """Enqueue a request (subscribed to its output first); raises QueueFull when the queue
-        is full (``queue_limit``: the later choices of one HTTP request skip the check, so
-        that a request the queue admitted is never refused half-way through). ``attach``: a
+        has no room for ``queue_slots`` requests (the first choice of an HTTP request counts
+        all of its prompts x n; the later ones, 0, skip the check, so that a request the queue
+        admitted is never refused half-way through). ``attach``: a
         request with this id that exists already is followed, not started again (a batch
         line run a second time); such requests skip the queue limit.
         Iterate the returned stream for its output; ``aclose()`` it when done."""
@@ -164,7 +165,7 @@ class TokenGeneratorPipeline:
         )
         queue = await self.transport.subscribe(request_id)
         try:
-            entry = await self._enqueue(request, timeout, attach, queue_limit)
+            entry = await self._enqueue(request, timeout, attach, queue_slots)
         except BaseException:
             self.transport.release(request_id, cancel=True)  # it may have been enqueued
             raise
@@ -174,12 +175,13 @@ class TokenGeneratorPipeline:
         return RequestStream(self, request, queue, stop or [], include_stop)
 
     async def _enqueue(
-        self, request: EngineRequest, timeout: float, attach: bool, queue_limit: bool
+        self, request: EngineRequest, timeout: float, attach: bool, queue_slots: int
     ) -> str | None:
         ttl = int(timeout) + self.record_ttl
         if attach:  # batch lines: bounded by the task's concurrency, not the queue
             return await self.transport.enqueue(request, 0, ttl, attach=True)
-        return await self.transport.enqueue(request, self.max_queue if queue_limit else 0, ttl)
+        limit = self.max_queue if queue_slots else 0
+        return await self.transport.enqueue(request, limit, ttl, slots=max(queue_slots, 1))
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, **kwargs
@@ -222,7 +224,7 @@ class TokenGeneratorPipeline:
         queue = await self.transport.subscribe(request_id)
         finished = False
         try:
-            entry = await self._enqueue(request, timeout, attach, True)
+            entry = await self._enqueue(request, timeout, attach, 1)
             if entry is None:
                 raise QueueFull(f"the queue holds {self.max_queue} requests; retry shortly")
             async for msg in self.output.messages(request, queue):

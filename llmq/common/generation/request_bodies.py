@@ -24,6 +24,7 @@ MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # bounds one row's work per step
 MAX_INPUTS = 2048  # embedding inputs per request
+MAX_PROMPTS = 2048  # completion prompts per request (each one queue entry per choice)
 
 
 def refuse(value, what: str):
@@ -197,6 +198,13 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _no_suffix(cls, v):
         return refuse(v, "suffix (insertion)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return v
 
     @field_validator("echo")
     @classmethod

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmq.common.errors import InvalidRequest
 from llmq.common.generation.choices import Choice
-from llmq.common.generation.request_bodies import SamplingFields
+from llmq.common.generation.request_bodies import CompletionRequest, SamplingFields
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.protocol import PRIORITY_INTERACTIVE
 from llmq.common.request_stream import RequestStream
@@ -36,8 +37,16 @@ async def submit_all(
     body: SamplingFields,
     options: SubmitOptions,
 ) -> list[RequestStream]:
-    """Every choice, or none: a full queue refuses the request before its first choice (a
-    429 after work was done would have a retrying client do it all again)."""
+    """Every choice, or none: the queue admits the request as a whole at its first choice,
+    counting every prompt x n (a 429 after work was done would have a retrying client do it
+    all again); one larger than the whole queue is a 400, since no retry could fit it."""
+    if not options.attach and len(choices) > pipeline.max_queue:
+        raise InvalidRequest(
+            f"this request asks for {len(choices)} generations (prompts x n) and the queue "
+            f"holds at most {pipeline.max_queue}; send fewer prompts or a smaller n",
+            "prompt" if isinstance(body, CompletionRequest) else "n",
+            "request_too_large",
+        )
     streams: list[RequestStream] = []
     try:
         for k, c in enumerate(choices):
@@ -47,7 +56,7 @@ async def submit_all(
                     c.params,
                     stop=body.stop_list(),
                     include_stop=body.include_stop_str_in_output,
-                    queue_limit=not streams,
+                    queue_slots=0 if streams else len(choices),
                     request_id=options.request_id(k),
                     priority=options.priority,
                     attach=options.attach,

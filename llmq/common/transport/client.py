@@ -153,10 +153,16 @@ class AsyncTransport:
                     queue.put_nowait(OutputMessage.from_json(msg["data"]))
 
     async def enqueue(
-        self, request: EngineRequest, max_queue: int, ttl: int, attach: bool = False
+        self,
+        request: EngineRequest,
+        max_queue: int,
+        ttl: int,
+        attach: bool = False,
+        slots: int = 1,
     ) -> str | None:
-        """Add the request to its model's stream; None when the queue is full; "attached"
-        when ``attach`` and a request with this id already exists."""
+        """Add the request to its model's stream; None when the queue has no room for
+        ``slots`` more (0 ``max_queue``: no limit); "attached" when ``attach`` and a request
+        with this id already exists."""
         entry = await self._enqueue(
             keys=[self.keys.requests(request.model), self.keys.req(request.id)],
             args=[
@@ -169,6 +175,7 @@ class AsyncTransport:
                 ttl,
                 request.kind,
                 "1" if attach else "0",
+                slots,
             ],
         )
         return as_text(entry) if entry else None

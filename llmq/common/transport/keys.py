@@ -111,8 +111,9 @@ class Keys:
         return f"{self.prefix}:models"
 
 
-# Enqueue only while fewer than ARGV[3] entries wait undelivered (XLEN minus the pending ones:
-# finished entries are deleted), atomically, so the limit holds across API replicas. With
+# Enqueue only while the ARGV[10] slots a request needs (its prompts x n, counted at its first
+# choice) fit under ARGV[3] entries waiting undelivered (XLEN minus the pending ones: finished
+# entries are deleted), atomically, so the limit holds across API replicas. With
 # ARGV[9] = '1' a request whose id is already live or finished is attached to, not re-sent
 # (a batch task re-run after its worker died follows the lines its first run started).
 ENQUEUE_SCRIPT = """
@@ -126,7 +127,7 @@ if limit > 0 then
   local waiting = redis.call('XLEN', stream)
   local ok, pending = pcall(redis.call, 'XPENDING', stream, ARGV[4])
   if ok then waiting = waiting - pending[1] end
-  if waiting >= limit then return false end
+  if waiting + tonumber(ARGV[10]) > limit then return false end
 end
 redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6])
 redis.call('EXPIRE', req, ARGV[7])
