@@ -8,6 +8,7 @@ output line, written once per line (HSETNX), which is the checkpoint a re-run co
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -62,6 +63,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_ID = re.compile(r"(file|batch)-[0-9a-f]{32}")
+
+
+def is_id(prefix: str, value: str) -> bool:
+    """Whether ``value`` has the form ``new_id(prefix)`` gives: ids from URL paths are checked
+    before any key is built from them (``x:content`` named another object's key)."""
+    match = _ID.fullmatch(value)
+    return match is not None and match.group(1) == prefix
+
+
 def _str(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -93,9 +104,13 @@ class Store:
         return obj
 
     async def get_file(self, file_id: str) -> dict | None:
+        if not is_id("file", file_id):
+            return None
         return _file_obj(await self.r.hgetall(self.keys.file(file_id)))
 
     async def file_content(self, file_id: str) -> bytes | None:
+        if not is_id("file", file_id):
+            return None
         return await self.r.get(self.keys.file_content(file_id))
 
     async def list_files(
@@ -166,6 +181,8 @@ class Store:
         return await self.get_batch(batch_id)
 
     async def get_batch(self, batch_id: str) -> dict | None:
+        if not is_id("batch", batch_id):
+            return None
         raw = await self.r.hgetall(self.keys.batch(batch_id))
         if not raw:
             return None

@@ -640,6 +640,29 @@ def test_files_list_pages_filters_and_orders(main):
     assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
 
 
+def test_ids_from_paths_are_checked_before_any_key_is_built(main):
+    """An id that is not of the form the store gives (``file-<32 hex>``, ``batch-<32 hex>``)
+    is a 404, whatever key it would name: ``<id>:content`` is another object's key."""
+    client = main.client()
+    f = client.files.create(file=("u.txt", b"x"), purpose="user_data")
+    for path in (
+        f"/v1/files/{f.id}:content",
+        f"/v1/files/{f.id}:content/content",
+        "/v1/files/results",
+        f"/v1/batches/{f.id}",
+        "/v1/batches/active",
+        "/v1/batches/batch-1",
+    ):
+        r = httpx.get(f"{main.base}{path}")
+        assert r.status_code == 404, (path, r.status_code, r.text)
+    r = httpx.post(f"{main.base}/v1/batches/active/cancel")
+    assert r.status_code == 404, r.text
+    r = httpx.delete(f"{main.base}/v1/files/{f.id}:content")
+    assert r.status_code == 404 and client.files.content(f.id).content == b"x"
+    body = {"input_file_id": f"{f.id}:content", "endpoint": "/v1/completions"}
+    assert httpx.post(f"{main.base}/v1/batches", json=body).status_code == 404
+
+
 # ---- 7. `llmq batch submit --wait` ---------------------------------------------------------
 def test_batch_submit_cli_waits_and_writes_output(main, tmp_path):
     n = 8
