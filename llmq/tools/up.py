@@ -4,6 +4,7 @@ in one command; Ctrl-C stops them all."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -128,10 +129,17 @@ def run_up(log_level: str = "INFO") -> int:
     os.environ["LLMQ_MODEL"] = resolve_model()
     redis_server = None
     if not settings.redis_url:
-        redis_server = RedisServer(appendonly=True, own_session=True).start()
+        # Loopback, protected mode, and a password only this user can read (the state file):
+        # without one any local user could read every answer or inject work.
+        password = secrets.token_urlsafe(24)
+        redis_server = RedisServer(appendonly=True, own_session=True, password=password).start()
         os.environ["LLMQ_REDIS_URL"] = redis_server.url
-        publish_embedded_redis(redis_server.url)  # `llmq inspect` and friends find it
-        print(f"llmq: embedded Redis at {redis_server.url}", flush=True)
+        path = publish_embedded_redis(redis_server.url)  # `llmq inspect` and friends find it
+        print(
+            f"llmq: embedded Redis at redis://{redis_server.host}:{redis_server.port}/0 "
+            f"(its password in {path})",
+            flush=True,
+        )
     workers: list[subprocess.Popen] = []
     try:
         get_settings.cache_clear()

@@ -1350,6 +1350,20 @@ def test_llmq_up_plans_workers_per_gpu_or_two_on_a_cpu():
     ]
 
 
+def assert_embedded_redis_is_locked(state_dir: Path, cmdlines: str, log: str) -> None:
+    """`llmq up`'s Redis binds loopback and refuses a client without its password, which is in
+    a state file of mode 0600 and in no command line (`ps`) or log."""
+    state_file = state_dir / f"llmq-up-{os.getuid()}.json"
+    assert state_file.stat().st_mode & 0o777 == 0o600
+    url = json.loads(state_file.read_text())["redis_url"]
+    password = redis.connection.parse_url(url)["password"]
+    assert len(password) >= 24 and password not in cmdlines and password not in log
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(url.replace(f":{password}@", "")).ping()
+    config = redis.Redis.from_url(url, decode_responses=True).config_get("*")
+    assert config["bind"] == "127.0.0.1" and config["protected-mode"] == "yes"
+
+
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, stop):
     """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the process alone (docker
@@ -1362,6 +1376,7 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, 
         LLMQ_WORKERS="2",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
+        XDG_RUNTIME_DIR=str(tmp_path),  # where it leaves its state file
     )
     assert "LLMQ_REDIS_URL" not in env
     log = tmp_path / "up.log"
@@ -1395,6 +1410,7 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, 
         assert "redis-server" in names, names
         workers = [p for p in children if p.cmdline()[-1:] == ["worker"]]
         assert len(workers) == 2, names
+        assert_embedded_redis_is_locked(tmp_path, names, log.read_text())
         # Both serve: /ready counts their live heartbeats.
         ready = wait_for(
             lambda: (
