@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
         "flower",
         f"--port={settings.flower_port}",
         f"--address={settings.flower_host}",
-        f"--basic-auth={settings.flower_user}:{password}",
     ]
+    # Flower reads FLOWER_<OPTION> from its environment: the password stays out of argv,
+    # where `ps` shows it to every local user.
+    os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
     os.execv(sys.executable, argv)
     return 0

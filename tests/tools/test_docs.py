@@ -59,7 +59,21 @@ def test_compose_commands_exist_in_the_cli():
 
 def test_compose_redis_has_aof_and_password():
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
-    command = compose["services"]["redis"]["command"]
-    assert "--appendonly" in command and "--requirepass" in command
+    command = " ".join(compose["services"]["redis"]["command"])
+    assert "--appendonly yes" in command and "requirepass" in command
+
+
+def test_compose_ships_no_default_secret_and_puts_none_in_argv():
+    """Every secret must be given (`${VAR:?...}`: compose refuses to start without it), and no
+    command line carries one (`ps` shows argv to every local user)."""
+    text = (ROOT / "docker" / "compose.yaml").read_text()
+    secrets = ("REDIS_PASSWORD", "LLMQ_API_KEY", "FLOWER_PASSWORD")
+    for name in secrets:
+        uses = [u for u in text.split("${")[1:] if u.startswith(name)]
+        assert uses and all(u.startswith(f"{name}:?") for u in uses), (name, uses)
+    assert "change-me" not in text and "--requirepass" not in text and " -a " not in text
+    compose = yaml.safe_load(text)
+    for name, argv in _commands(compose):
+        assert not any("PASSWORD" in a or "API_KEY" in a for a in argv if "$$" not in a), name
     worker = compose["services"]["worker"]
     assert worker["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]

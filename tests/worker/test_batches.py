@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import redis
 
@@ -606,6 +607,8 @@ def test_flower_lists_worker_and_batch_task(main):
         one = httpx.get(f"{base}/api/task/info/{task_id}", auth=auth, timeout=10)
         assert one.status_code == 200 and one.json()["name"] == "llmq.batch.run"
 
+        cmdline = " ".join(psutil.Process(flower.proc.pid).cmdline())
+        assert "flower" in cmdline and password not in cmdline  # `ps` shows no password
         for path in ("/api/workers", "/api/tasks"):
             assert httpx.get(f"{base}{path}", timeout=10).status_code == 401
             assert (
