@@ -98,7 +98,14 @@ class EngineTransport:
             block=None if own_pending else block_ms,
         )
         entries = [(eid, fields) for _, items in resp or [] for eid, fields in items if fields]
-        return self._prepare(entries)
+        return self._prepare(entries, self._own_deliveries(count) if own_pending else None)
+
+    def _own_deliveries(self, count: int) -> dict[str, int]:
+        """How often each entry this worker holds was delivered, this read included: a worker
+        restarted under the same name takes back its own entries, and a request that crashed
+        it each time must reach the dead letters, not run forever at a count of 1."""
+        rows = self.r.xpending_range(self.stream, GROUP, "-", "+", count, consumername=self.worker)
+        return {as_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
     def _prepare(self, entries: list[tuple], deliveries: dict[str, int] | None = None):
         """Parse entries and fetch, in one round trip, each request's state and prior tokens."""
