@@ -14,6 +14,12 @@ PRIORITY_INTERACTIVE = 0
 PRIORITY_BATCH = 10
 
 
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One generation (or embedding) request as an engine receives it."""
@@ -36,9 +42,21 @@ class EngineRequest:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> EngineRequest:
+        """The request, or ValueError for an entry of the wrong shape (one written by hand
+        with redis-cli, or by another program), which must fail alone, not kill the engine."""
         data = json.loads(raw)
-        data["params"] = SamplingParams.from_dict(data.get("params") or {})
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+            raise ValueError("a request needs a string id")
+        if not _token_ids(data.get("prompt_token_ids")):
+            raise ValueError("prompt_token_ids must be a list of token ids")
+        inputs = data.get("inputs")
+        if inputs is not None and not (isinstance(inputs, list) and all(map(_token_ids, inputs))):
+            raise ValueError("inputs must be lists of token ids")
+        try:
+            data["params"] = SamplingParams.from_dict(data.get("params") or {})
+            return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed request: {exc}") from None
 
 
 @dataclass(slots=True)

@@ -91,7 +91,7 @@ class EngineLoop:
             if error is None:
                 backoff = 0.2
                 continue
-            log.warning("redis unavailable (%s); retrying in %.1fs", error, backoff)
+            log.warning("redis unavailable or refusing (%s); retrying in %.1fs", error, backoff)
             self.stopping.wait(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -228,8 +228,10 @@ class EngineLoop:
         admitted: list[PulledRequest] = []
         for p in pulled:
             req = p.request
-            if req is None:
-                self.transport.fail(None, p.entry_id, 0, EngineError("malformed request"))
+            if req is None:  # its client, if it has one, learns why (the entry names its id)
+                rid = (p.raw or {}).get("id") or None
+                error = EngineError("malformed request", "invalid_request_error")
+                self.transport.fail(rid, p.entry_id, 0, error)
                 continue
             if p.cancelled:
                 self.transport.fail(
@@ -244,12 +246,15 @@ class EngineLoop:
                 continue
             try:
                 self.backend.add(req, p.prior_tokens)
-            except RequestError as exc:
+            except Exception as exc:  # RequestError, or an entry of the wrong types
+                if not isinstance(exc, RequestError):
+                    log.warning("request %s refused by the engine: %r", req.id, exc)
+                    self.backend.abort(req.id)
                 self.transport.fail(
                     req.id,
                     p.entry_id,
                     len(p.prior_tokens),
-                    EngineError(str(exc), "invalid_request_error"),
+                    EngineError(f"invalid request: {exc}", "invalid_request_error"),
                 )
                 continue
             if p.prior_tokens:

@@ -486,3 +486,44 @@ def test_a_request_that_crashed_its_worker_each_time_is_dead_lettered_on_restart
             assert heartbeat(server.url, "w-loop")["tokens_total"] == "0"  # it never ran
         finally:
             worker.terminate()
+
+
+def test_the_engine_survives_a_deleted_stream_and_a_poisoned_entry(llama_dir, reference, tmp_path):
+    """`DEL` of the request stream mid-load (a FLUSHALL, a restart without persistence, an
+    eviction do the same) and an entry of the wrong types (written with redis-cli) used to end
+    the engine loop for good while the worker still answered pings. Now the requests in flight
+    finish exactly, the entry fails alone with an error its client can read, and the worker
+    serves what comes after."""
+    batch = prompts(4, seed=11)
+    expected = reference(batch, 40)
+    stream = stream_of(llama_dir)
+    poison = {"id": "poison", "prompt_token_ids": ["a"], "params": {}}
+    with RedisServer() as server:
+        worker = start_worker(server.url, llama_dir, "w-del", tmp_path)
+        r = redis.Redis.from_url(server.url)
+
+        def generating() -> bool:
+            return any(r.llen(k) for k in r.scan_iter(match="llmq:req:*:tokens"))
+
+        try:
+
+            async def run():
+                async with open_pipeline(server.url, llama_dir) as p:
+                    params = SamplingParams(max_tokens=40, **GREEDY)
+                    tasks = [asyncio.create_task(p.all_tokens(q, params)) for q in batch]
+                    await asyncio.to_thread(wait_for, generating, 20, "the first tokens", 0.01)
+                    r.delete(stream)
+                    flight = await asyncio.gather(*tasks)
+                    r.xadd(
+                        stream, {"id": "poison", "kind": "generate", "payload": json.dumps(poison)}
+                    )
+                    after = await p.all_tokens(batch[0], params)
+                    return flight, after
+
+            flight, after = asyncio.run(run())
+            assert [res.token_ids for res in flight] == expected
+            assert after.token_ids == expected[0]
+            wait_for(lambda: r.hget("llmq:req:poison", "state") == b"failed", 10, "poison failed")
+            assert worker.alive() and "engine loop crashed" not in worker.log(10**6)
+        finally:
+            worker.terminate()

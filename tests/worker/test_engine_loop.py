@@ -268,11 +268,14 @@ def test_admission_takes_pull_per_turn_up_to_the_room_left():
 def test_admission_fails_what_cannot_run():
     loop, queue, backend, _ = make_loop()
     malformed = PulledRequest("e9", None, [])
-    queue.waiting = [malformed, pulled(1, prompt=[])]
+    named = PulledRequest("e8", None, [], raw={"id": "r8", "payload": "[]"})  # its client hears
+    queue.waiting = [malformed, named, pulled(1, prompt=[])]
     turn(loop)
+    turn(loop)  # pull_per_turn (2) leaves the third for the next turn
     assert [(f.request_id, f.entry_id, f.error.message, f.error.type) for f in queue.failures] == [
-        (None, "e9", "malformed request", "server_error"),
-        ("r1", "e1", "the prompt is empty", "invalid_request_error"),
+        (None, "e9", "malformed request", "invalid_request_error"),
+        ("r8", "e8", "malformed request", "invalid_request_error"),
+        ("r1", "e1", "invalid request: the prompt is empty", "invalid_request_error"),
     ]
     assert loop.active == {} and backend.requests == {} and queue.running == []
 

@@ -53,7 +53,15 @@ class EngineTransport:
     """The worker's side (synchronous redis-py; the engine loop runs in a plain thread)."""
 
     # Redis unreachable or slow: the engine loop closes this, waits, and sets it up again.
-    transient_errors: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+    # What the engine loop survives by setting up again after a backoff: an outage, and every
+    # error reply (a deleted stream's NOGROUP or UNBLOCKED, which setup's XGROUP CREATE MKSTREAM
+    # mends; OOM under maxmemory; READONLY from a replica after a failover). A loop that ended
+    # on one of these left the worker answering pings with no engine behind it.
+    transient_errors: tuple[type[Exception], ...] = (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        redis.ResponseError,
+    )
 
     def __init__(self, client: redis.Redis, keys: Keys, worker: str, model: str, request_ttl: int):
         self.r = client
