@@ -123,5 +123,5 @@ def start_api(
         except httpx.HTTPError:
             return False
 
-    wait_for(healthy, 30, f"api {name}", 0.1)
+    wait_for(healthy, 60, f"api {name}", 0.1)
     return proc, base

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import random
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,9 +14,9 @@ import openai
 import pytest
 import torch
 
-from llmq.common.redis_server import RedisServer, free_port
+from llmq.common.redis_server import RedisServer
 from llmq.worker.engine.embeddings import EmbeddingsScheduler
-from tests.harness import LLMQ, Proc, base_env, start_worker, wait_for, wait_worker
+from tests.harness import start_api, start_worker, wait_worker
 
 MAX_TOKENS = 256  # the model's max_seq_length
 DIMS = 384
@@ -133,23 +132,6 @@ def make_texts(n: int, seed: int) -> list[str]:
 def cosine(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def start_api(redis_url: str, model: str, log_dir: Path) -> tuple[Proc, str]:
-    port = free_port()
-    proc = Proc([LLMQ, "api", "--port", str(port)], base_env(redis_url, model), log_dir / "api.log")
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if not proc.alive():
-            raise RuntimeError(f"the api exited:\n{proc.log()}")
-        try:
-            return httpx.get(f"{base}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, 60, "the api")
-    return proc, base
 
 
 # ---- fixtures -----------------------------------------------------------------------------

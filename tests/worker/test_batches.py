@@ -23,7 +23,16 @@ import redis
 
 from llmq.common.redis_server import RedisServer, free_port
 from llmq.common.transport import Keys
-from tests.harness import LLMQ, Proc, base_env, heartbeat, start_worker, wait_for, wait_worker
+from tests.harness import (
+    LLMQ,
+    Proc,
+    base_env,
+    heartbeat,
+    start_api,
+    start_worker,
+    wait_for,
+    wait_worker,
+)
 
 FINAL = {"completed", "failed", "cancelled", "expired"}
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -38,27 +47,6 @@ PROMPTS = [
 
 
 # ---- processes -----------------------------------------------------------------------------
-def start_api_proc(redis_url: str, model, log_dir: Path, name: str = "api") -> tuple[Proc, str]:
-    """`llmq api` (real uvicorn) on a free port; returns it and its base URL once /health
-    answers."""
-    port = free_port()
-    proc = Proc(
-        [LLMQ, "api", "--port", str(port)], base_env(redis_url, model), log_dir / f"{name}.log"
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if not proc.alive():
-            raise RuntimeError(f"{name} exited:\n{proc.log()}")
-        try:
-            return httpx.get(f"{base}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, 60, name, 0.1)
-    return proc, base
-
-
 @dataclass
 class Stack:
     redis_url: str
@@ -95,7 +83,7 @@ def stack(model: Path, logs: Path, worker_name: str, **worker_settings):
         api = None
         s = None
         try:
-            api, base = start_api_proc(server.url, model, logs, f"api-{worker_name}")
+            api, base = start_api(server.url, model, logs, f"api-{worker_name}")
             wait_worker(server.url, worker_name, worker)
             s = Stack(server.url, worker, worker_name, api, base, str(model), logs)
             yield s
