@@ -65,11 +65,10 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
         info["oldest_age_s"] = now - int(_s(first[0][0]).split("-")[0]) / 1000 if first else 0.0
         queues.append(info)
     engines = []
-    prefix = len(keys.engine(""))
-    for key in client.scan_iter(match=keys.engines_pattern, count=100):
-        raw = client.hgetall(key)
-        if raw:
-            status = EngineStatus.from_redis(raw, _s(key)[prefix:])
+    for worker in sorted(_s(w) for w in client.zrange(keys.engines_index, 0, -1)):
+        raw = client.hgetall(keys.engine(worker))
+        if raw:  # its heartbeat has not expired
+            status = EngineStatus.from_redis(raw, worker)
             engines.append({"name": status.worker, **status.to_redis()})
     batches = []
     for batch_id in client.smembers(keys.batches_active):

@@ -268,6 +268,22 @@ def test_chat_greedy_equals_engine_sync_async_streaming(main, ref):
     assert texts == {0: expected} and finish == {0: "length"} and usage is None
 
 
+def test_live_engines_come_from_the_registry_not_a_scan(main):
+    """The API finds live engines in the registry its workers' heartbeats keep (a sorted set),
+    never by a SCAN of the keyspace, whose cost grows with every key Redis holds."""
+    r = main.redis()
+    r.config_resetstat()
+    for path in ("/v1/models", "/ready", "/metrics"):
+        assert httpx.get(f"{main.base}{path}", timeout=30).status_code == 200
+    body = {"prompt": "x", "max_tokens": 2}
+    assert httpx.post(f"{main.base}/v1/completions", json=body, timeout=60).status_code == 200
+    time.sleep(1.2)  # the API's engine cache (1 s) expired: one more look
+    assert httpx.get(f"{main.base}/ready", timeout=30).json()["engines"] == 1
+    stats = r.info("commandstats")
+    assert "cmdstat_zrange" in stats and "cmdstat_scan" not in stats, sorted(stats)
+    assert r.zscore("llmq:engines", main.worker_name) is not None
+
+
 def test_completions_greedy_equals_engine(main, ref):
     ids, ids2 = ref.ids(PROMPT), ref.ids(PROMPT2)
     tokens, tokens2 = ref.greedy([ids, ids2], 24)

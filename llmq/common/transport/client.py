@@ -219,17 +219,21 @@ class AsyncTransport:
         return {as_text(k): json.loads(v) for k, v in raw.items()}
 
     async def engines(self) -> list[EngineStatus]:
-        """The live engines' heartbeats."""
-        keys = [k async for k in self.r.scan_iter(match=self.keys.engines_pattern, count=100)]
-        if not keys:
+        """The live engines' heartbeats, from the registry of workers (a SCAN of the keyspace
+        once a second per API process grew with every key Redis holds). A worker whose
+        heartbeat expired leaves the registry here."""
+        workers = [as_text(w) for w in await self.r.zrange(self.keys.engines_index, 0, -1)]
+        if not workers:
             return []
         pipe = self.r.pipeline(transaction=False)
-        for k in keys:
-            pipe.hgetall(k)
+        for worker in workers:
+            pipe.hgetall(self.keys.engine(worker))
         rows = await pipe.execute()
-        prefix = len(self.keys.engine(""))
+        gone = [w for w, row in zip(workers, rows, strict=True) if not row]
+        if gone:
+            await self.r.zrem(self.keys.engines_index, *gone)
         return [
-            EngineStatus.from_redis(row, as_text(key)[prefix:])
-            for key, row in zip(keys, rows, strict=True)
+            EngineStatus.from_redis(row, worker)
+            for worker, row in zip(workers, rows, strict=True)
             if row
         ]

@@ -246,10 +246,14 @@ class EngineTransport:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(key, mapping=status.to_redis())
         pipe.pexpire(key, int(ttl * 1000))
+        pipe.zadd(self.keys.engines_index, {self.worker: time.time()})
         pipe.execute()
 
     def remove_heartbeat(self) -> None:
-        self.r.delete(self.keys.engine(self.worker))
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.keys.engine(self.worker))
+        pipe.zrem(self.keys.engines_index, self.worker)
+        pipe.execute()
 
     def claim_orphans(self, min_idle_ms: int, max_count: int) -> list[PulledRequest]:
         """Take over the pending entries of consumers whose heartbeat has expired. Only dead

@@ -13,6 +13,8 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
 - ``{p}:req:{id}:tokens``          list (TTL): every token generated so far (recovery, gaps)
 - ``{p}:req:{id}:logprobs``        list (TTL): one JSON entry a token, when logprobs were asked
 - ``{p}:engines:{worker}``         hash (TTL = heartbeat): model, KV blocks, running, waiting, ...
+- ``{p}:engines``                  sorted set: worker -> time of its last heartbeat (the registry
+                                   the API reads live engines from, instead of a SCAN)
 - ``{p}:dead``                     stream: requests delivered too often, with the reason
 - ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
 - ``{p}:files``, ``{p}:files:{id}``, ``{p}:files:{id}:content``
@@ -64,8 +66,9 @@ class Keys:
         return f"{self.prefix}:engines:{worker}"
 
     @property
-    def engines_pattern(self) -> str:
-        return f"{self.prefix}:engines:*"
+    def engines_index(self) -> str:
+        """Sorted set: every worker that wrote a heartbeat -> the time of its last one."""
+        return f"{self.prefix}:engines"
 
     @property
     def dead(self) -> str:
