@@ -75,6 +75,21 @@ def base_env(redis_url: str, model: str | Path, **settings) -> dict[str, str]:
     return env
 
 
+def up_env(model: str | Path, port: int, state_dir: Path, **settings) -> dict[str, str]:
+    """The environment of an `llmq up` with its own embedded Redis (no LLMQ_ setting of the
+    caller's), leaving its state file in ``state_dir``, not the user's runtime dir."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
+    env.update(
+        LLMQ_MODEL=str(model),
+        LLMQ_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        XDG_RUNTIME_DIR=str(state_dir),
+    )
+    env.update({f"LLMQ_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
 def start_worker(
     redis_url: str, model: str | Path, name: str, log_dir: Path, wait: bool = True, **settings
 ) -> Proc:

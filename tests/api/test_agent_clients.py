@@ -33,7 +33,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmq.common.redis_server import free_port
-from tests.harness import LLMQ, wait_for
+from tests.harness import LLMQ, up_env, wait_for
 from tests.tool_model import with_tools_template
 
 API_KEY = "sk-dummy"  # the server asks for none; the clients insist on one
@@ -71,17 +71,8 @@ def base(tools_model, tmp_path_factory) -> str:
     """`llmq up` (embedded Redis, one worker, the API) on a free port; its base URL once an
     engine is ready."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
-    env.update(
-        LLMQ_MODEL=str(tools_model),
-        LLMQ_PORT=str(port),
-        LLMQ_WORKERS="1",
-        LLMQ_DTYPE="float32",
-        LLMQ_TORCH_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
     logs = tmp_path_factory.mktemp("agent-logs")
+    env = up_env(tools_model, port, logs, workers=1, dtype="float32", torch_threads=1)
     log = logs / "up.log"
     with open(log, "w") as out:
         up = subprocess.Popen(

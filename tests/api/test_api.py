@@ -29,7 +29,16 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import GROUP, Keys
 from llmq.tools.up import plan_workers
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from tests.harness import LLMQ, Proc, heartbeat, start_api, start_worker, wait_for, wait_worker
+from tests.harness import (
+    LLMQ,
+    Proc,
+    heartbeat,
+    start_api,
+    start_worker,
+    up_env,
+    wait_for,
+    wait_worker,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You answer questions about Redis."},
@@ -1385,15 +1394,7 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, 
     """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the process alone (docker
     stop, systemd, kill) stop the API, both workers and the embedded Redis."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
-    env.update(
-        LLMQ_MODEL=str(llama_dir),
-        LLMQ_PORT=str(port),
-        LLMQ_WORKERS="2",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        XDG_RUNTIME_DIR=str(tmp_path),  # where it leaves its state file
-    )
+    env = up_env(llama_dir, port, tmp_path, workers=2)  # its state file in tmp_path
     assert "LLMQ_REDIS_URL" not in env
     log = tmp_path / "up.log"
     c = client(f"http://127.0.0.1:{port}", timeout=10)
