@@ -1,5 +1,6 @@
 """The OpenAI Files and Batch APIs: /v1/files and /v1/batches. Batches run as Celery tasks
-(queue ``llmq.batch``) that clients poll."""
+(queue ``llmq.batch``) that clients poll. Every file and batch belongs to the tenant (API key)
+that made it: another tenant's is a 404, the same as a missing one, and no list shows it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ FILE_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "eva
 
 def _store(request: Request) -> Store:
     return request.app.state.store
+
+
+def _owner(request: Request) -> str:
+    """The tenant of the request, which require_api_key named."""
+    return request.state.owner
 
 
 def _list_page(items: list[dict], has_more: bool) -> dict:
@@ -47,7 +53,9 @@ async def create_file(
     content = await file.read(limit + 1)
     if len(content) > limit:
         raise BodyTooLarge(f"the file is over the limit of {limit} bytes")
-    return await _store(request).create_file(file.filename or "upload.jsonl", purpose, content)
+    quota = request.app.state.settings.tenant_quota_bytes
+    filename = file.filename or "upload.jsonl"
+    return await _store(request).create_file(filename, purpose, content, _owner(request), quota)
 
 
 @router.get("/v1/files")
@@ -58,12 +66,13 @@ async def list_files(
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict:
-    page, more = await _store(request).list_files(purpose, after, limit, order == "desc")
+    store = _store(request)
+    page, more = await store.list_files(purpose, after, limit, order == "desc", _owner(request))
     return _list_page(page, more)
 
 
 async def _file(request: Request, file_id: str) -> dict:
-    f = await _store(request).get_file(file_id)
+    f = await _store(request).get_file(file_id, _owner(request))
     if f is None:
         raise NotFound(f"no file with id {file_id!r}", "file_id", "file_not_found")
     return f
@@ -89,7 +98,8 @@ async def file_content(file_id: str, request: Request) -> Response:
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> dict:
     await _file(request, file_id)
-    await _store(request).delete_file(file_id)
+    if not await _store(request).delete_file(file_id, _owner(request)):  # a delete raced
+        raise NotFound(f"no file with id {file_id!r}", "file_id", "file_not_found")
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -122,14 +132,14 @@ class BatchCreate(BaseModel):
 @router.post("/v1/batches")
 async def create_batch(body: BatchCreate, request: Request) -> dict:
     store = _store(request)
-    f = await store.get_file(body.input_file_id)
+    f = await store.get_file(body.input_file_id, _owner(request))
     if f is None:
         raise NotFound(f"no file with id {body.input_file_id!r}", "input_file_id", "file_not_found")
     if f["purpose"] != "batch":
         raise InvalidRequest("the input file's purpose must be 'batch'", "input_file_id")
     assert body.endpoint in BATCH_ENDPOINTS
     batch = await store.create_batch(
-        body.input_file_id, body.endpoint, body.completion_window, body.metadata
+        body.input_file_id, body.endpoint, body.completion_window, body.metadata, _owner(request)
     )
     await asyncio.to_thread(dispatch_batch, request.app.state.settings, batch["id"])
     return batch
@@ -141,12 +151,12 @@ async def list_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict:
-    batches, has_more = await _store(request).list_batches(after, limit)
+    batches, has_more = await _store(request).list_batches(after, limit, _owner(request))
     return _list_page(batches, has_more)
 
 
 async def _batch(request: Request, batch_id: str) -> dict:
-    batch = await _store(request).get_batch(batch_id)
+    batch = await _store(request).get_batch(batch_id, _owner(request))
     if batch is None:
         raise NotFound(f"no batch with id {batch_id!r}", "batch_id", "batch_not_found")
     return batch

@@ -3,10 +3,16 @@
 A file is a hash (its OpenAI object) plus its content as a string. A batch is a hash whose
 fields are the batch object's (JSON where not scalar); its results are a hash of line number ->
 output line, written once per line (HSETNX), which is the checkpoint a re-run continues from.
+
+Each file and batch has an ``owner`` field (see common/tenants.py), kept out of the objects
+clients see; reads given an owner answer None for another tenant's object, exactly as for a
+missing one. Each tenant's files and batches are indexed apart, and its files' bytes counted
+against its quota.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -15,7 +21,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from llmq.common.transport.keys import Keys
+from llmq.common.errors import QuotaExceeded
+from llmq.common.tenants import ANONYMOUS
+from llmq.common.transport.keys import RELEASE_FILE_SCRIPT, RESERVE_BYTES_SCRIPT, Keys
 
 FINAL_STATES = {"completed", "failed", "cancelled", "expired"}
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -83,9 +91,16 @@ class Store:
         self.keys = keys
         self._record_line = client.register_script(_RECORD_LINE)
         self._transition = client.register_script(_TRANSITION)
+        self._reserve_bytes = client.register_script(RESERVE_BYTES_SCRIPT)
+        self._release_file = client.register_script(RELEASE_FILE_SCRIPT)
 
     # ---- files -------------------------------------------------------------------------
-    async def create_file(self, filename: str, purpose: str, content: bytes) -> dict:
+    async def create_file(
+        self, filename: str, purpose: str, content: bytes, owner: str = ANONYMOUS, quota: int = 0
+    ) -> dict:
+        """Store a file of ``owner``'s, its bytes counted against ``quota`` (0: counted, never
+        refused): QuotaExceeded if they would pass it."""
+        await self._reserve(owner, len(content), quota)
         file_id = new_id("file")
         obj = {
             "id": file_id,
@@ -97,16 +112,33 @@ class Store:
             "status": "processed",
         }
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.keys.file(file_id), mapping={k: str(v) for k, v in obj.items()})
+        fields = {k: str(v) for k, v in obj.items()}
+        pipe.hset(self.keys.file(file_id), mapping={**fields, "owner": owner})
         pipe.set(self.keys.file_content(file_id), content)
-        pipe.zadd(self.keys.files_index, {file_id: time.time()})
-        await pipe.execute()
+        pipe.zadd(self.keys.tenant_files(owner), {file_id: time.time()})
+        try:
+            await pipe.execute()
+        except Exception:
+            with contextlib.suppress(Exception):  # not stored: give the bytes back
+                await self.r.decrby(self.keys.tenant_bytes(owner), len(content))
+            raise
         return obj
 
-    async def get_file(self, file_id: str) -> dict | None:
+    async def _reserve(self, owner: str, size: int, quota: int) -> None:
+        ok, held = await self._reserve_bytes(
+            keys=[self.keys.tenant_bytes(owner)], args=[size, quota]
+        )
+        if not ok:
+            raise QuotaExceeded(
+                f"the file ({size} bytes) would pass this API key's storage quota of {quota} "
+                f"bytes ({held} in use): delete files to make room"
+            )
+
+    async def get_file(self, file_id: str, owner: str | None = None) -> dict | None:
+        """The file, if there is one (and ``owner``'s, unless None: the worker's reads)."""
         if not is_id("file", file_id):
             return None
-        return _file_obj(await self.r.hgetall(self.keys.file(file_id)))
+        return _file_obj(await self.r.hgetall(self.keys.file(file_id)), owner)
 
     async def file_content(self, file_id: str) -> bytes | None:
         if not is_id("file", file_id):
@@ -119,10 +151,12 @@ class Store:
         after: str | None = None,
         limit: int = 10000,
         newest_first: bool = True,
+        owner: str = ANONYMOUS,
     ) -> tuple[list[dict], bool]:
-        """A page of files after the id ``after`` (of ``purpose``, if given), and whether more
-        follow. Reads the index a chunk at a time, each chunk's files in one round trip."""
-        index = self.keys.files_index
+        """A page of ``owner``'s files after the id ``after`` (of ``purpose``, if given), and
+        whether more follow. Reads the owner's index a chunk at a time, each chunk's files in
+        one round trip."""
+        index = self.keys.tenant_files(owner)
         start = 0
         if after is not None:
             rank = await (self.r.zrevrank if newest_first else self.r.zrank)(index, after)
@@ -141,21 +175,33 @@ class Store:
             for i in ids:
                 pipe.hgetall(self.keys.file(i))
             for raw in await pipe.execute():
-                f = _file_obj(raw)
+                f = _file_obj(raw, owner)
                 if f is not None and (purpose is None or f["purpose"] == purpose):
                     page.append(f)
         return page[:limit], len(page) > limit
 
-    async def delete_file(self, file_id: str) -> bool:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.keys.file(file_id), self.keys.file_content(file_id))
-        pipe.zrem(self.keys.files_index, file_id)
-        deleted, _ = await pipe.execute()
-        return bool(deleted)
+    async def delete_file(self, file_id: str, owner: str = ANONYMOUS) -> bool:
+        """Delete ``owner``'s file and give its bytes back; False if there is no such file of
+        ``owner``'s."""
+        if not is_id("file", file_id):
+            return False
+        k = self.keys
+        keys = [
+            k.file(file_id),
+            k.tenant_files(owner),
+            k.tenant_bytes(owner),
+            k.file_content(file_id),
+        ]
+        return bool(await self._release_file(keys=keys, args=[file_id, owner, ANONYMOUS]))
 
     # ---- batches -----------------------------------------------------------------------
     async def create_batch(
-        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict | None,
+        owner: str = ANONYMOUS,
     ) -> dict:
         batch_id = new_id("batch")
         now = int(time.time())
@@ -172,28 +218,45 @@ class Store:
             "failed": 0,
             "metadata": json.dumps(metadata) if metadata is not None else "null",
             "errors": "null",
+            "owner": owner,
         }
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), mapping={k: str(v) for k, v in fields.items()})
-        pipe.zadd(self.keys.batches_index, {batch_id: time.time()})
+        pipe.zadd(self.keys.tenant_batches(owner), {batch_id: time.time()})
         pipe.sadd(self.keys.batches_active, batch_id)
         await pipe.execute()
         return await self.get_batch(batch_id)
 
-    async def get_batch(self, batch_id: str) -> dict | None:
+    async def get_batch(self, batch_id: str, owner: str | None = None) -> dict | None:
+        """The batch, if there is one (and ``owner``'s, unless None: the worker's reads)."""
         if not is_id("batch", batch_id):
             return None
         raw = await self.r.hgetall(self.keys.batch(batch_id))
         if not raw:
             return None
-        return _batch_object({_str(k): _str(v) for k, v in raw.items()})
+        fields = {_str(k): _str(v) for k, v in raw.items()}
+        if owner is not None and fields.get("owner", ANONYMOUS) != owner:
+            return None
+        return _batch_object(fields)
 
-    async def list_batches(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        ids = [_str(i) for i in await self.r.zrevrange(self.keys.batches_index, 0, -1)]
+    async def batch_owner(self, batch_id: str) -> str:
+        """Who owns the batch: its output and error files are theirs."""
+        raw = await self.r.hget(self.keys.batch(batch_id), "owner")
+        return _str(raw) if raw is not None else ANONYMOUS
+
+    async def list_batches(
+        self, after: str | None, limit: int, owner: str = ANONYMOUS
+    ) -> tuple[list[dict], bool]:
+        """A page of ``owner``'s batches after the id ``after``, newest first."""
+        index = self.keys.tenant_batches(owner)
+        start = 0
         if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
-        page = ids[:limit]
-        batches = [b for b in [await self.get_batch(i) for i in page] if b]
+            rank = await self.r.zrevrank(index, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        ids = [_str(i) for i in await self.r.zrevrange(index, start, start + limit)]
+        batches = [b for b in [await self.get_batch(i) for i in ids[:limit]] if b]
         return batches, len(ids) > limit
 
     async def update_batch(self, batch_id: str, **fields) -> None:
@@ -261,10 +324,14 @@ class Store:
         return _str(raw) if raw is not None else None
 
 
-def _file_obj(raw: dict) -> dict | None:
+def _file_obj(raw: dict, owner: str | None = None) -> dict | None:
+    """The file object clients see (no owner field); None if absent or not ``owner``'s."""
     if not raw:
         return None
     obj: dict[str, Any] = {_str(k): _str(v) for k, v in raw.items()}
+    file_owner = obj.pop("owner", ANONYMOUS)
+    if owner is not None and file_owner != owner:
+        return None
     obj["bytes"] = int(obj["bytes"])
     obj["created_at"] = int(obj["created_at"])
     return obj

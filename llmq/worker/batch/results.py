@@ -89,11 +89,12 @@ async def _write_files(store: Store, batch_id: str, final: str, lines: list[Inpu
     if final in ("cancelled", "expired"):  # as OpenAI: every custom_id in one file
         bad += [unrun_row(line, final).to_dict() for line in lines if line.number not in results]
     fields = {}
+    owner = await store.batch_owner(batch_id)  # the files are the batch's tenant's, counted
     if ok:
-        f = await store.create_file(f"{batch_id}_output.jsonl", "batch_output", _jsonl(ok))
+        f = await store.create_file(f"{batch_id}_output.jsonl", "batch_output", _jsonl(ok), owner)
         fields["output_file_id"] = f["id"]
     if bad:
-        f = await store.create_file(f"{batch_id}_error.jsonl", "batch_output", _jsonl(bad))
+        f = await store.create_file(f"{batch_id}_error.jsonl", "batch_output", _jsonl(bad), owner)
         fields["error_file_id"] = f["id"]
     if fields:
         await store.update_batch(batch_id, **fields)
