@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     name = get_settings().worker_name or f"llmq-{os.getpid()}@%h"
     name = name.replace("%h", socket.gethostname())  # Celery's host placeholder
     override_settings(worker_name=name)
-    app.worker_main(
+    code = app.start(
         [
             "worker",
             "--pool=threads",
@@ -55,4 +55,4 @@ def run(args: argparse.Namespace) -> int:
             "--task-events",
         ]
     )
-    return 0
+    return code if isinstance(code, int) else 0  # 1: the engine loop died
