@@ -28,8 +28,10 @@ log = logging.getLogger("llmq.worker")
 # After the engine loop died: how long the warm shutdown may wait for batch tasks before the
 # process exits anyway (their leases expire and another worker re-runs them).
 ENGINE_DEATH_EXIT_S = 10.0
+# Set once the engine loop died: `llmq worker` exits with code 1 after Celery's shutdown.
+engine_died = threading.Event()
 
-__all__ = ["BATCH_QUEUE", "app", "create_app"]
+__all__ = ["BATCH_QUEUE", "app", "create_app", "engine_died"]
 
 
 def create_app() -> Celery:
@@ -120,6 +122,7 @@ def _exit_worker() -> None:
     from celery.worker import state
 
     log.critical("the engine loop stopped for good; the worker exits with code 1")
+    engine_died.set()
     state.should_stop = 1  # the worker's main loop checks it once a turn
     timer = threading.Timer(ENGINE_DEATH_EXIT_S, os._exit, args=(1,))
     timer.daemon = True

@@ -184,7 +184,7 @@ class EngineTransport:
         now = time.time()
         for p in pulled:
             keys = self._request_keys(p.request.id)
-            pipe.evalsha(sha, 5, *keys, self.worker, p.entry_id, GROUP, now)
+            pipe.evalsha(sha, 5, *keys, self.worker, p.entry_id, now)
         emissions = [Emission(p.request.id, p.entry_id, OutputMessage(0)) for p in pulled]
         return self._refusals(emissions, pipe.execute())
 
@@ -230,24 +230,18 @@ class EngineTransport:
         return k.req(rid), k.tokens(rid), k.logprobs(rid), k.out(rid), self.stream
 
     def _write_args(self, e: Emission, now: float) -> list:
+        """WRITE_SCRIPT's arguments (see keys.py)."""
         msg = e.message
-        final = ("failed" if msg.error else "finished") if msg.done else ""
-        args = [
-            self.worker,
-            e.entry_id,
-            GROUP,
-            msg.index,
-            len(msg.tokens),
-            msg.to_json(),
-            final,
-            msg.finish_reason or "",
-            msg.error.message if msg.error else "",
-            now,
-            self.request_ttl,
-            *msg.tokens,
-        ]
-        if msg.tokens and msg.logprobs:  # so that a client that missed them gets them back too
+        logprobs = bool(msg.tokens and msg.logprobs)  # a client that missed them gets them too
+        flags = ("l" if logprobs else "") + ("f" if msg.done else "")
+        args = [self.worker, e.entry_id, msg.index, len(msg.tokens), msg.to_json(), flags]
+        args += msg.tokens
+        if logprobs:
             args += [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
+        if msg.done:
+            state = "failed" if msg.error else "finished"
+            error = msg.error.message if msg.error else ""
+            args += [state, msg.finish_reason or "", error, now, self.request_ttl]
         return args
 
     @staticmethod

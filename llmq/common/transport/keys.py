@@ -155,10 +155,10 @@ return redis.call('PUBLISH', KEYS[2], ARGV[1])
 # after another took its requests over publishes nothing more for them (and does not XACK the
 # entry the new owner now holds). A request re-enqueued (a batch line run again) has a new
 # entry: writes for the old one are refused too. No owner or entry recorded: no fence.
-_FENCE = """
+_FENCE = f"""
 local own = redis.call('HMGET', KEYS[1], 'worker', 'entry')
 if own[2] and own[2] ~= ARGV[2] then
-  redis.call('XACK', KEYS[5], ARGV[3], ARGV[2])
+  redis.call('XACK', KEYS[5], '{GROUP}', ARGV[2])
   redis.call('XDEL', KEYS[5], ARGV[2])
   return 'fenced:' .. (own[1] or '')
 end
@@ -166,33 +166,37 @@ if own[1] and own[1] ~= ARGV[1] then return 'fenced:' .. own[1] end
 """
 
 # One request's news from one engine step, in one atomic call. KEYS: req, tokens, logprobs,
-# out channel, stream. ARGV: worker, entry, group, index, token count, message JSON, final
-# state ('' while running), finish_reason, error, finished time, record TTL, then the tokens,
-# then (when asked) one logprob entry a token. Tokens are appended idempotently (a write
-# retried after a dropped connection records nothing twice) and the record, the publish and the
-# finish happen together: what a client saw is what a claimer resumes from. A record shorter
-# than the message's index lost its tail (Redis restarted without it): nothing is appended
-# out of place and 'lost:<length>' tells the worker to fail the request.
+# out channel, stream. ARGV: worker, entry, index, token count n, message JSON, flags ('l':
+# logprob entries follow the tokens, 'f': the final message), the n tokens, [n logprob
+# entries], [final state, finish_reason, error, finished time, record TTL]. (Few arguments
+# while running: this runs for every request of every step.) Tokens are appended
+# idempotently (a write retried after a dropped connection records nothing twice), and the
+# record, the publish and the finish happen together: what a client saw is what a claimer
+# resumes from. A record shorter than the message's index lost its tail (Redis restarted
+# without it): nothing is appended out of place, and 'lost:<length>' tells the worker.
 WRITE_SCRIPT = (
     _FENCE
-    + """
-local first, n = tonumber(ARGV[4]), tonumber(ARGV[5])
+    + f"""
+local first, n, flags = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
+local at = 6 + n
 if n > 0 then
   local have = redis.call('LLEN', KEYS[2])
   if have < first then return 'lost:' .. have end
-  for i = have - first + 1, n do redis.call('RPUSH', KEYS[2], ARGV[11 + i]) end
-  if #ARGV > 11 + n then
+  for i = have - first + 1, n do redis.call('RPUSH', KEYS[2], ARGV[6 + i]) end
+  if string.find(flags, 'l', 1, true) then
     local lps = redis.call('LLEN', KEYS[3])
     if lps < first then return 'lost:' .. lps end
-    for i = lps - first + 1, n do redis.call('RPUSH', KEYS[3], ARGV[11 + n + i]) end
+    for i = lps - first + 1, n do redis.call('RPUSH', KEYS[3], ARGV[at + i]) end
+    at = at + n
   end
 end
-redis.call('PUBLISH', KEYS[4], ARGV[6])
-if ARGV[7] ~= '' then
-  redis.call('HSET', KEYS[1], 'state', ARGV[7], 'finished', ARGV[10], 'finish_reason', ARGV[8])
-  if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[9]) end
-  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[11]) end
-  redis.call('XACK', KEYS[5], ARGV[3], ARGV[2])
+redis.call('PUBLISH', KEYS[4], ARGV[5])
+if string.find(flags, 'f', 1, true) then
+  redis.call('HSET', KEYS[1], 'state', ARGV[at + 1], 'finish_reason', ARGV[at + 2],
+    'finished', ARGV[at + 4])
+  if ARGV[at + 3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[at + 3]) end
+  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[at + 5]) end
+  redis.call('XACK', KEYS[5], '{GROUP}', ARGV[2])
   redis.call('XDEL', KEYS[5], ARGV[2])
 end
 return 0
@@ -200,12 +204,12 @@ return 0
 )
 
 # A request taken into service (pulled, claimed or resumed): owned by this worker unless
-# another took it over meanwhile. KEYS: req, -, -, -, stream. ARGV: worker, entry, group, now.
+# another took it over meanwhile. KEYS: req, -, -, -, stream. ARGV: worker, entry, now.
 RUNNING_SCRIPT = (
     _FENCE
     + """
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'entry', ARGV[2],
-  'started', ARGV[4])
+  'started', ARGV[3])
 return 0
 """
 )
