@@ -30,10 +30,6 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._failing = False
 
-    @property
-    def status(self) -> EngineStatus:
-        return self._status
-
     def update(self, status: EngineStatus, stats: dict, now: float) -> None:
         """Fold the backend's stats into ``status`` (the rates over the last seconds) and hand
         the thread a copy of it (a new object: the thread never reads one half written)."""
