@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     heartbeat_ttl: float = Field(
         5.0, description="Seconds a worker's heartbeat lives; a silent worker is dead after it."
     )
+    stall_timeout: float = Field(
+        120.0,
+        description="Seconds a worker's engine loop may make no turn (a hung step) before its "
+        "heartbeat is withheld and other workers take its requests over; 0: never.",
+    )
     max_deliveries: int = Field(
         3, description="Times a request may be delivered to workers before it is dead-lettered."
     )

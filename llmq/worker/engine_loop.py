@@ -55,6 +55,7 @@ class EngineLoop:
         max_deliveries: int = 3,
         idle_block_ms: int = 100,
         clock: Callable[[], float] = time.time,
+        stall_timeout: float = 0.0,
     ):
         self.backend = backend
         self.transport = transport
@@ -70,7 +71,7 @@ class EngineLoop:
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
         self.stopped = threading.Event()
-        self.heartbeat = Heartbeat(transport, status, heartbeat_ttl)
+        self.heartbeat = Heartbeat(transport, status, heartbeat_ttl, stall_timeout)
         self._last_status = 0.0
         self._last_claim = 0.0
         self._last_deadline_check = 0.0
@@ -101,6 +102,7 @@ class EngineLoop:
         backoff = 0.2
         while not self.stopping.is_set():
             error = self.turn()
+            self.heartbeat.progress()  # a turn, even one Redis refused: the loop is not stuck
             if error is None:
                 backoff = 0.2
                 continue
@@ -141,6 +143,7 @@ class EngineLoop:
         try:
             while self.backend.has_unfinished() and time.monotonic() < deadline:
                 self._step()
+                self.heartbeat.progress()
                 self._refresh_status(self.clock())
             left = list(self.active)
             for rid in left:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from llmq.common.engine_status import EngineStatus
 from llmq.worker.engine_queue import EngineQueue
@@ -19,10 +20,19 @@ _STATS_WINDOW_S = 10.0  # the rates in the heartbeat are averages over this much
 
 
 class Heartbeat:
-    def __init__(self, transport: EngineQueue, status: EngineStatus, ttl: float):
+    def __init__(
+        self, transport: EngineQueue, status: EngineStatus, ttl: float, stall_timeout: float = 0.0
+    ):
         self.transport = transport
         self.ttl = ttl
         self.interval = min(1.0, ttl / 3)
+        # On a thread of its own the heartbeat would outlive a loop that hangs (a deadlock, a
+        # step that never returns) and keep that loop's requests from everyone: past this many
+        # seconds without a turn it is withheld, and others take them over (fenced, so a loop
+        # that was only slow drops them). 0: never.
+        self.stall_timeout = stall_timeout
+        self._progress = time.monotonic()
+        self._stalled = False
         self._status = dataclasses.replace(status)  # the snapshot the thread writes
         self._window: list[tuple[float, int, int]] = []  # (time, steps, tokens)
         self._wake = threading.Event()
@@ -50,12 +60,32 @@ class Heartbeat:
         """Write the latest snapshot now (on the caller's thread)."""
         self.transport.heartbeat(self._status, self.ttl)
 
+    def progress(self) -> None:
+        """The loop made a turn (or a step): it is not stalled."""
+        self._progress = time.monotonic()
+
+    def stalled(self) -> bool:
+        """Whether the loop has made no turn for longer than ``stall_timeout`` (logged once)."""
+        idle = time.monotonic() - self._progress
+        stalled = self.stall_timeout > 0 and idle > self.stall_timeout
+        if stalled and not self._stalled:
+            log.error(
+                "engine loop made no progress for %.0fs: heartbeat withheld, other workers "
+                "take its requests over",
+                idle,
+            )
+        elif self._stalled and not stalled:
+            log.warning("engine loop turning again: heartbeat resumed")
+        self._stalled = stalled
+        return stalled
+
     def beat_soon(self) -> None:
         """Have the thread write the latest snapshot now, not at its next tick."""
         self._wake.set()
 
     def start(self) -> None:
         self._stop.clear()
+        self._progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="llmq-heartbeat", daemon=True)
         self._thread.start()
 
@@ -71,7 +101,8 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.beat()
+                if not self.stalled():
+                    self.beat()
                 if self._failing:
                     log.info("heartbeat written again")
                 self._failing = False

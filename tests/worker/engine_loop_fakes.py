@@ -247,7 +247,10 @@ def pulled(
 
 
 def make_loop(
-    backend: ScriptedBackend | None = None, max_deliveries: int = 3, heartbeat_ttl: float = 5.0
+    backend: ScriptedBackend | None = None,
+    max_deliveries: int = 3,
+    heartbeat_ttl: float = 5.0,
+    stall_timeout: float = 0.0,
 ) -> tuple[EngineLoop, MemoryQueue, ScriptedBackend, Clock]:
     queue, clock = MemoryQueue(), Clock()
     backend = backend or ScriptedBackend()
@@ -258,6 +261,7 @@ def make_loop(
         heartbeat_ttl=heartbeat_ttl,
         max_deliveries=max_deliveries,
         clock=clock,
+        stall_timeout=stall_timeout,
     )
     return loop, queue, backend, clock
 

@@ -136,6 +136,26 @@ def test_the_heartbeat_goes_on_through_a_long_step_and_ends_with_the_loop():
     assert len(queue.heartbeats) == count
 
 
+def test_a_hung_step_withholds_the_heartbeat_until_the_loop_turns_again(caplog):
+    backend = BlockingBackend()
+    loop, queue, _, _ = make_loop(backend, heartbeat_ttl=0.3, stall_timeout=0.5)
+    queue.waiting = [pulled(1, 2)]
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    assert backend.in_step.wait(10)
+    wait_for(lambda: loop.heartbeat._stalled, 10, "the stall to be noticed", 0.01)
+    count = len(queue.heartbeats)
+    # Three beat intervals with the step still hung: nothing written (an absence, so a wait).
+    threading.Event().wait(3 * loop.heartbeat.interval)
+    assert len(queue.heartbeats) == count
+    assert "no progress" in caplog.text
+    backend.release.set()
+    wait_for(lambda: len(queue.heartbeats) > count, 10, "the heartbeat to resume", 0.01)
+    loop.stop(grace_period=5)
+    thread.join(10)
+    assert loop.stopped.is_set()
+
+
 def test_a_loop_that_dies_takes_its_heartbeat_with_it():
     loop, queue, _, _ = make_loop(heartbeat_ttl=0.3)
     queue.outage_in = "drain_cancels"
