@@ -102,10 +102,16 @@ class OutputReader:
     async def _still_waiting(
         self, request: EngineRequest, state: str | None, watch: _Watch
     ) -> None:
-        """After a silent poll: raises once no live worker has served the request's model for
-        no_worker_grace (it is then cancelled: a worker that comes back later drops it), or
-        once it has been inactive for too long. Waiting its turn in the queue of a served
-        model is not inactivity."""
+        """After a silent poll: raises when Redis lost the request, once no live worker has
+        served its model for no_worker_grace (it is then cancelled: a worker that comes back
+        later drops it), or once it has been inactive for too long. Waiting its turn in the
+        queue of a served model is not inactivity."""
+        if state is None:  # its record lives until past its deadline unless Redis lost it
+            raise Unavailable(
+                "Redis lost this request (it restarted without persistence, was flushed or "
+                "evicted keys); retry",
+                code="request_lost",
+            )
         now = time.monotonic()
         served = await self._served(request, state, _LIVENESS_AGE)
         since = watch.unserved_since

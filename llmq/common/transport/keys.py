@@ -146,10 +146,14 @@ return redis.call('PUBLISH', KEYS[2], ARGV[1])
 
 
 # Append a message's tokens to the request's record idempotently: a retried write (the
-# connection dropped before EXEC answered) must not record a token twice.
+# connection dropped before EXEC answered) must not record a token twice. A record shorter than
+# the message's start lost its beginning with Redis's data (a restart without persistence, a
+# FLUSHALL): it is left as it is, since tokens after a hole would resume a client wrongly (and
+# the ARGV index below 2 once made this script fail on every step, for good).
 RECORD_SCRIPT = """
 local have = redis.call('LLEN', KEYS[1])
 local first = tonumber(ARGV[1])
+if have < first then return have end
 for i = have - first + 2, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
 return have
 """
