@@ -119,8 +119,8 @@ class OutputReader:
             served = await self._served(request, state, 0.0)  # none came back just now?
             if not served:
                 raise Unavailable(
-                    f"no live worker serves {request.model!r} (its workers stopped); the "
-                    "request was cancelled, retry shortly"
+                    f"no live worker serves {request.model!r} (no heartbeat: its workers "
+                    "stopped or cannot write to Redis); the request was cancelled, retry shortly"
                 )
         if served:
             watch.unserved_since = None
