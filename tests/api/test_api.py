@@ -1225,13 +1225,18 @@ EXAMPLES_POST = 60  # per POST operation, half of them invalid on purpose
 EXAMPLES_OTHER = 15  # per GET / DELETE operation (most have little to vary)
 
 
-def test_schemathesis_finds_no_5xx(small):
+def test_schemathesis_finds_no_5xx_with_the_api_key(small):
+    """Generated requests, valid and not, to an API that requires a key (LLMQ_API_KEY), each
+    sent with the key as a client would: none gets a 5xx, and none a 401."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
     from schemathesis import GenerationMode
 
-    schema = schemathesis.openapi.from_url(f"{small.base}/openapi.json")
+    base = small.api("keyed", api_key=API_KEY)
+    assert_error(httpx.post(f"{base}/v1/completions", json={"prompt": "x"}), 401)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=auth)
     calls: Counter = Counter()
     statuses: Counter = Counter()
     failures: list[str] = []
@@ -1252,7 +1257,7 @@ def test_schemathesis_finds_no_5xx(small):
         )
         @given(case=strategy)
         def check(case):
-            resp = case.call(timeout=60)
+            resp = case.call(base_url=base, headers=auth, timeout=60)
             calls[op.label] += 1
             statuses[(op.label, resp.status_code)] += 1
             if resp.status_code >= 500 and len(failures) < 10:
@@ -1271,7 +1276,7 @@ def test_schemathesis_finds_no_5xx(small):
     codes = Counter()
     for (_, code), n in statuses.items():
         codes[code] += n
-    assert codes[200] >= 20 and codes[400] >= 20
+    assert codes[200] >= 20 and codes[400] >= 20 and codes[401] == 0
     # Generation itself was exercised, not only refusals.
     generated = [statuses[(f"POST /v1/{op}", 200)] for op in ("chat/completions", "completions")]
     assert min(generated) >= 1 and sum(generated) >= 10, dict(statuses)
