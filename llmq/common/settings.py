@@ -141,6 +141,13 @@ class Settings(BaseSettings):
     inactivity_timeout: float = Field(
         60.0, description="Seconds without output after which a running request fails."
     )
+    no_worker_grace: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds a request queued or running for a model whose workers all died "
+        "(heartbeats expired) waits for one to come back before it fails with 503 no_worker and "
+        "is cancelled; batch lines wait however long it takes.",
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Largest HTTP request body accepted.")
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None,

@@ -215,7 +215,10 @@ def test_killed_worker_requests_resume_exactly(llama_dir, reference, tmp_path):
         client = redis.Redis.from_url(server.url)
 
         async def run():
-            async with open_pipeline(server.url, llama_dir, inactivity_timeout=120) as p:
+            # The only worker dies and its successor takes seconds to load: a long grace keeps
+            # the requests waiting for it instead of failing them with 503 no_worker.
+            patient = dict(inactivity_timeout=120, no_worker_grace=120)
+            async with open_pipeline(server.url, llama_dir, **patient) as p:
                 tasks = [
                     asyncio.create_task(
                         p.all_tokens(
