@@ -141,8 +141,10 @@ if limit > 0 then
   if ok then waiting = waiting - pending[1] end
   if waiting + tonumber(ARGV[10]) > limit then return false end
 end
-redis.call('HDEL', req, 'worker')
+-- HSET first: a script's first write is where Redis refuses it under maxmemory (HDEL, never
+-- refused, would let every write after it through).
 redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6])
+redis.call('HDEL', req, 'worker')
 redis.call('EXPIRE', req, ARGV[7])
 local entry = redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2])
 redis.call('HSET', req, 'entry', entry)
