@@ -34,6 +34,9 @@ class Backend(Protocol):
         """Take a request out of the engine; the tokens it generated so far, with which
         ``add`` puts it back where it was (None if unknown)."""
 
+    def output_tokens(self, request_id: str) -> list[int] | None:
+        """Every token a running request generated so far (None if unknown)."""
+
     def step(self) -> list[tuple[str, OutputMessage]]:
         """One step: (request id, message) for every request with news."""
 
@@ -84,6 +87,10 @@ class GenerationBackend:
         tokens = list(seq.output_token_ids)
         self.engine.abort_request(request_id)
         return tokens
+
+    def output_tokens(self, request_id: str) -> list[int] | None:
+        seq = self.engine.requests.get(request_id)
+        return None if seq is None else list(seq.output_token_ids)
 
     def step(self) -> list[tuple[str, OutputMessage]]:
         return [(out.request_id, self._message(out)) for out in self.engine.step()]
@@ -207,6 +214,9 @@ class EmbeddingBackend:
     def take(self, request_id: str) -> list[int] | None:
         """An embedding request has no tokens: put back, it starts over."""
         return None if self.abort(request_id) is None else []
+
+    def output_tokens(self, request_id: str) -> list[int] | None:
+        return None
 
     def step(self) -> list[tuple[str, OutputMessage]]:
         batch = self.scheduler.schedule()

@@ -209,18 +209,22 @@ class EngineLoop:
             self._refused(r)
 
     def _refused(self, r: Refusal) -> None:
-        """A write refused: the request is another worker's now, or its record lost its tail
-        (the next tokens would land at the wrong positions): it stops here."""
-        active = self.active.pop(r.request_id, None)
-        if active is not None:
-            self.backend.abort(r.request_id)
+        """A write refused: the request is another worker's now (it stops here), or its record
+        lost its tail (mended from this worker's own tokens where it can, else failed: the
+        next tokens would land at the wrong positions)."""
         if r.owner is not None:
+            if self.active.pop(r.request_id, None) is not None:
+                self.backend.abort(r.request_id)
             log.warning(
                 "request %s was claimed by %s (this worker's heartbeat lapsed): dropped here",
                 r.request_id,
                 r.owner or "a new run of it",
             )
             return
+        if self._mend_record(r):
+            return
+        if self.active.pop(r.request_id, None) is not None:
+            self.backend.abort(r.request_id)
         log.error(
             "request %s: its record in Redis holds %d tokens, fewer than were sent (Redis "
             "lost the tail of it); failing it",
@@ -234,6 +238,28 @@ class EngineLoop:
             "output_record_lost",
         )
         self.transport.fail(r.request_id, r.entry_id, r.recorded or 0, error)
+
+    def _mend_record(self, r: Refusal) -> bool:
+        """Write a running request's record again from where Redis lost it (a restart without
+        persistence, an AOF that lost its tail), and the refused message with it: this worker
+        holds every token it generated, so the record ends up what its client saw. Not for
+        logprobs (only the latest are held) nor a request already finished here."""
+        msg, active = r.message, self.active.get(r.request_id)
+        if msg is None or msg.logprobs or msg.done or active is None or r.recorded is None:
+            return False
+        tokens = self.backend.output_tokens(r.request_id)
+        end = msg.index + len(msg.tokens)
+        if tokens is None or len(tokens) < end:
+            return False
+        mended = OutputMessage(index=r.recorded, tokens=tokens[r.recorded : end])
+        if self.transport.emit([Emission(r.request_id, r.entry_id, mended)]):
+            return False
+        log.warning(
+            "request %s: Redis lost %d of its recorded tokens; written again from this worker",
+            r.request_id,
+            msg.index - r.recorded,
+        )
+        return True
 
     def _step_one_by_one(self) -> list[tuple[str, OutputMessage]]:
         """After a step raised: the news of its requests stepped alone; the ones at fault

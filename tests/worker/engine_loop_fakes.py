@@ -106,7 +106,9 @@ class MemoryQueue:
                 refused.append(fenced)
                 continue
             if msg.tokens and len(record) < msg.index:
-                refused.append(Refusal(e.request_id, e.entry_id, recorded=len(record)))
+                refused.append(
+                    Refusal(e.request_id, e.entry_id, recorded=len(record), message=msg)
+                )
                 continue
             record.extend(msg.tokens[len(record) - msg.index :] if msg.tokens else [])
             self.emitted.append(e)
@@ -193,6 +195,11 @@ class ScriptedBackend:
             return None
         generated, _ = self.requests.pop(request_id)
         return [token(request_id, i) for i in range(generated)]
+
+    def output_tokens(self, request_id: str) -> list[int] | None:
+        if request_id not in self.requests:
+            return None
+        return [token(request_id, i) for i in range(self.requests[request_id][0])]
 
     def step(self) -> list[tuple[str, OutputMessage]]:
         if self.raise_on_step is not None:

@@ -80,12 +80,28 @@ def test_a_request_claimed_before_it_was_admitted_is_not_run():
     assert queue.running == ["r2"] and queue.messages("r1") == []
 
 
-def test_a_record_that_lost_its_tail_fails_its_request_and_the_loop_goes_on(caplog):
+def test_a_record_that_lost_its_tail_is_written_again_from_the_worker(caplog):
     loop, queue, backend, _ = make_loop()
     queue.waiting = [pulled(1, 8), pulled(2, 8)]
     for _ in range(3):
         turn(loop)
     del queue.records["r1"][1:]  # Redis restarted from an AOF that lost the tail
+    with caplog.at_level(logging.WARNING):
+        for _ in range(6):
+            turn(loop)
+    for rid in ("r1", "r2"):
+        assert queue.records[rid] == [token(rid, i) for i in range(8)]
+        assert queue.messages(rid)[-1].finish_reason == "length"
+    assert queue.failures == [] and loop.active == {}
+    assert "Redis lost 2 of its recorded tokens" in caplog.text
+
+
+def test_a_final_message_refused_for_a_lost_tail_fails_its_request_and_the_loop_goes_on(caplog):
+    loop, queue, backend, _ = make_loop()
+    queue.waiting = [pulled(1, 4), pulled(2, 8)]
+    for _ in range(3):
+        turn(loop)
+    del queue.records["r1"][1:]  # lost just before r1's last token: nothing holds the rest
     with caplog.at_level(logging.ERROR):
         turn(loop)
     failure = queue.failure("r1")

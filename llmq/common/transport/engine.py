@@ -67,6 +67,7 @@ class Refusal:
     entry_id: str
     owner: str | None = None
     recorded: int | None = None
+    message: OutputMessage | None = None  # the message refused for a lost tail
 
 
 class EngineTransport:
@@ -254,7 +255,9 @@ class EngineTransport:
             if kind == "fenced":
                 refused.append(Refusal(e.request_id, e.entry_id, owner=detail))
             else:
-                refused.append(Refusal(e.request_id, e.entry_id, recorded=int(detail)))
+                refused.append(
+                    Refusal(e.request_id, e.entry_id, recorded=int(detail), message=e.message)
+                )
         return refused
 
     def fail(
