@@ -1,8 +1,9 @@
 """Files and batches of the OpenAI Batch API, kept in Redis (key names from transport.Keys).
 
-A file is a hash (its OpenAI object) plus its content as a string. A batch is a hash whose
-fields are the batch object's (JSON where not scalar); its results are a hash of line number ->
-output line, written once per line (HSETNX), which is the checkpoint a re-run continues from.
+A file is a hash (its OpenAI object) plus its content as a list of pieces (file_chunks), both
+with the retention TTL. A batch is a hash whose fields are the batch object's (JSON where not
+scalar), with a TTL of its window plus the retention; its per-line results are in
+batch_checkpoint.
 """
 
 from __future__ import annotations
@@ -11,35 +12,41 @@ import json
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from llmq.common.file_chunks import ChunkWriter, read_chunks
 from llmq.common.transport.keys import Keys
 
 FINAL_STATES = {"completed", "failed", "cancelled", "expired"}
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
-# Record one line's result exactly once and count it.
-_RECORD_LINE = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
-  return 1
-end
-return 0
-"""
-
-# Move a batch to a new status only from one of the given ones; stamp the time field.
+# Move a batch to a new status only from one of the given ones; stamp the time field. With an
+# owner (ARGV[3] not empty), only while that run holds the batch's lease (KEYS[2]): a run that
+# lost it never moves the batch. ARGV[4] is JSON of fields set with the move.
 _TRANSITION = """
+if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[3] then return false end
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return false end
-for i = 3, #ARGV do
+for i = 5, #ARGV do
   if current == ARGV[i] then
     redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[1] .. '_at', ARGV[2])
+    for k, v in pairs(cjson.decode(ARGV[4])) do redis.call('HSET', KEYS[1], k, v) end
     return current
   end
 end
 return false
+"""
+
+# Extend the TTL of the keys that have one to at least ARGV[1] seconds.
+_KEEP = """
+for _, key in ipairs(KEYS) do
+  local ttl = redis.call('TTL', key)
+  if ttl >= 0 and ttl < tonumber(ARGV[1]) then redis.call('EXPIRE', key, ARGV[1]) end
+end
+return 0
 """
 
 _JSON_FIELDS = {"errors", "metadata"}
@@ -77,20 +84,29 @@ def _str(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+DEFAULT_RETENTION = 30 * 24 * 3600
+
+
 class Store:
-    def __init__(self, client: aioredis.Redis, keys: Keys):
+    def __init__(self, client: aioredis.Redis, keys: Keys, retention: int = DEFAULT_RETENTION):
         self.r = client
         self.keys = keys
-        self._record_line = client.register_script(_RECORD_LINE)
+        self.retention = retention  # seconds files and finished batches are kept
         self._transition = client.register_script(_TRANSITION)
+        self._keep = client.register_script(_KEEP)
 
     # ---- files -------------------------------------------------------------------------
-    async def create_file(self, filename: str, purpose: str, content: bytes) -> dict:
+    def file_writer(self) -> tuple[str, ChunkWriter]:
+        """A new file's id and the writer of its content; ``commit_file`` makes it a file."""
         file_id = new_id("file")
+        return file_id, ChunkWriter(self.r, self.keys.file_content(file_id), self.retention)
+
+    async def commit_file(self, file_id: str, filename: str, purpose: str, size: int) -> dict:
+        """The file object of content written whole with ``file_writer``."""
         obj = {
             "id": file_id,
             "object": "file",
-            "bytes": len(content),
+            "bytes": size,
             "created_at": int(time.time()),
             "filename": filename,
             "purpose": purpose,
@@ -98,20 +114,37 @@ class Store:
         }
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.file(file_id), mapping={k: str(v) for k, v in obj.items()})
-        pipe.set(self.keys.file_content(file_id), content)
+        pipe.expire(self.keys.file(file_id), self.retention)
+        pipe.expire(self.keys.file_content(file_id), self.retention)
         pipe.zadd(self.keys.files_index, {file_id: time.time()})
         await pipe.execute()
         return obj
+
+    async def create_file(self, filename: str, purpose: str, content: bytes) -> dict:
+        file_id, writer = self.file_writer()
+        await writer.write(content)
+        await writer.close()
+        return await self.commit_file(file_id, filename, purpose, len(content))
 
     async def get_file(self, file_id: str) -> dict | None:
         if not is_id("file", file_id):
             return None
         return _file_obj(await self.r.hgetall(self.keys.file(file_id)))
 
+    def file_chunks(self, file_id: str) -> AsyncIterator[bytes]:
+        """The file's content, a piece at a time (FileGone if it goes away meanwhile)."""
+        return read_chunks(self.r, self.keys.file_content(file_id))
+
     async def file_content(self, file_id: str) -> bytes | None:
-        if not is_id("file", file_id):
+        """The whole content (small files: tests, tools); None if there is no such file."""
+        if not is_id("file", file_id) or not await self.r.exists(self.keys.file(file_id)):
             return None
-        return await self.r.get(self.keys.file_content(file_id))
+        return b"".join([piece async for piece in self.file_chunks(file_id)])
+
+    async def keep_file(self, file_id: str, seconds: int) -> None:
+        """Keep the file at least ``seconds`` more (a batch's input, for its window)."""
+        keys = [self.keys.file(file_id), self.keys.file_content(file_id)]
+        await self._keep(keys=keys, args=[int(seconds)])
 
     async def list_files(
         self,
@@ -140,10 +173,16 @@ class Store:
             pipe = self.r.pipeline(transaction=False)
             for i in ids:
                 pipe.hgetall(self.keys.file(i))
-            for raw in await pipe.execute():
+            gone = []
+            for file_id, raw in zip(ids, await pipe.execute(), strict=True):
                 f = _file_obj(raw)
-                if f is not None and (purpose is None or f["purpose"] == purpose):
+                if f is None:
+                    gone.append(file_id)  # past its retention: its index entry goes too
+                elif purpose is None or f["purpose"] == purpose:
                     page.append(f)
+            if gone:
+                await self.r.zrem(index, *gone)
+                start -= len(gone)
         return page[:limit], len(page) > limit
 
     async def delete_file(self, file_id: str) -> bool:
@@ -173,11 +212,15 @@ class Store:
             "metadata": json.dumps(metadata) if metadata is not None else "null",
             "errors": "null",
         }
+        window = fields["expires_at"] - now
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), mapping={k: str(v) for k, v in fields.items()})
+        pipe.expire(self.keys.batch(batch_id), window + self.retention)
         pipe.zadd(self.keys.batches_index, {batch_id: time.time()})
         pipe.sadd(self.keys.batches_active, batch_id)
         await pipe.execute()
+        # Its input outlives its window (finalizing reads it again).
+        await self.keep_file(input_file_id, window + 3600)
         return await self.get_batch(batch_id)
 
     async def get_batch(self, batch_id: str) -> dict | None:
@@ -193,18 +236,29 @@ class Store:
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         page = ids[:limit]
-        batches = [b for b in [await self.get_batch(i) for i in page] if b]
-        return batches, len(ids) > limit
+        found = [(i, await self.get_batch(i)) for i in page]
+        gone = [i for i, b in found if b is None]  # past their retention
+        if gone:
+            await self.r.zrem(self.keys.batches_index, *gone)
+        return [b for _, b in found if b], len(ids) > limit
 
     async def update_batch(self, batch_id: str, **fields) -> None:
         mapping = {k: json.dumps(v) if k in _JSON_FIELDS else str(v) for k, v in fields.items()}
         await self.r.hset(self.keys.batch(batch_id), mapping=mapping)
 
-    async def transition(self, batch_id: str, to: str, allowed_from: tuple[str, ...]) -> str | None:
-        """Set the status if it is one of ``allowed_from``; returns the previous one or None."""
-        prev = await self._transition(
-            keys=[self.keys.batch(batch_id)], args=[to, int(time.time()), *allowed_from]
-        )
+    async def transition(
+        self,
+        batch_id: str,
+        to: str,
+        allowed_from: tuple[str, ...],
+        lease_owner: str = "",
+        fields: dict[str, str] | None = None,
+    ) -> str | None:
+        """Set the status (and ``fields``) if it is one of ``allowed_from`` and, with
+        ``lease_owner``, that run holds the lease; returns the previous status or None."""
+        keys = [self.keys.batch(batch_id), self.keys.batch_lease(batch_id)]
+        args = [to, int(time.time()), lease_owner, json.dumps(fields or {}), *allowed_from]
+        prev = await self._transition(keys=keys, args=args)
         if prev and to in FINAL_STATES:
             await self.r.srem(self.keys.batches_active, batch_id)
         return _str(prev) if prev else None
@@ -212,21 +266,6 @@ class Store:
     async def status(self, batch_id: str) -> str | None:
         raw = await self.r.hget(self.keys.batch(batch_id), "status")
         return _str(raw) if raw is not None else None
-
-    async def record_line(self, batch_id: str, line: int, output: dict, ok: bool) -> bool:
-        """Checkpoint one line's result; False if it was already recorded."""
-        done = await self._record_line(
-            keys=[self.keys.batch_results(batch_id), self.keys.batch(batch_id)],
-            args=[line, json.dumps(output, separators=(",", ":")), "completed" if ok else "failed"],
-        )
-        return bool(done)
-
-    async def results(self, batch_id: str) -> dict[int, dict]:
-        raw = await self.r.hgetall(self.keys.batch_results(batch_id))
-        return {int(_str(k)): json.loads(v) for k, v in raw.items()}
-
-    async def done_lines(self, batch_id: str) -> set[int]:
-        return {int(_str(k)) for k in await self.r.hkeys(self.keys.batch_results(batch_id))}
 
     async def active_batches(self) -> list[str]:
         return [_str(b) for b in await self.r.smembers(self.keys.batches_active)]

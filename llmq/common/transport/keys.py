@@ -18,12 +18,14 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
 - ``{p}:dead``                     stream: requests delivered too often, with the reason
 - ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
 - ``{p}:files``, ``{p}:files:{id}``, ``{p}:files:{id}:content``
-                                   OpenAI Batch API files: index, object hash, content string
+                                   OpenAI Batch API files: index, object hash (TTL), content as
+                                   a list of pieces of at most 1 MiB (TTL)
 - ``{p}:batches``, ``{p}:batches:active``, ``{p}:batches:{id}``, ``{p}:batches:{id}:results``,
-  ``{p}:batches:{id}:lease``, ``{p}:batches:{id}:dispatch``
+  ``{p}:batches:{id}:attempts``, ``{p}:batches:{id}:lease``, ``{p}:batches:{id}:dispatch``
                                    OpenAI Batch API batches: index, those not final, object
-                                   hash, line results, the running task's lease, a re-dispatch
-                                   marker
+                                   hash (TTL), line results and the retry count of lines that
+                                   were retried (both TTL, deleted when the batch ends), the
+                                   running task's lease, a re-dispatch marker
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Keys:
         return f"{self.prefix}:files:{file_id}"
 
     def file_content(self, file_id: str) -> str:
+        """List: the file's content in pieces (common/file_chunks.py)."""
         return f"{self.prefix}:files:{file_id}:content"
 
     @property
@@ -91,6 +94,11 @@ class Keys:
     def batch_results(self, batch_id: str) -> str:
         """Hash: line number -> output line (checkpoint: a line is run at most once)."""
         return f"{self.prefix}:batches:{batch_id}:results"
+
+    def batch_attempts(self, batch_id: str) -> str:
+        """Hash: line number -> its current attempt, for lines retried after a temporary
+        error (each attempt has its own request ids)."""
+        return f"{self.prefix}:batches:{batch_id}:attempts"
 
     def batch_lease(self, batch_id: str) -> str:
         return f"{self.prefix}:batches:{batch_id}:lease"

@@ -50,7 +50,7 @@ def supervise(stop: threading.Event, interval: float = 5.0) -> None:
     async def loop() -> None:
         settings = get_settings()
         client = async_client(settings.redis_url_or_default())
-        store = Store(client, Keys(settings.key_prefix))
+        store = Store(client, Keys(settings.key_prefix), settings.file_retention)
         try:
             while not stop.is_set():
                 try:
