@@ -1,5 +1,6 @@
 """The OpenAI Files and Batch APIs: /v1/files and /v1/batches. Batches run as Celery tasks
-(queue ``llmq.batch``) that clients poll."""
+(queue ``llmq.batch``) that clients poll. Every file and batch belongs to the tenant (API key)
+that made it: another tenant's is a 404, the same as a missing one, and no list shows it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def _store(request: Request) -> Store:
     return request.app.state.store
 
 
+def _owner(request: Request) -> str:
+    """The tenant of the request, which require_api_key named."""
+    return request.state.owner
+
+
 def _list_page(items: list[dict], has_more: bool) -> dict:
     """One page of a list, in OpenAI's cursor shape."""
     return {
@@ -38,8 +44,8 @@ def _list_page(items: list[dict], has_more: bool) -> dict:
 async def create_file(request: Request) -> dict:
     """Multipart fields ``file`` and ``purpose``, read as they stream in (api/uploads.py)."""
     settings = request.app.state.settings
-    limits = Limits(settings.max_file_bytes, settings.max_batch_lines)
-    return await receive_file(request, _store(request), limits)
+    limits = Limits(settings.max_file_bytes, settings.max_batch_lines, settings.tenant_quota_bytes)
+    return await receive_file(request, _store(request), limits, _owner(request))
 
 
 @router.get("/v1/files")
@@ -50,12 +56,13 @@ async def list_files(
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict:
-    page, more = await _store(request).list_files(purpose, after, limit, order == "desc")
+    store = _store(request)
+    page, more = await store.list_files(purpose, after, limit, order == "desc", _owner(request))
     return _list_page(page, more)
 
 
 async def _file(request: Request, file_id: str) -> dict:
-    f = await _store(request).get_file(file_id)
+    f = await _store(request).get_file(file_id, _owner(request))
     if f is None:
         raise NotFound(f"no file with id {file_id!r}", "file_id", "file_not_found")
     return f
@@ -80,7 +87,8 @@ async def file_content(file_id: str, request: Request) -> StreamingResponse:
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> dict:
     await _file(request, file_id)
-    await _store(request).delete_file(file_id)
+    if not await _store(request).delete_file(file_id, _owner(request)):  # a delete raced
+        raise NotFound(f"no file with id {file_id!r}", "file_id", "file_not_found")
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -113,14 +121,14 @@ class BatchCreate(BaseModel):
 @router.post("/v1/batches")
 async def create_batch(body: BatchCreate, request: Request) -> dict:
     store = _store(request)
-    f = await store.get_file(body.input_file_id)
+    f = await store.get_file(body.input_file_id, _owner(request))
     if f is None:
         raise NotFound(f"no file with id {body.input_file_id!r}", "input_file_id", "file_not_found")
     if f["purpose"] != "batch":
         raise InvalidRequest("the input file's purpose must be 'batch'", "input_file_id")
     assert body.endpoint in BATCH_ENDPOINTS
     batch = await store.create_batch(
-        body.input_file_id, body.endpoint, body.completion_window, body.metadata
+        body.input_file_id, body.endpoint, body.completion_window, body.metadata, _owner(request)
     )
     await asyncio.to_thread(dispatch_batch, request.app.state.settings, batch["id"])
     return batch
@@ -132,12 +140,12 @@ async def list_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict:
-    batches, has_more = await _store(request).list_batches(after, limit)
+    batches, has_more = await _store(request).list_batches(after, limit, _owner(request))
     return _list_page(batches, has_more)
 
 
 async def _batch(request: Request, batch_id: str) -> dict:
-    batch = await _store(request).get_batch(batch_id)
+    batch = await _store(request).get_batch(batch_id, _owner(request))
     if batch is None:
         raise NotFound(f"no batch with id {batch_id!r}", "batch_id", "batch_not_found")
     return batch

@@ -21,6 +21,8 @@ def error_response(exc: LLMQError) -> JSONResponse:
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
+    if getattr(exc, "should_retry", None) is False:
+        headers["x-should-retry"] = "false"
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)

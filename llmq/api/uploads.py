@@ -12,10 +12,11 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from llmq.common.errors import InvalidRequest
+from llmq.common.errors import InvalidRequest, LLMQError, QuotaExceeded
 from llmq.common.file_chunks import ChunkWriter
 from llmq.common.jsonl_lines import LineSplitter
 from llmq.common.store import Store
+from llmq.common.tenants import ANONYMOUS
 
 FILE_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")  # OpenAI's
 MAX_FIELD_BYTES = 1024  # purpose and the like
@@ -33,21 +34,24 @@ class Part:
 class Limits:
     max_bytes: int
     max_batch_lines: int
+    quota: int = 0  # the tenant's stored bytes (0: counted, never refused)
 
 
 class FileUpload:
     """The parser's callbacks collect; ``_drain`` does the async work after each piece."""
 
-    def __init__(self, store: Store, limits: Limits):
+    def __init__(self, store: Store, limits: Limits, owner: str = ANONYMOUS):
         self.store = store
         self.limits = limits
+        self.owner = owner
+        self.reserved = 0  # bytes counted to the owner so far
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.file_id: str | None = None
         self.writer: ChunkWriter | None = None
         self.lines = LineSplitter()
         self.line_count = 0
-        self.refused: InvalidRequest | None = None
+        self.refused: LLMQError | None = None
         self._part = Part()
         self._header = (b"", b"")
         self._file_data: list[bytes] = []
@@ -111,6 +115,13 @@ class FileUpload:
             if self._too_many_lines():
                 await self.refuse_lines()
                 return
+            try:  # each piece counted before it is stored: the quota is never passed
+                await self.store.reserve(self.owner, len(piece), self.limits.quota)
+            except QuotaExceeded as exc:
+                self.refused = exc
+                await self.discard()
+                return
+            self.reserved += len(piece)
             await self.writer.write(piece)
 
     def _too_many_lines(self) -> bool:
@@ -135,6 +146,8 @@ class FileUpload:
         if self.writer is not None:
             await self.writer.discard()
             self.writer = None
+        await self.store.unreserve(self.owner, self.reserved)
+        self.reserved = 0
 
     async def finish(self) -> dict:
         """The stored file's object, or the error that refused it."""
@@ -153,7 +166,8 @@ class FileUpload:
         if self.writer is None:
             self.file_id, self.writer = self.store.file_writer()
         await self.writer.close()
-        return await self.store.commit_file(self.file_id, self.filename, purpose, self.writer.size)
+        size = self.writer.size
+        return await self.store.commit_file(self.file_id, self.filename, purpose, size, self.owner)
 
 
 def _bad_purpose() -> InvalidRequest:
@@ -167,9 +181,10 @@ def _boundary(request: Request) -> bytes:
     return options[b"boundary"]
 
 
-async def receive_file(request: Request, store: Store, limits: Limits) -> dict:
-    """Parse the upload as it arrives and store its file; the file object, or a 400."""
-    upload = FileUpload(store, limits)
+async def receive_file(request: Request, store: Store, limits: Limits, owner: str) -> dict:
+    """Parse the upload as it arrives and store its file as ``owner``'s; the file object, or
+    a 400 (a 429 past the owner's quota)."""
+    upload = FileUpload(store, limits, owner)
     callbacks = {
         name: getattr(upload, name)
         for name in (

@@ -60,6 +60,18 @@ class QueueFull(LLMQError):
     retry_after = 1
 
 
+class QuotaExceeded(LLMQError):
+    """A tenant's stored bytes would pass its quota. OpenAI's own answer to an account over
+    its quota (429 insufficient_quota), which clients already handle as final; told not to
+    retry (x-should-retry: false, which the openai clients obey), since waiting frees nothing:
+    deleting files does."""
+
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+    should_retry = False
+
+
 class Unavailable(LLMQError):
     status = 503
     type = "service_unavailable"

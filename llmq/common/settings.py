@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -122,7 +122,11 @@ class Settings(BaseSettings):
     # API
     host: str = Field("127.0.0.1", description="Address the API binds to.")
     port: int = Field(8000, ge=1, le=65535, description="Port the API listens on.")
-    api_key: str | None = Field(None, description="Bearer token clients must send; unset: no auth.")
+    api_key: str | None = Field(
+        None,
+        description="Bearer token clients must send, or several separated by commas: one per "
+        "tenant, each owning the files and batches made with it; unset: no auth.",
+    )
     max_queue: int = Field(
         1024, description="Requests waiting in the queue beyond which the API answers 429."
     )
@@ -160,6 +164,12 @@ class Settings(BaseSettings):
         description="Seconds files and finished batches stay in Redis (OpenAI keeps output "
         "files 30 days); a batch's input file is kept at least until its window ends.",
     )
+    tenant_quota_bytes: int = Field(
+        10 * 1024**3,
+        ge=0,
+        description="Bytes of files one tenant (API key) may store, batch output and error "
+        "files included; an upload past it gets 429 insufficient_quota; 0: no limit.",
+    )
     batch_concurrency: int = Field(
         4,
         ge=1,
@@ -187,10 +197,26 @@ class Settings(BaseSettings):
         None, description="Flower basic-auth password; unset: a random one, printed at start."
     )
 
+    @field_validator("api_key")
+    @classmethod
+    def _some_key(cls, v: str | None) -> str | None:
+        # A value of separators alone would turn auth off unnoticed: refuse it.
+        if v and not _split_keys(v):
+            raise ValueError("LLMQ_API_KEY has no key in it")
+        return v
+
+    def api_keys(self) -> list[str]:
+        """The API keys clients may send (LLMQ_API_KEY split at commas); empty: no auth."""
+        return _split_keys(self.api_key or "")
+
     def redis_url_or_default(self) -> str:
         """The Redis to use: LLMQ_REDIS_URL, else the embedded one of a running `llmq up` on
         this machine, else a local Redis on its standard port."""
         return self.redis_url or embedded_redis_url() or "redis://127.0.0.1:6379/0"
+
+
+def _split_keys(value: str) -> list[str]:
+    return [k.strip() for k in value.split(",") if k.strip()]
 
 
 def _embedded_redis_file() -> Path:

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the batch's endpoint (default: the url of the file's first line)",
     )
     p.add_argument("--base-url", help="API URL (default http://LLMQ_HOST:LLMQ_PORT)")
-    p.add_argument("--api-key", help="API key (LLMQ_API_KEY)")
+    p.add_argument("--api-key", help="API key (LLMQ_API_KEY; the first of several)")
     p.add_argument("--output", help="where to write the output (default FILE.output.jsonl)")
     p.set_defaults(func=run_submit, parser=p)
 
@@ -40,7 +40,7 @@ def run_submit(args: argparse.Namespace) -> int:
     return submit(
         Path(args.file),
         base,
-        args.api_key or settings.api_key,
+        args.api_key or next(iter(settings.api_keys()), None),  # the first tenant's
         args.endpoint,
         args.wait,
         Path(args.output) if args.output else None,

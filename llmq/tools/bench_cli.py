@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
 
         s = get_settings()
         args.base_url = f"http://{s.host}:{s.port}"
-        args.api_key = args.api_key or s.api_key
+        args.api_key = args.api_key or next(iter(s.api_keys()), None)
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     if args.requests < 1 or (args.concurrency is not None and args.concurrency < 1):
         raise SystemExit("--requests and --concurrency must be at least 1")

@@ -17,15 +17,22 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
                                    the API reads live engines from, instead of a SCAN)
 - ``{p}:dead``                     stream: requests delivered too often, with the reason
 - ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
-- ``{p}:files``, ``{p}:files:{id}``, ``{p}:files:{id}:content``
-                                   OpenAI Batch API files: index, object hash (TTL), content as
-                                   a list of pieces of at most 1 MiB (TTL)
-- ``{p}:batches``, ``{p}:batches:active``, ``{p}:batches:{id}``, ``{p}:batches:{id}:results``,
+- ``{p}:files:{id}``, ``{p}:files:{id}:content``, ``{p}:files:expiry``
+                                   OpenAI Batch API files: object hash (with its ``owner``),
+                                   content as a list of pieces of at most 1 MiB (both with a
+                                   TTL a week past the retention, a safety net), and every file
+                                   by the time its retention ends (the sweep that deletes it
+                                   and gives its bytes back to its owner)
+- ``{p}:batches:active``, ``{p}:batches:{id}``, ``{p}:batches:{id}:results``,
   ``{p}:batches:{id}:attempts``, ``{p}:batches:{id}:lease``, ``{p}:batches:{id}:dispatch``
-                                   OpenAI Batch API batches: index, those not final, object
-                                   hash (TTL), line results and the retry count of lines that
-                                   were retried (both TTL, deleted when the batch ends), the
-                                   running task's lease, a re-dispatch marker
+                                   OpenAI Batch API batches: those not final, object hash (with
+                                   its ``owner``; TTL: window + retention), line results and the
+                                   attempt of lines that were retried (TTL, deleted when the
+                                   batch ends), the running task's lease, a re-dispatch marker
+- ``{p}:tenants:{owner}:files``, ``{p}:tenants:{owner}:batches``, ``{p}:tenants:{owner}:bytes``
+                                   per tenant (owner id of an API key): its files and batches
+                                   (sorted sets by creation, what lists page through) and the
+                                   bytes its files hold (counted against its quota)
 """
 
 from __future__ import annotations
@@ -85,8 +92,9 @@ class Keys:
         return f"{self.prefix}:files:{file_id}:content"
 
     @property
-    def files_index(self) -> str:
-        return f"{self.prefix}:files"
+    def files_expiry(self) -> str:
+        """Sorted set: every file -> the time its retention ends."""
+        return f"{self.prefix}:files:expiry"
 
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batches:{batch_id}"
@@ -108,13 +116,20 @@ class Keys:
         return f"{self.prefix}:batches:{batch_id}:dispatch"
 
     @property
-    def batches_index(self) -> str:
-        return f"{self.prefix}:batches"
-
-    @property
     def batches_active(self) -> str:
         """Set of batches not yet in a final state (for re-dispatch when a lease expires)."""
         return f"{self.prefix}:batches:active"
+
+    # Per tenant: an index each (a tenant's list pages through its own objects only) and the
+    # bytes its files hold.
+    def tenant_files(self, owner: str) -> str:
+        return f"{self.prefix}:tenants:{owner}:files"
+
+    def tenant_batches(self, owner: str) -> str:
+        return f"{self.prefix}:tenants:{owner}:batches"
+
+    def tenant_bytes(self, owner: str) -> str:
+        return f"{self.prefix}:tenants:{owner}:bytes"
 
     @property
     def models(self) -> str:
@@ -160,6 +175,33 @@ local have = redis.call('LLEN', KEYS[1])
 local first = tonumber(ARGV[1])
 for i = have - first + 2, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
 return have
+"""
+
+
+# Count ARGV[1] more bytes against a tenant's quota ARGV[2] (0: none), unless that passes it.
+# Returns {1, bytes now} or {0, bytes held}: the check and the count are one step, so two
+# uploads at once cannot both pass the last room.
+RESERVE_BYTES_SCRIPT = """
+local held = tonumber(redis.call('GET', KEYS[1]) or '0')
+local limit = tonumber(ARGV[2])
+if limit > 0 and held + tonumber(ARGV[1]) > limit then return {0, held} end
+return {1, redis.call('INCRBY', KEYS[1], ARGV[1])}
+"""
+
+# Delete a file (object hash KEYS[1], content KEYS[4]) if tenant ARGV[2] owns it (one without
+# an owner field is ARGV[3]'s, the anonymous tenant's), drop it from the tenant's index and
+# give its bytes back; 0 when it is not there or not the tenant's, so of two deletes racing
+# one gives back. KEYS[5], the retention index, forgets it too.
+RELEASE_FILE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local owner = redis.call('HGET', KEYS[1], 'owner') or ARGV[3]
+if owner ~= ARGV[2] then return 0 end
+local bytes = redis.call('HGET', KEYS[1], 'bytes') or '0'
+redis.call('DEL', KEYS[1], KEYS[4])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+if redis.call('DECRBY', KEYS[3], bytes) <= 0 then redis.call('DEL', KEYS[3]) end
+return 1
 """
 
 

@@ -23,9 +23,10 @@ SLICE = 500  # lines whose rows are read in one round trip
 class OutFile:
     """One of the batch's files, written as its rows come; a file object once committed."""
 
-    def __init__(self, store: Store, filename: str):
+    def __init__(self, store: Store, filename: str, owner: str):
         self.store = store
         self.filename = filename
+        self.owner = owner  # the batch's tenant's: counted to it, never refused
         self.file_id, self.writer = store.file_writer()
         self.rows = 0
 
@@ -38,7 +39,9 @@ class OutFile:
         await self.writer.close()
         if not self.rows:
             return None
-        await self.store.commit_file(self.file_id, self.filename, "batch_output", self.writer.size)
+        size = self.writer.size
+        await self.store.reserve(self.owner, size, quota=0)
+        await self.store.commit_file(self.file_id, self.filename, "batch_output", size, self.owner)
         return self.file_id
 
 
@@ -73,15 +76,16 @@ async def _write(rows: AsyncIterator[bytes], out: OutFile, err: OutFile) -> None
 
 async def write_files(
     store: Store, checkpoint: LineCheckpoint, batch_id: str, input_file_id: str, final: str
-) -> list[str]:
+) -> list[str | None]:
     """Write the batch's files; returns the ids written (output, then error; None when a file
     has no rows). Without its input file (deleted meanwhile) the recorded rows are written as
     they are, in no particular order."""
+    owner = await store.batch_owner(batch_id)
     for by_input in (True, False):
         if by_input and await store.get_file(input_file_id) is None:
             continue
-        out = OutFile(store, f"{batch_id}_output.jsonl")
-        err = OutFile(store, f"{batch_id}_error.jsonl")
+        out = OutFile(store, f"{batch_id}_output.jsonl", owner)
+        err = OutFile(store, f"{batch_id}_error.jsonl", owner)
         if by_input:
             rows = _rows_by_input(store, checkpoint, input_file_id, final)
         else:
@@ -126,8 +130,9 @@ async def finalize(
                 written.append(file_id)
         allowed_from = (*allowed_from, "finalizing")
     if await store.transition(batch_id, final, allowed_from, owner, fields) is None:
-        for file_id in written:  # referenced by no batch
-            await store.delete_file(file_id)
+        owner = await store.batch_owner(batch_id)
+        for file_id in written:  # referenced by no batch: deleted, their bytes given back
+            await store.delete_file(file_id, owner)
         if await store.lease_holder(batch_id) != owner:
             return None
         return await store.status(batch_id)
