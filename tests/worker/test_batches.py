@@ -75,7 +75,9 @@ class Stack:
 
 
 @contextmanager
-def stack(model: Path, logs: Path, worker_name: str, **worker_settings):
+def stack(
+    model: Path, logs: Path, worker_name: str, api_settings: dict | None = None, **worker_settings
+):
     """Redis + one `llmq worker` + `llmq api`, started side by side. A test may replace
     ``worker``; whichever is there at the end is stopped."""
     with RedisServer() as server:
@@ -83,7 +85,8 @@ def stack(model: Path, logs: Path, worker_name: str, **worker_settings):
         api = None
         s = None
         try:
-            api, base = start_api(server.url, model, logs, f"api-{worker_name}")
+            name = f"api-{worker_name}"
+            api, base = start_api(server.url, model, logs, name, **(api_settings or {}))
             wait_worker(server.url, worker_name, worker)
             s = Stack(server.url, worker, worker_name, api, base, str(model), logs)
             yield s
