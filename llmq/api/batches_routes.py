@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from llmq.api.uploads import Limits, receive_file
+from llmq.api.uploads import FILE_PURPOSES, Limits, receive_file
 from llmq.common.celery_client import dispatch_batch
 from llmq.common.errors import InvalidRequest, NotFound
 from llmq.common.store import BATCH_ENDPOINTS, Store
@@ -40,7 +40,26 @@ def _list_page(items: list[dict], has_more: bool) -> dict:
 
 
 # ---- files -------------------------------------------------------------------------------
-@router.post("/v1/files")
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": list(FILE_PURPOSES)},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post("/v1/files", openapi_extra=_UPLOAD_BODY)
 async def create_file(request: Request) -> dict:
     """Multipart fields ``file`` and ``purpose``, read as they stream in (api/uploads.py)."""
     settings = request.app.state.settings

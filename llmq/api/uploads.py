@@ -197,20 +197,24 @@ async def receive_file(request: Request, store: Store, limits: Limits, owner: st
             "on_headers_finished",
         )
     }
-    parser = MultipartParser(_boundary(request), callbacks)  # type: ignore[arg-type]
+    try:
+        parser = MultipartParser(_boundary(request), callbacks)  # type: ignore[arg-type]
+    except (FormParserError, ValueError):
+        raise InvalidRequest("the multipart boundary is malformed") from None
+    malformed = (FormParserError, ValueError, UnicodeError)
     try:
         async for piece in request.stream():
             if upload.refused is not None:
                 continue  # read and dropped, so that the client gets the answer
             try:
                 parser.write(piece)
-            except FormParserError:
+            except malformed:
                 upload.refused = InvalidRequest("the multipart body is malformed")
             await upload.drain()
         if upload.refused is None:
             try:
                 parser.finalize()
-            except FormParserError:
+            except malformed:
                 upload.refused = InvalidRequest("the multipart body is malformed")
         return await upload.finish()
     except BaseException:
