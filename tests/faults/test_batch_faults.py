@@ -5,6 +5,7 @@ across the output and error files."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -153,3 +154,41 @@ def test_a_run_that_loses_its_lease_stops_and_the_batch_completes_once(main):
     assert len(outputs) == 1, outputs  # finalized once
     log = main.worker.log(400_000)
     assert log.count(f"batch {batch.id}: {n} lines,") == 2, log  # the first run and the holder
+
+
+# ---- retention -------------------------------------------------------------------------------
+def test_files_past_their_retention_are_swept_with_their_bytes_given_back(main):
+    """In process on a key prefix no worker watches: a file whose retention ended is deleted
+    as its owner's delete does (content gone, bytes back); a batch's input is kept for the
+    batch's window; every key has a TTL."""
+    import redis.asyncio as aioredis
+
+    from llmq.common.store import Store
+
+    keys = Keys("llmqretain")
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(main.redis_url)
+        store = Store(client, keys, retention=3600)
+        try:
+            old = await store.create_file("old.jsonl", "batch", b"x" * 3000, "t1")
+            kept = await store.create_file("in.jsonl", "batch", b"{}\n", "t1")
+            batch = await store.create_batch(kept["id"], "/v1/completions", "24h", None, "t1")
+            for key in (
+                keys.file(old["id"]),
+                keys.file_content(old["id"]),
+                keys.batch(batch["id"]),
+            ):
+                assert await client.ttl(key) > 0, key
+            assert await client.ttl(keys.file(kept["id"])) > 24 * 3600  # kept for the window
+            assert int(await client.get(keys.tenant_bytes("t1"))) == 3003
+            assert await client.zscore(keys.files_expiry, kept["id"]) > time.time() + 24 * 3600
+            await client.zadd(keys.files_expiry, {old["id"]: 1})  # its retention ended
+            assert await store.sweep_expired() == [old["id"]]
+            assert not await client.exists(keys.file(old["id"]), keys.file_content(old["id"]))
+            assert int(await client.get(keys.tenant_bytes("t1"))) == 3
+            assert await store.get_file(kept["id"]) is not None
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
