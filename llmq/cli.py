@@ -77,10 +77,16 @@ def operator_errors() -> tuple[type[Exception], ...]:
 def _one_line(exc: Exception) -> str:
     import httpx
     import pydantic
+    from redis.exceptions import AuthenticationError
 
     if isinstance(exc, pydantic.ValidationError):  # a bad LLMQ_ variable
         return "; ".join(
             f"LLMQ_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+    if isinstance(exc, AuthenticationError):  # redis-py's words name HELLO, not the cause
+        return (
+            "Redis refused the password of its URL (none, or a wrong one); give it as "
+            "redis://:PASSWORD@HOST:PORT/0 (`llmq up` keeps its own in its state file)"
         )
     if isinstance(exc, httpx.TransportError):
         try:

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmq.common.errors import LLMQError
+from llmq.common.errors import LLMQError, redis_failure
 from llmq.common.validation import validation_error
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(redis.RedisError)
     async def _redis(request: Request, exc: redis.RedisError):
-        log.warning("redis unavailable: %s", exc)
-        resp = _plain(
-            503,
-            "the queue (Redis) is unavailable; retry shortly",
-            "service_unavailable",
-            code="redis_unavailable",
-        )
-        resp.headers["Retry-After"] = "2"
-        return resp
+        log.warning("redis failed %s %s: %s", request.method, request.url.path, exc)
+        return error_response(redis_failure(exc))
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import redis
+
 
 class LLMQError(Exception):
     status = 500
@@ -93,3 +95,21 @@ class EngineFailure(LLMQError):
     status = 500
     type = "server_error"
     code = "engine_error"
+
+
+def redis_failure(exc: redis.RedisError) -> Unavailable:
+    """What a client is told when Redis fails a call: out of memory (maxmemory reached under
+    noeviction: it refuses every write) by name, since retrying alone will not mend it; any
+    other failure as Redis unavailable."""
+    if isinstance(exc, redis.OutOfMemoryError):
+        error = Unavailable(
+            "Redis is out of memory (its maxmemory is reached) and refuses new requests; "
+            "retry shortly",
+            code="redis_out_of_memory",
+        )
+    else:
+        error = Unavailable(
+            "the queue (Redis) is unavailable; retry shortly", code="redis_unavailable"
+        )
+    error.retry_after = 2
+    return error

@@ -38,6 +38,7 @@ class ModelRegistry:
             request_timeout=s.request_timeout,
             inactivity_timeout=s.inactivity_timeout,
             record_ttl=s.request_ttl,
+            no_worker_grace=s.no_worker_grace,
         )
 
     async def engines(self) -> list[EngineStatus]:

@@ -53,6 +53,7 @@ class TokenGeneratorPipeline:
         request_timeout: float = 600.0,
         inactivity_timeout: float = 60.0,
         record_ttl: int = 3600,
+        no_worker_grace: float = 1.0,
     ):
         self.transport = transport
         self.tokenizer = tokenizer
@@ -62,7 +63,7 @@ class TokenGeneratorPipeline:
         self.inactivity_timeout = inactivity_timeout
         self.record_ttl = record_ttl
         self._engines_cache: tuple[float, list[EngineStatus]] = (0.0, [])
-        self.output = OutputReader(transport, self.engines, inactivity_timeout)
+        self.output = OutputReader(transport, self.engines, inactivity_timeout, no_worker_grace)
 
     # ---- tokenizing ------------------------------------------------------------------
     async def encode(

@@ -1,5 +1,6 @@
 """One request's output messages, in order and each token once: repeats dropped, gaps filled
-from the request's record in Redis, errors raised, and the deadline and inactivity enforced."""
+from the request's record in Redis, errors raised, and the deadline and inactivity enforced; a
+request whose model no live worker serves any more fails fast with the 503 a new one gets."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import (
@@ -22,36 +24,49 @@ from llmq.common.transport import AsyncTransport
 log = logging.getLogger(__name__)
 
 _POLL = 1.0  # seconds between checks of a silent request's state
+# How old the live engines a silent poll reads may be: one read per API process shared by every
+# silent request, fresh enough that a dead model is seen within a poll of its last heartbeat.
+_LIVENESS_AGE = 0.25
 _UNAVAILABLE = "unavailable"  # recover() could not read Redis
+
+
+@dataclass(slots=True)
+class _Watch:
+    """What a request's silent polls saw: when it last made progress, and since when no live
+    worker has served its model (None: one does)."""
+
+    last_activity: float
+    unserved_since: float | None = None
 
 
 class OutputReader:
     def __init__(
         self,
         transport: AsyncTransport,
-        engines: Callable[[], Awaitable[list[EngineStatus]]],
+        engines: Callable[[float], Awaitable[list[EngineStatus]]],
         inactivity_timeout: float,
+        no_worker_grace: float = 1.0,
     ):
         self.transport = transport
-        self.engines = engines
+        self.engines = engines  # live engines, read at most the given seconds ago
         self.inactivity_timeout = inactivity_timeout
+        self.no_worker_grace = no_worker_grace
 
     async def messages(
         self, request: EngineRequest, queue: asyncio.Queue
     ) -> AsyncIterator[OutputMessage]:
         """Output messages in order, each token exactly once; raises on errors and deadlines."""
         expected = 0
-        last_activity = time.monotonic()
+        watch = _Watch(time.monotonic())
         while True:
             remaining = request.deadline - time.time()
             if remaining <= 0:
                 raise _deadline(request)
-            msg = await _next(queue, min(_POLL, remaining))
+            msg = await _next(queue, min(self._poll_in(watch), remaining))
             if msg is None:
                 msg, state = await self.recover(request, expected)
                 if msg is None:
-                    if await self._still_waiting(request, state, last_activity):
-                        last_activity = time.monotonic()
+                    await self._still_waiting(request, state, watch)
                     continue
             if isinstance(msg, LLMQError):  # put there by RequestStream.fail
                 raise msg
@@ -71,21 +86,50 @@ class OutputReader:
                 if not m.tokens and not m.done:
                     continue
                 expected = m.index + len(m.tokens)
-                last_activity = time.monotonic()
+                watch.last_activity, watch.unserved_since = time.monotonic(), None
                 yield m
                 if m.done:
                     return
 
+    def _poll_in(self, watch: _Watch) -> float:
+        """Seconds until the next check of a silent request: at the latest when the grace a
+        model without live workers gets runs out."""
+        if watch.unserved_since is None:
+            return _POLL
+        left = watch.unserved_since + self.no_worker_grace - time.monotonic()
+        return max(0.05, min(_POLL, left))
+
     async def _still_waiting(
-        self, request: EngineRequest, state: str | None, last_activity: float
-    ) -> bool:
-        """After a silent poll: True when the request waits its turn in the queue (which is
-        not inactivity); raises once it has been inactive for too long."""
-        served = await self._served(request, state)
-        if state == "queued" and served:
-            return True
-        if time.monotonic() - last_activity > self.inactivity_timeout:
+        self, request: EngineRequest, state: str | None, watch: _Watch
+    ) -> None:
+        """After a silent poll: raises when Redis lost the request, once no live worker has
+        served its model for no_worker_grace (it is then cancelled: a worker that comes back
+        later drops it), or once it has been inactive for too long. Waiting its turn in the
+        queue of a served model is not inactivity."""
+        if state is None:  # its record lives until past its deadline unless Redis lost it
+            raise Unavailable(
+                "Redis lost this request (it restarted without persistence, was flushed or "
+                "evicted keys); retry",
+                code="request_lost",
+            )
+        now = time.monotonic()
+        served = await self._served(request, state, _LIVENESS_AGE)
+        since = watch.unserved_since
+        if not served and since is not None and now - since >= self.no_worker_grace:
+            served = await self._served(request, state, 0.0)  # none came back just now?
             if not served:
+                raise Unavailable(
+                    f"no live worker serves {request.model!r} (no heartbeat: its workers "
+                    "stopped or cannot write to Redis); the request was cancelled, retry shortly"
+                )
+        if served:
+            watch.unserved_since = None
+            if state == "queued":
+                watch.last_activity = now
+        elif since is None:
+            watch.unserved_since = now
+        if now - watch.last_activity > self.inactivity_timeout:
+            if watch.unserved_since is not None:
                 raise Unavailable(
                     f"no worker has served {request.model!r} for "
                     f"{_seconds(self.inactivity_timeout)}s; the request was cancelled, "
@@ -95,16 +139,19 @@ class OutputReader:
                 f"no output for {_seconds(self.inactivity_timeout)}s; the request was cancelled",
                 code="inactivity_timeout",
             )
-        return False
 
-    async def _served(self, request: EngineRequest, state: str | None) -> bool:
-        """Whether a live worker serves the request's model. An interactive request queued
-        with none ends after inactivity_timeout with the 503 a new request gets, not at its
-        deadline (a worker that restarts within it takes the request over). A batch line
-        waits for a worker however long it takes."""
+    async def _served(self, request: EngineRequest, state: str | None, max_age: float) -> bool:
+        """Whether a live worker serves the request's model (engines read at most ``max_age``
+        seconds ago). A batch line waits for a worker however long it takes; so does a
+        request while Redis cannot say (unreachable: its restart is no worker's death)."""
         if request.priority != PRIORITY_INTERACTIVE or state in (_UNAVAILABLE, "finished"):
             return True
-        return any(e.model == request.model for e in await self.engines())
+        try:
+            engines = await self.engines(max_age)
+        except Exception as exc:
+            log.debug("live engines unavailable: %s", exc)
+            return True
+        return any(e.model == request.model for e in engines)
 
     async def _fill_gap(self, request: EngineRequest, expected: int, upto: int) -> OutputMessage:
         """Tokens [expected, upto) from the request's record. Retried while Redis is

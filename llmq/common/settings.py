@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     heartbeat_ttl: float = Field(
         5.0, description="Seconds a worker's heartbeat lives; a silent worker is dead after it."
     )
+    stall_timeout: float = Field(
+        120.0,
+        description="Seconds a worker's engine loop may make no turn (a hung step) before its "
+        "heartbeat is withheld and other workers take its requests over; 0: never.",
+    )
     max_deliveries: int = Field(
         3, description="Times a request may be delivered to workers before it is dead-lettered."
     )
@@ -135,6 +140,13 @@ class Settings(BaseSettings):
     )
     inactivity_timeout: float = Field(
         60.0, description="Seconds without output after which a running request fails."
+    )
+    no_worker_grace: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds a request queued or running for a model whose workers all died "
+        "(heartbeats expired) waits for one to come back before it fails with 503 no_worker and "
+        "is cancelled; batch lines wait however long it takes.",
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Largest HTTP request body accepted.")
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(

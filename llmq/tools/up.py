@@ -9,8 +9,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmq.common.settings import DEFAULT_MODEL, Settings, get_settings
+
+if TYPE_CHECKING:
+    from llmq.common.redis_server import RedisServer
 
 DEMO_DIR = Path.home() / ".cache" / "llmq" / "demo-model"
 
@@ -121,20 +125,28 @@ def _stop_workers(workers: list[subprocess.Popen], grace: float) -> None:
             worker.wait()
 
 
-def run_up(log_level: str = "INFO") -> int:
+def start_embedded_redis() -> tuple[RedisServer, Path]:
+    """`llmq up`'s own Redis: loopback, protected mode, and a password only this user can read
+    (in the state file, mode 0600, through which `llmq inspect` and friends find it; never in
+    a command line): without one any local user could read every answer or inject work.
+    Returns the running server and the state file's path."""
     from llmq.common.redis_server import RedisServer
+    from llmq.common.settings import publish_embedded_redis
+
+    password = secrets.token_urlsafe(24)
+    server = RedisServer(appendonly=True, own_session=True, password=password).start()
+    return server, publish_embedded_redis(server.url)
+
+
+def run_up(log_level: str = "INFO") -> int:
     from llmq.common.settings import publish_embedded_redis
 
     settings = get_settings()
     os.environ["LLMQ_MODEL"] = resolve_model()
     redis_server = None
     if not settings.redis_url:
-        # Loopback, protected mode, and a password only this user can read (the state file):
-        # without one any local user could read every answer or inject work.
-        password = secrets.token_urlsafe(24)
-        redis_server = RedisServer(appendonly=True, own_session=True, password=password).start()
+        redis_server, path = start_embedded_redis()
         os.environ["LLMQ_REDIS_URL"] = redis_server.url
-        path = publish_embedded_redis(redis_server.url)  # `llmq inspect` and friends find it
         print(
             f"llmq: embedded Redis at redis://{redis_server.host}:{redis_server.port}/0 "
             f"(its password in {path})",

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
     )
     from llmq.common.settings import get_settings
-    from llmq.worker.celery_app import BATCH_QUEUE, app
+    from llmq.worker.celery_app import BATCH_QUEUE, app, engine_died
 
     name = get_settings().worker_name or f"llmq-{os.getpid()}@%h"
     name = name.replace("%h", socket.gethostname())  # Celery's host placeholder
@@ -55,4 +55,4 @@ def run(args: argparse.Namespace) -> int:
             "--task-events",
         ]
     )
-    return 0
+    return 1 if engine_died.is_set() else 0  # restart me: the engine loop is gone

@@ -30,6 +30,10 @@ class Backend(Protocol):
     def abort(self, request_id: str) -> OutputMessage | None:
         """Stop a request now; the message that ends it (None if unknown)."""
 
+    def take(self, request_id: str) -> list[int] | None:
+        """Take a request out of the engine; the tokens it generated so far, with which
+        ``add`` puts it back where it was (None if unknown)."""
+
     def step(self) -> list[tuple[str, OutputMessage]]:
         """One step: (request id, message) for every request with news."""
 
@@ -72,6 +76,14 @@ class GenerationBackend:
         if out is None:
             return None
         return OutputMessage(index=out.num_output_tokens, finish_reason="abort")
+
+    def take(self, request_id: str) -> list[int] | None:
+        seq = self.engine.requests.get(request_id)
+        if seq is None:
+            return None
+        tokens = list(seq.output_token_ids)
+        self.engine.abort_request(request_id)
+        return tokens
 
     def step(self) -> list[tuple[str, OutputMessage]]:
         return [(out.request_id, self._message(out)) for out in self.engine.step()]
@@ -191,6 +203,10 @@ class EmbeddingBackend:
             return None
         self.scheduler.remove(request_id)
         return OutputMessage(index=0, finish_reason="abort")
+
+    def take(self, request_id: str) -> list[int] | None:
+        """An embedding request has no tokens: put back, it starts over."""
+        return None if self.abort(request_id) is None else []
 
     def step(self) -> list[tuple[str, OutputMessage]]:
         batch = self.scheduler.schedule()

@@ -6,11 +6,15 @@ A worker-level bootstep loads the model and runs the engine loop in its own thre
 start to warm shutdown (a consumer step would restart on every broker reconnect). The pool is
 ``threads``: CUDA does not survive fork, and the solo pool stops answering pings while a task
 runs. Batch-job tasks (queue ``llmq.batch``) run in the same process beside the engine.
+
+Should the engine loop ever stop for good, the worker exits with code 1 rather than go on
+answering ``celery inspect ping`` (the compose healthcheck) with no engine behind it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 
@@ -21,7 +25,13 @@ from llmq.common.settings import get_settings
 
 log = logging.getLogger("llmq.worker")
 
-__all__ = ["BATCH_QUEUE", "app", "create_app"]
+# After the engine loop died: how long the warm shutdown may wait for batch tasks before the
+# process exits anyway (their leases expire and another worker re-runs them).
+ENGINE_DEATH_EXIT_S = 10.0
+# Set once the engine loop died: `llmq worker` exits with code 1 after Celery's shutdown.
+engine_died = threading.Event()
+
+__all__ = ["BATCH_QUEUE", "app", "create_app", "engine_died"]
 
 
 def create_app() -> Celery:
@@ -71,7 +81,10 @@ class EngineStep(bootsteps.StartStopStep):
                 return
             finally:
                 built.set()
-            self.loop.run()
+            try:
+                self.loop.run()
+            except BaseException:
+                _exit_worker()
 
         self.thread = threading.Thread(target=serve, name="llmq-engine", daemon=True)
         self.thread.start()
@@ -100,6 +113,20 @@ class EngineStep(bootsteps.StartStopStep):
 
     def shutdown(self, worker) -> None:
         self.stop(worker)
+
+
+def _exit_worker() -> None:
+    """The engine loop died (its heartbeat is gone, so other workers take its requests over):
+    shut the worker down warm with exit code 1, so that an orchestrator restarts it, and exit
+    for sure if batch tasks keep the warm shutdown waiting."""
+    from celery.worker import state
+
+    log.critical("the engine loop stopped for good; the worker exits with code 1")
+    engine_died.set()
+    state.should_stop = 1  # the worker's main loop checks it once a turn
+    timer = threading.Timer(ENGINE_DEATH_EXIT_S, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
 
 
 app = create_app()

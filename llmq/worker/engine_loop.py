@@ -2,11 +2,14 @@
 
 Each turn: pull as many requests as the engine has room for (blocking only when idle), drain
 cancels, run one engine step, publish every sequence's new tokens in one round trip, refresh
-the heartbeat, and now and then take over the requests of workers whose heartbeat expired.
+the heartbeat's status, and now and then take over the requests of workers whose heartbeat
+expired. The heartbeat itself is written by a thread of its own (``heartbeat.py``). A write
+the transport refuses because another worker took a request over stops the request here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -14,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, OutputMessage
-from llmq.common.transport import Emission, PulledRequest
+from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, EngineRequest, OutputMessage
+from llmq.common.transport import Emission, PulledRequest, Refusal
 from llmq.worker.backends import Backend
 from llmq.worker.engine_queue import EngineQueue
+from llmq.worker.failed_step import step_one_by_one
+from llmq.worker.heartbeat import Heartbeat
 from llmq.worker.request_error import RequestError
 
 log = logging.getLogger(__name__)
@@ -25,6 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Active:
+    request: EngineRequest
     request_id: str
     entry_id: str
     deadline: float | None
@@ -49,6 +55,7 @@ class EngineLoop:
         max_deliveries: int = 3,
         idle_block_ms: int = 100,
         clock: Callable[[], float] = time.time,
+        stall_timeout: float = 0.0,
     ):
         self.backend = backend
         self.transport = transport
@@ -64,30 +71,38 @@ class EngineLoop:
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
         self.stopped = threading.Event()
-        self._last_heartbeat = 0.0
+        self.heartbeat = Heartbeat(transport, status, heartbeat_ttl, stall_timeout)
+        self._last_status = 0.0
         self._last_claim = 0.0
         self._last_deadline_check = 0.0
-        self._steps_window: list[tuple[float, int, int]] = []  # (time, steps, tokens)
         self.grace_period = 5.0
         self._unsent: list[Emission] = []  # emissions a Redis outage kept from going out
         self._set_up = False  # the transport is set up (false at start and after an outage)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until ``stop()``; survives Redis outages by retrying."""
+        """Serve until ``stop()``; survives Redis outages by retrying. Should anything else end
+        it, the heartbeat goes with it: other workers take its requests over, and the worker
+        (see celery_app.EngineStep) exits rather than answer pings with no engine behind it."""
+        self.heartbeat.start()
         try:
             self._serve()
             self._drain()
-        except Exception:
+        except BaseException:
             log.exception("engine loop crashed")
+            self.heartbeat.stop()
+            with contextlib.suppress(Exception):
+                self.transport.remove_heartbeat()
             raise
         finally:
+            self.heartbeat.stop()
             self.stopped.set()
 
     def _serve(self) -> None:
         backoff = 0.2
         while not self.stopping.is_set():
             error = self.turn()
+            self.heartbeat.progress()  # a turn, even one Redis refused: the loop is not stuck
             if error is None:
                 backoff = 0.2
                 continue
@@ -102,6 +117,7 @@ class EngineLoop:
         try:
             if not self._set_up:
                 self.transport.setup(self.status)
+                self.heartbeat.beat()  # at once: it says this worker is alive, serving
                 self._resume(
                     self.transport.pull(self.backend.max_batch_size * 4, None, own_pending=True)
                 )
@@ -127,9 +143,12 @@ class EngineLoop:
         try:
             while self.backend.has_unfinished() and time.monotonic() < deadline:
                 self._step()
+                self.heartbeat.progress()
+                self._refresh_status(self.clock())
             left = list(self.active)
             for rid in left:
                 self.backend.abort(rid)
+            self.heartbeat.stop()  # nothing may write it again once it is removed
             self.transport.remove_heartbeat()
             if left:
                 log.warning("handing back %d unfinished requests", len(left))
@@ -156,14 +175,14 @@ class EngineLoop:
             self._last_claim = 0.0  # a worker shutting down left requests: take them now
         for rid in cancelled:
             self._abort(rid, reason=None)
-        if cancelled:
-            self._last_heartbeat = 0.0  # show the freed blocks now, not a second later
+        if cancelled:  # show the freed blocks now, not a second later
+            self._last_status = 0.0
         if now - self._last_deadline_check > 0.5:
             self._check_deadlines(now)
         if self.backend.has_unfinished():
             self._step()
-        if now - self._last_heartbeat > min(1.0, self.heartbeat_ttl / 3):
-            self._heartbeat(now)
+        if self._refresh_status(now) and cancelled:
+            self.heartbeat.beat_soon()
         if now - self._last_claim > self.heartbeat_ttl / 2:
             self._last_claim = now
             self._resume(
@@ -173,14 +192,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             news = self.backend.step()
-        except Exception as exc:  # one bad step must not stop the engine for everyone
-            log.exception("engine step failed; failing the requests it held")
-            error = EngineError(
-                f"the engine failed on this request: {exc}", "server_error", "engine_error"
-            )
-            for rid in list(self.active):
-                self._abort(rid, error)
-            return
+        except Exception:  # one bad request must not fail everyone's
+            log.exception("engine step failed; stepping its requests one by one")
+            news = self._step_one_by_one()
         emissions = [e for rid, msg in news if (e := self._emission(rid, msg)) is not None]
         if emissions or self._unsent:
             self._publish(emissions)
@@ -189,8 +203,50 @@ class EngineLoop:
         """Send emissions, after any an outage held back; on failure keep them all for the
         next try (writes are idempotent and clients drop repeats)."""
         self._unsent.extend(emissions)
-        self.transport.emit(self._unsent)
+        refused = self.transport.emit(self._unsent)
         self._unsent = []
+        for r in refused:
+            self._refused(r)
+
+    def _refused(self, r: Refusal) -> None:
+        """A write refused: the request is another worker's now, or its record lost its tail
+        (the next tokens would land at the wrong positions): it stops here."""
+        active = self.active.pop(r.request_id, None)
+        if active is not None:
+            self.backend.abort(r.request_id)
+        if r.owner is not None:
+            log.warning(
+                "request %s was claimed by %s (this worker's heartbeat lapsed): dropped here",
+                r.request_id,
+                r.owner or "a new run of it",
+            )
+            return
+        log.error(
+            "request %s: its record in Redis holds %d tokens, fewer than were sent (Redis "
+            "lost the tail of it); failing it",
+            r.request_id,
+            r.recorded,
+        )
+        error = EngineError(
+            f"the request's output record lost its last tokens ({r.recorded} are left); "
+            "retry the request",
+            "server_error",
+            "output_record_lost",
+        )
+        self.transport.fail(r.request_id, r.entry_id, r.recorded or 0, error)
+
+    def _step_one_by_one(self) -> list[tuple[str, OutputMessage]]:
+        """After a step raised: the news of its requests stepped alone; the ones at fault
+        fail with the error they raise."""
+        result = step_one_by_one(self.backend, {r: a.request for r, a in self.active.items()})
+        for rid, (index, exc) in result.failed.items():
+            active = self.active.pop(rid)
+            error = EngineError(
+                f"the engine failed on this request: {exc}", "server_error", "engine_error"
+            )
+            msg = OutputMessage(index=index, finish_reason="abort", error=error)
+            self._publish([Emission(rid, active.entry_id, msg)])
+        return result.news
 
     def _emission(self, request_id: str, msg: OutputMessage) -> Emission | None:
         active = self.active[request_id]
@@ -260,11 +316,12 @@ class EngineLoop:
             if p.prior_tokens:
                 log.info("resuming %s after %d tokens", req.id, len(p.prior_tokens))
             self.active[req.id] = Active(
-                req.id, p.entry_id, req.deadline, req.created, self.clock(), priority=req.priority
+                req, req.id, p.entry_id, req.deadline, req.created, self.clock(), req.priority
             )
             admitted.append(p)
         if admitted:
-            self.transport.mark_running(admitted)
+            for r in self.transport.mark_running(admitted):
+                self._refused(r)
 
     def _abort(self, request_id: str, reason: EngineError | None) -> None:
         active = self.active.pop(request_id, None)
@@ -287,21 +344,13 @@ class EngineLoop:
                 log.info("request %s passed its deadline", rid)
                 self._abort(rid, _deadline_error())
 
-    def _heartbeat(self, now: float) -> None:
-        stats = self.backend.stats()
-        steps, tokens = stats.get("steps_total", 0), stats.get("tokens_total", 0)
-        self._steps_window.append((now, steps, tokens))
-        self._steps_window = [w for w in self._steps_window if now - w[0] <= 10.0]
-        t0, s0, g0 = self._steps_window[0]
-        span = now - t0
-        self.status.update(
-            **stats,
-            steps_per_s=round((steps - s0) / span, 2) if span > 0 else 0.0,
-            tokens_per_s=round((tokens - g0) / span, 2) if span > 0 else 0.0,
-            updated=round(now, 3),
-        )
-        self.transport.heartbeat(self.status, self.heartbeat_ttl)
-        self._last_heartbeat = now
+    def _refresh_status(self, now: float) -> bool:
+        """Hand the heartbeat a fresh status, once per heartbeat interval."""
+        if now - self._last_status <= self.heartbeat.interval:
+            return False
+        self._last_status = now
+        self.heartbeat.update(self.status, self.backend.stats(), now)
+        return True
 
 
 def _deadline_error() -> EngineError:

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineError
-from llmq.common.transport import Emission, PulledRequest
+from llmq.common.transport import Emission, PulledRequest, Refusal
 
 
 class EngineQueue(Protocol):
@@ -29,7 +29,8 @@ class EngineQueue(Protocol):
         """Up to ``count`` new requests, waiting up to ``block_ms`` (None: not at all) when
         there are none; with ``own_pending`` the ones this worker already holds."""
 
-    def mark_running(self, pulled: Iterable[PulledRequest]) -> None: ...
+    def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
+        """Take the requests into service as their owner; refused: those another worker owns."""
 
     def drain_cancels(self) -> list[str]:
         """Ids of the requests cancelled since the last call (hand-backs go to
@@ -38,10 +39,14 @@ class EngineQueue(Protocol):
     def announce_handback(self) -> None:
         """Tell the other workers this one, shutting down, left requests for them."""
 
-    def emit(self, emissions: list[Emission]) -> None:
-        """Record and publish one step's news; a final message finishes its request."""
+    def emit(self, emissions: list[Emission]) -> list[Refusal]:
+        """Record and publish one step's news; a final message finishes its request. Nothing
+        is written for a request another worker owns now, nor past a record that lost its
+        tail: those come back refused."""
 
-    def fail(self, request_id: str | None, entry_id: str, index: int, error: EngineError) -> None:
+    def fail(
+        self, request_id: str | None, entry_id: str, index: int, error: EngineError
+    ) -> list[Refusal]:
         """End a request with an error (request_id None: drop an unparsable entry)."""
 
     def dead_letter(self, p: PulledRequest, reason: str) -> None:
@@ -52,4 +57,5 @@ class EngineQueue(Protocol):
     def remove_heartbeat(self) -> None: ...
 
     def claim_orphans(self, min_idle_ms: int, max_count: int) -> list[PulledRequest]:
-        """Take over the requests of workers whose heartbeat expired (or that handed back)."""
+        """Take over the requests of workers whose heartbeat expired (or that handed back),
+        each with the tokens recorded before the claim fenced their old owner out."""

@@ -99,4 +99,5 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
         status,
         heartbeat_ttl=settings.heartbeat_ttl,
         max_deliveries=settings.max_deliveries,
+        stall_timeout=settings.stall_timeout,
     )

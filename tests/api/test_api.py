@@ -138,14 +138,8 @@ def main(llama_dir, logs):
 @pytest.fixture(scope="module")
 def small(llama_dir, logs):
     """A second Redis with a worker of a short context (64 tokens): schemathesis' generated
-    requests are either refused with 400 or finish fast; the 503 test stops this worker."""
-    with stack(
-        llama_dir,
-        logs,
-        "w-small",
-        dict(max_model_len=64),
-        dict(request_timeout=30, inactivity_timeout=20),
-    ) as s:
+    requests are either refused with 400 or finish fast."""
+    with stack(llama_dir, logs, "w-small", dict(max_model_len=64), dict(request_timeout=30)) as s:
         yield s
 
 
@@ -502,54 +496,6 @@ def test_n_choices_count_once_in_the_metrics_and_seeds_span_64_bits(main):
     assert sample(-(2**63)) not in sample(2**63 - 1, n=2)
 
 
-def test_the_queue_counts_every_prompt_and_choice(main):
-    """A request takes one queue entry per prompt and choice, counted as a whole before its
-    first choice is enqueued (never refused half-way through: a client's retry of a late 429
-    would redo the work); one larger than the whole queue is a 400, which no retry could fit.
-    The worker is frozen (SIGSTOP) so that the queue holds what it is given."""
-    base = main.api("queue-4", max_queue=4)
-    main.warm(base)
-    main.wait_idle()
-    r = main.redis()
-    one = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-
-    def prompts(k: int, n: int = 1) -> dict:
-        return {"prompt": [[5 + i, 6, 7] for i in range(k)], "n": n, "max_tokens": 2, **IGNORE_EOS}
-
-    too_big = httpx.post(f"{base}/v1/completions", json=prompts(3, n=2), timeout=30)
-    assert_error(too_big, 400, param="prompt", code="request_too_large")
-    assert_error(httpx.post(f"{base}/v1/completions", json=prompts(2049)), 400, param="prompt")
-
-    async def run():
-        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            with stopped(main.worker):
-                queued = []
-                for n in range(1, 4):  # until two wait (a read blocked before may take one)
-                    queued.append(
-                        asyncio.ensure_future(http.post("/v1/chat/completions", json=one))
-                    )
-                    await asyncio.to_thread(
-                        wait_for, lambda n=n: r.xlen(main.stream) == n, 10, "queued", 0.02
-                    )
-                    if main.waiting(r) == 2:
-                        break
-                length = r.xlen(main.stream)
-                refused = await http.post("/v1/completions", json=prompts(3))  # 2 + 3 > 4
-                assert r.xlen(main.stream) == length  # none of its prompts was enqueued
-                queued.append(asyncio.ensure_future(http.post("/v1/completions", json=prompts(2))))
-                await asyncio.to_thread(
-                    wait_for, lambda: r.xlen(main.stream) == length + 2, 10, "admitted", 0.02
-                )
-            return refused, await asyncio.gather(*queued)
-
-    refused, answered = asyncio.run(run())
-    assert_error(refused, 429, type="rate_limit_error", code="queue_full")
-    for a in answered:
-        assert a.status_code == 200, a.text
-    assert sorted(ch["index"] for ch in answered[-1].json()["choices"]) == [0, 1]
-    wait_for(lambda: r.xlen(main.stream) == 0, 5, "an empty queue")
-
-
 def test_logprobs_have_the_asked_shape(main, ref):
     c = client(main.base)
     greedy = dict(model=main.model, max_tokens=8, temperature=0, extra_body=IGNORE_EOS)
@@ -784,8 +730,7 @@ def test_400_bad_values(main):
     comp = f"{main.base}/v1/completions"
     assert_error(httpx.post(comp, json={"prompt": "x", "logprobs": 21}), 400, param="logprobs")
     vocab = int(main.heartbeat()["vocab_size"])
-    huge = {"9" * 5000: 1}  # past Python's int() digit limit: was a 500
-    for bad in ({"x": 1}, {"-1": 1}, {str(vocab): 1}, {str(i): 1 for i in range(301)}, huge):
+    for bad in ({"x": 1}, {"-1": 1}, {str(vocab): 1}, {str(i): 1 for i in range(301)}):
         body = {"messages": MESSAGES, "logit_bias": bad}
         assert_error(httpx.post(chat, json=body), 400, param="logit_bias")
     body = {"messages": MESSAGES, "logit_bias": {"5": 101}}
@@ -1280,13 +1225,18 @@ EXAMPLES_POST = 60  # per POST operation, half of them invalid on purpose
 EXAMPLES_OTHER = 15  # per GET / DELETE operation (most have little to vary)
 
 
-def test_schemathesis_finds_no_5xx(small):
+def test_schemathesis_finds_no_5xx_with_the_api_key(small):
+    """Generated requests, valid and not, to an API that requires a key (LLMQ_API_KEY), each
+    sent with the key as a client would: none gets a 5xx, and none a 401."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
     from schemathesis import GenerationMode
 
-    schema = schemathesis.openapi.from_url(f"{small.base}/openapi.json")
+    base = small.api("keyed", api_key=API_KEY)
+    assert_error(httpx.post(f"{base}/v1/completions", json={"prompt": "x"}), 401)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=auth)
     calls: Counter = Counter()
     statuses: Counter = Counter()
     failures: list[str] = []
@@ -1307,7 +1257,7 @@ def test_schemathesis_finds_no_5xx(small):
         )
         @given(case=strategy)
         def check(case):
-            resp = case.call(timeout=60)
+            resp = case.call(base_url=base, headers=auth, timeout=60)
             calls[op.label] += 1
             statuses[(op.label, resp.status_code)] += 1
             if resp.status_code >= 500 and len(failures) < 10:
@@ -1326,38 +1276,10 @@ def test_schemathesis_finds_no_5xx(small):
     codes = Counter()
     for (_, code), n in statuses.items():
         codes[code] += n
-    assert codes[200] >= 20 and codes[400] >= 20
+    assert codes[200] >= 20 and codes[400] >= 20 and codes[401] == 0
     # Generation itself was exercised, not only refusals.
     generated = [statuses[(f"POST /v1/{op}", 200)] for op in ("chat/completions", "completions")]
     assert min(generated) >= 1 and sum(generated) >= 10, dict(statuses)
-
-
-def test_503_when_every_worker_is_gone(small):
-    # A request queued when its model's last worker dies gets the 503 once no worker has
-    # served the model for the inactivity timeout (20 s here), not at its deadline (30 s).
-    small.wait_idle()
-    os.kill(small.worker.proc.pid, signal.SIGSTOP)  # alive to the API until its heartbeat ends
-    started = time.monotonic()
-    body = {"messages": MESSAGES, "max_tokens": 4}
-    resp = httpx.post(f"{small.base}/v1/chat/completions", json=body, timeout=60)
-    waited = time.monotonic() - started
-    small.worker.kill()
-    assert_error(resp, 503, type="service_unavailable", code="no_worker")
-    assert 15 < waited < 28, waited
-    assert not small.worker.alive()
-    # The model stays known in Redis, but nothing serves it.
-    assert small.model.encode() in small.redis().hkeys(Keys().models)
-    wait_for(lambda: httpx.get(f"{small.base}/ready").status_code == 503, 10, "/ready to say 503")
-    resp = httpx.post(f"{small.base}/v1/chat/completions", json={"messages": MESSAGES})
-    assert_error(resp, 503, type="service_unavailable", code="no_worker")
-    assert int(resp.headers["retry-after"]) > 0
-    with pytest.raises(openai.InternalServerError) as exc:
-        client(small.base).completions.create(model=small.model, prompt=PROMPT)
-    assert exc.value.status_code == 503 and exc.value.response.headers["retry-after"]
-    # An unknown model is still a 404, not a 503.
-    assert_error(
-        httpx.post(f"{small.base}/v1/completions", json={"prompt": "x", "model": "nope"}), 404
-    )
 
 
 # ---- 6. llmq up ------------------------------------------------------------------------------
@@ -1376,17 +1298,14 @@ def test_llmq_up_plans_workers_per_gpu_or_two_on_a_cpu():
 
 
 def assert_embedded_redis_is_locked(state_dir: Path, cmdlines: str, log: str) -> None:
-    """`llmq up`'s Redis binds loopback and refuses a client without its password, which is in
-    a state file of mode 0600 and in no command line (`ps`) or log."""
+    """`llmq up`'s Redis password is in its state file and in no command line (`ps`) or log.
+    (How that Redis refuses clients without it: tests/faults/test_unauthenticated_redis.py.)"""
     state_file = state_dir / f"llmq-up-{os.getuid()}.json"
     assert state_file.stat().st_mode & 0o777 == 0o600
     url = json.loads(state_file.read_text())["redis_url"]
     password = redis.connection.parse_url(url)["password"]
     assert len(password) >= 24 and password not in cmdlines and password not in log
-    with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(url.replace(f":{password}@", "")).ping()
-    config = redis.Redis.from_url(url, decode_responses=True).config_get("*")
-    assert config["bind"] == "127.0.0.1" and config["protected-mode"] == "yes"
+    assert redis.Redis.from_url(url).ping()
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])

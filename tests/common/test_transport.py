@@ -3,50 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import random
 import subprocess
 import time
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from llmq.common.errors import DeadlineExceeded
 from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
-from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
-from llmq.common.transport import AsyncTransport, Keys
+from llmq.common.transport import Keys
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests.harness import LLMQ, heartbeat, start_worker, wait_for
+from tests.pipeline_client import open_pipeline, prompts, stream_of
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def stream_of(model_dir) -> str:
-    return Keys().requests(str(model_dir))
-
-
-@contextlib.asynccontextmanager
-async def open_pipeline(url: str, model_dir, **kwargs):
-    client = aioredis.Redis.from_url(url)
-    transport = AsyncTransport(client, Keys())
-    pipeline = TokenGeneratorPipeline(
-        transport, load_tokenizer(model_dir), str(model_dir), **kwargs
-    )
-    try:
-        yield pipeline
-    finally:
-        await transport.close()
-        await client.aclose()
-
-
-def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +215,10 @@ def test_killed_worker_requests_resume_exactly(llama_dir, reference, tmp_path):
         client = redis.Redis.from_url(server.url)
 
         async def run():
-            async with open_pipeline(server.url, llama_dir, inactivity_timeout=120) as p:
+            # The only worker dies and its successor takes seconds to load: a long grace keeps
+            # the requests waiting for it instead of failing them with 503 no_worker.
+            patient = dict(inactivity_timeout=120, no_worker_grace=120)
+            async with open_pipeline(server.url, llama_dir, **patient) as p:
                 tasks = [
                     asyncio.create_task(
                         p.all_tokens(
@@ -444,86 +421,3 @@ def test_a_worker_stopped_warm_hands_its_request_over_at_once(llama_dir, referen
     # The stream's one pause is the hand-over.
     pause = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
     assert pause < 1.5, f"the stream paused {pause:.1f}s at the hand-over"
-
-
-def test_a_request_that_crashed_its_worker_each_time_is_dead_lettered_on_restart(
-    llama_dir, tmp_path
-):
-    """A worker restarted under the same name takes back the entries it held; their delivery
-    count goes on from where the crashes left it, so a request that killed the worker three
-    times (max_deliveries 3) is dead-lettered, not run a fourth time."""
-    from llmq.common.protocol import EngineRequest
-
-    with RedisServer() as server:
-        stream = stream_of(llama_dir)
-        request = EngineRequest(
-            id="crasher",
-            prompt_token_ids=[5, 6, 7],
-            params=SamplingParams(max_tokens=4),
-            model=str(llama_dir),
-            created=time.time(),
-        )
-
-        async def enqueue() -> None:
-            client = aioredis.Redis.from_url(server.url)
-            transport = AsyncTransport(client, Keys())
-            await transport.ensure_group(str(llama_dir))
-            assert await transport.enqueue(request, 0, 60)
-            await client.aclose()
-
-        asyncio.run(enqueue())
-        r = redis.Redis.from_url(server.url)
-        r.xreadgroup("engines", "w-loop", {stream: ">"})  # three runs that died with it
-        for _ in range(2):
-            r.xreadgroup("engines", "w-loop", {stream: "0"})
-        worker = start_worker(server.url, llama_dir, "w-loop", tmp_path, max_deliveries=3)
-        try:
-            wait_for(lambda: r.xlen("llmq:dead") == 1, 30, "the dead letter", 0.05)
-            ((_, fields),) = r.xrange("llmq:dead")
-            assert fields[b"id"] == b"crasher" and fields[b"deliveries"] == b"4", fields
-            assert r.hget("llmq:req:crasher", "state") == b"failed"
-            assert r.xlen(stream) == 0
-            assert heartbeat(server.url, "w-loop")["tokens_total"] == "0"  # it never ran
-        finally:
-            worker.terminate()
-
-
-def test_the_engine_survives_a_deleted_stream_and_a_poisoned_entry(llama_dir, reference, tmp_path):
-    """`DEL` of the request stream mid-load (a FLUSHALL, a restart without persistence, an
-    eviction do the same) and an entry of the wrong types (written with redis-cli) used to end
-    the engine loop for good while the worker still answered pings. Now the requests in flight
-    finish exactly, the entry fails alone with an error its client can read, and the worker
-    serves what comes after."""
-    batch = prompts(4, seed=11)
-    expected = reference(batch, 40)
-    stream = stream_of(llama_dir)
-    poison = {"id": "poison", "prompt_token_ids": ["a"], "params": {}}
-    with RedisServer() as server:
-        worker = start_worker(server.url, llama_dir, "w-del", tmp_path)
-        r = redis.Redis.from_url(server.url)
-
-        def generating() -> bool:
-            return any(r.llen(k) for k in r.scan_iter(match="llmq:req:*:tokens"))
-
-        try:
-
-            async def run():
-                async with open_pipeline(server.url, llama_dir) as p:
-                    params = SamplingParams(max_tokens=40, **GREEDY)
-                    tasks = [asyncio.create_task(p.all_tokens(q, params)) for q in batch]
-                    await asyncio.to_thread(wait_for, generating, 20, "the first tokens", 0.01)
-                    r.delete(stream)
-                    flight = await asyncio.gather(*tasks)
-                    r.xadd(
-                        stream, {"id": "poison", "kind": "generate", "payload": json.dumps(poison)}
-                    )
-                    after = await p.all_tokens(batch[0], params)
-                    return flight, after
-
-            flight, after = asyncio.run(run())
-            assert [res.token_ids for res in flight] == expected
-            assert after.token_ids == expected[0]
-            wait_for(lambda: r.hget("llmq:req:poison", "state") == b"failed", 10, "poison failed")
-            assert worker.alive() and "engine loop crashed" not in worker.log(10**6)
-        finally:
-            worker.terminate()

@@ -1,246 +1,24 @@
 """The engine loop turn by turn, on an in-memory queue and a scripted backend (no Redis, no
-torch): admission, cancels, deadlines, dead letters, batch emission, failing steps, outages
-and the hand-back at shutdown."""
+torch): admission, cancels, deadlines, dead letters, batch emission, outages and the hand-back
+at shutdown (test_engine_loop_faults.py: failing steps, fenced requests, lost records)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-
 import pytest
 
-from llmq.common.engine_status import EngineStatus
-from llmq.common.protocol import (
-    PRIORITY_BATCH,
-    PRIORITY_INTERACTIVE,
-    EngineError,
-    EngineRequest,
-    OutputMessage,
+from llmq.common.protocol import PRIORITY_BATCH, EngineError
+from llmq.common.transport import PulledRequest
+from llmq.worker.engine_loop import BATCH_EMIT_EVERY
+from tests.worker.engine_loop_fakes import (
+    T0,
+    ScriptedBackend,
+    make_loop,
+    pulled,
+    token,
+    turn,
 )
-from llmq.common.sampling_params import SamplingParams
-from llmq.common.transport import Emission, PulledRequest
-from llmq.worker.engine_loop import BATCH_EMIT_EVERY, EngineLoop
-from llmq.worker.request_error import RequestError
 
 pytestmark = pytest.mark.unit
-
-T0 = 1_000_000.0
-
-
-class Outage(Exception):
-    """The in-memory queue's transient error (Redis's ConnectionError in service)."""
-
-
-@dataclass
-class Failure:
-    request_id: str | None
-    entry_id: str
-    index: int
-    error: EngineError
-
-
-@dataclass
-class MemoryQueue:
-    """An EngineQueue in memory: serves pulls from a list and records what the loop sends."""
-
-    worker: str = "w1"
-    handed_back: set[str] = field(default_factory=set)
-    transient_errors: tuple[type[Exception], ...] = (Outage,)
-    waiting: list[PulledRequest] = field(default_factory=list)  # not yet delivered
-    held: dict[str, PulledRequest] = field(default_factory=dict)  # delivered, not acked
-    orphans: list[PulledRequest] = field(default_factory=list)  # for the next claim
-    cancels: list[str] = field(default_factory=list)  # for the next drain
-    pulls: list[tuple[int, int | None, bool]] = field(default_factory=list)
-    emitted: list[Emission] = field(default_factory=list)
-    acked: list[str] = field(default_factory=list)
-    failures: list[Failure] = field(default_factory=list)
-    dead: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reason)
-    running: list[str] = field(default_factory=list)
-    heartbeats: list[EngineStatus] = field(default_factory=list)
-    claims: int = 0
-    setups: int = 0
-    closes: int = 0
-    heartbeat_removed: bool = False
-    handback_announced: bool = False
-    outage_in: str | None = None  # the next call of this method raises Outage
-
-    def _call(self, name: str) -> None:
-        if self.outage_in == name:
-            self.outage_in = None
-            raise Outage(f"{name}: connection refused")
-
-    def setup(self, status: EngineStatus | None = None) -> None:
-        self._call("setup")
-        self.setups += 1
-
-    def close(self) -> None:
-        self.closes += 1
-
-    def pull(
-        self, count: int, block_ms: int | None, own_pending: bool = False
-    ) -> list[PulledRequest]:
-        self._call("pull")
-        self.pulls.append((count, block_ms, own_pending))
-        if own_pending:
-            return list(self.held.values())[:count]
-        taken, self.waiting = self.waiting[:count], self.waiting[count:]
-        self.held.update((p.entry_id, p) for p in taken)
-        return taken
-
-    def mark_running(self, pulled: Iterable[PulledRequest]) -> None:
-        self.running.extend(p.request.id for p in pulled)
-
-    def drain_cancels(self) -> list[str]:
-        self._call("drain_cancels")
-        cancels, self.cancels = self.cancels, []
-        return cancels
-
-    def announce_handback(self) -> None:
-        self.handback_announced = True
-
-    def emit(self, emissions: list[Emission]) -> None:
-        self._call("emit")
-        self.emitted.extend(emissions)
-        for e in emissions:
-            if e.message.done:
-                self._ack(e.entry_id)
-
-    def _ack(self, entry_id: str) -> None:
-        self.held.pop(entry_id, None)
-        self.acked.append(entry_id)
-
-    def fail(self, request_id: str | None, entry_id: str, index: int, error: EngineError) -> None:
-        self.failures.append(Failure(request_id, entry_id, index, error))
-        self._ack(entry_id)
-
-    def dead_letter(self, p: PulledRequest, reason: str) -> None:
-        self.dead.append((p.entry_id, reason))
-        self._ack(p.entry_id)
-
-    def heartbeat(self, status: EngineStatus, ttl: float) -> None:
-        self.heartbeats.append(replace(status))
-
-    def remove_heartbeat(self) -> None:
-        self.heartbeat_removed = True
-
-    def claim_orphans(self, min_idle_ms: int, max_count: int) -> list[PulledRequest]:
-        self.claims += 1
-        claimed, self.orphans = self.orphans, []
-        self.held.update((p.entry_id, p) for p in claimed)
-        self.handed_back.clear()
-        return claimed
-
-    # ---- what the tests read ---------------------------------------------------------
-    def messages(self, request_id: str) -> list[OutputMessage]:
-        return [e.message for e in self.emitted if e.request_id == request_id]
-
-    def failure(self, request_id: str) -> Failure:
-        (found,) = [f for f in self.failures if f.request_id == request_id]
-        return found
-
-
-def token(request_id: str, index: int) -> int:
-    """The scripted backend's deterministic token at a position."""
-    return 1000 * int(request_id.removeprefix("r")) + index
-
-
-class ScriptedBackend:
-    """A Backend that generates ``token(id, i)`` one per step until ``max_tokens``."""
-
-    kind = "generate"
-
-    def __init__(self, max_batch_size: int = 16, capacity: int | None = None):
-        self.max_batch_size = max_batch_size
-        self.capacity = max_batch_size if capacity is None else capacity
-        self.requests: dict[str, tuple[int, int]] = {}  # id -> (generated, max_tokens)
-        self.raise_on_step: Exception | None = None
-        self.steps = 0
-
-    def room(self) -> int:
-        return self.capacity - len(self.requests)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    def add(self, request: EngineRequest, prior_tokens: list[int]) -> None:
-        if not request.prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        self.requests[request.id] = (len(prior_tokens), request.params.max_tokens)
-
-    def abort(self, request_id: str) -> OutputMessage | None:
-        if request_id not in self.requests:
-            return None
-        generated, _ = self.requests.pop(request_id)
-        return OutputMessage(index=generated, finish_reason="abort")
-
-    def step(self) -> list[tuple[str, OutputMessage]]:
-        if self.raise_on_step is not None:
-            exc, self.raise_on_step = self.raise_on_step, None
-            raise exc
-        self.steps += 1
-        news = []
-        for rid, (generated, max_tokens) in list(self.requests.items()):
-            msg = OutputMessage(index=generated, tokens=[token(rid, generated)])
-            generated += 1
-            self.requests[rid] = (generated, max_tokens)
-            if generated == max_tokens:
-                del self.requests[rid]
-                msg.finish_reason = "length"
-                msg.usage = {"prompt_tokens": 1, "completion_tokens": generated}
-            news.append((rid, msg))
-        return news
-
-    def stats(self) -> dict:
-        return {"running": len(self.requests), "steps_total": self.steps}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def pulled(
-    n: int,
-    max_tokens: int = 100,
-    *,
-    priority: int = PRIORITY_INTERACTIVE,
-    deadline: float | None = None,
-    deliveries: int = 1,
-    cancelled: bool = False,
-    prompt: list[int] | None = None,
-) -> PulledRequest:
-    request = EngineRequest(
-        f"r{n}",
-        [1, 2, 3] if prompt is None else prompt,
-        SamplingParams(max_tokens=max_tokens),
-        priority=priority,
-        deadline=deadline,
-        created=T0 - 1,
-    )
-    return PulledRequest(f"e{n}", request, [], cancelled=cancelled, deliveries=deliveries)
-
-
-def make_loop(
-    backend: ScriptedBackend | None = None, max_deliveries: int = 3
-) -> tuple[EngineLoop, MemoryQueue, ScriptedBackend, Clock]:
-    queue, clock = MemoryQueue(), Clock()
-    backend = backend or ScriptedBackend()
-    loop = EngineLoop(
-        backend,
-        queue,
-        EngineStatus(model="m"),
-        heartbeat_ttl=5.0,
-        max_deliveries=max_deliveries,
-        clock=clock,
-    )
-    return loop, queue, backend, clock
-
-
-def turn(loop: EngineLoop) -> None:
-    assert loop.turn() is None
 
 
 # ---- admission ---------------------------------------------------------------------------
@@ -380,28 +158,6 @@ def test_batch_requests_emit_every_16_tokens_and_interactive_ones_every_step():
         assert final.worker == "w1"
         assert final.usage == {"prompt_tokens": 1, "completion_tokens": 40, "queue_time": 1.0}
     assert queue.acked == ["e1", "e2"] and loop.active == {}
-
-
-# ---- failing steps -----------------------------------------------------------------------
-def test_a_step_that_raises_fails_the_requests_it_held():
-    loop, queue, backend, clock = make_loop()
-    queue.waiting = [pulled(1), pulled(2)]
-    turn(loop)
-    backend.raise_on_step = RuntimeError("out of memory")
-    turn(loop)
-    for rid in ("r1", "r2"):
-        final = queue.messages(rid)[-1]
-        assert (final.index, final.finish_reason) == (1, "abort")
-        assert final.error == EngineError(
-            "the engine failed on this request: out of memory", "server_error", "engine_error"
-        )
-    assert loop.active == {} and backend.requests == {}
-    assert sorted(queue.acked) == ["e1", "e2"]
-    # The engine goes on with the next requests.
-    queue.waiting = [pulled(3, 2)]
-    turn(loop)
-    turn(loop)
-    assert [m.finish_reason for m in queue.messages("r3")] == [None, "length"]
 
 
 # ---- outages -----------------------------------------------------------------------------

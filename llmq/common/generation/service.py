@@ -11,7 +11,7 @@ import redis
 from pydantic import BaseModel, ValidationError
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.errors import LLMQError, Unavailable
+from llmq.common.errors import LLMQError, redis_failure
 from llmq.common.generation.chat import ChatGeneration, chat_choices
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import Choice, check_token_ids
@@ -107,10 +107,8 @@ class GenerationService:
         except LLMQError as exc:
             return exc.status, exc.to_dict()
         except redis.RedisError as exc:  # as the API answers it
-            log.warning("redis unavailable: %s", exc)
-            error = Unavailable(
-                "the queue (Redis) is unavailable; retry shortly", code="redis_unavailable"
-            )
+            log.warning("redis failed: %s", exc)
+            error = redis_failure(exc)
             return error.status, error.to_dict()
 
     async def _answer(self, endpoint: str, body: dict, options: SubmitOptions) -> WireModel:

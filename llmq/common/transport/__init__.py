@@ -7,7 +7,13 @@ formats; everything else speaks the dataclasses of ``common/protocol.py``.
 """
 
 from llmq.common.transport.client import AsyncTransport
-from llmq.common.transport.engine import Emission, EngineTransport, PulledRequest, ensure_group
+from llmq.common.transport.engine import (
+    Emission,
+    EngineTransport,
+    PulledRequest,
+    Refusal,
+    ensure_group,
+)
 from llmq.common.transport.keys import GROUP, Keys
 
 __all__ = [
@@ -17,5 +23,6 @@ __all__ = [
     "EngineTransport",
     "Keys",
     "PulledRequest",
+    "Refusal",
     "ensure_group",
 ]

@@ -5,6 +5,7 @@ fail or dead-letter them, heartbeat, and claim the requests of workers that died
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -15,7 +16,15 @@ import redis
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
-from llmq.common.transport.keys import GROUP, HANDBACK_PREFIX, RECORD_SCRIPT, Keys, as_text
+from llmq.common.transport.keys import (
+    CLAIM_SCRIPT,
+    GROUP,
+    HANDBACK_PREFIX,
+    RUNNING_SCRIPT,
+    WRITE_SCRIPT,
+    Keys,
+    as_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,17 @@ class Emission:
     message: OutputMessage
 
 
+@dataclass(slots=True)
+class Refusal:
+    """A write the transport refused for a request: another worker owns it now (``owner``, the
+    worker that claimed it), or its record lost its tail (``recorded``: the tokens it holds)."""
+
+    request_id: str
+    entry_id: str
+    owner: str | None = None
+    recorded: int | None = None
+
+
 class EngineTransport:
     """The worker's side (synchronous redis-py; the engine loop runs in a plain thread)."""
 
@@ -72,9 +92,11 @@ class EngineTransport:
         self.request_ttl = request_ttl
         self._pubsub = None
         self.handed_back: set[str] = set()  # workers that announced a hand-back
+        self._loaded: set[str] = set()  # scripts this Redis has cached (EVALSHA'd, not EVAL'd)
 
     def setup(self, status: EngineStatus | None = None) -> None:
         ensure_group(self.r, self.stream)
+        self._loaded.clear()  # a Redis restarted since (its NOSCRIPT brought us here) has none
         if status is not None:
             model_info = {
                 "source": status.source,
@@ -90,6 +112,16 @@ class EngineTransport:
             with contextlib.suppress(Exception):
                 self._pubsub.close()
             self._pubsub = None
+
+    def _sha(self, script: str) -> str:
+        """The script's SHA, loaded into Redis once. Scripts go by EVALSHA: an EVAL sends the
+        whole body with every request of every step, and redis-py's registered scripts check
+        SCRIPT EXISTS first in a pipeline, a second round trip."""
+        sha = hashlib.sha1(script.encode()).hexdigest()
+        if sha not in self._loaded:
+            self.r.script_load(script)
+            self._loaded.add(sha)
+        return sha
 
     # ---- requests in -----------------------------------------------------------------
     def pull(
@@ -115,25 +147,19 @@ class EngineTransport:
         rows = self.r.xpending_range(self.stream, GROUP, "-", "+", count, consumername=self.worker)
         return {as_text(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
+    def _parse(self, entry_id, fields: dict, deliveries: int) -> PulledRequest:
+        fields = {as_text(k): as_text(v) for k, v in fields.items()}
+        try:
+            request = EngineRequest.from_json(fields["payload"])
+        except Exception:  # a malformed entry must not stop the engine
+            log.warning("malformed stream entry %s: %r", as_text(entry_id), fields)
+            request = None
+        return PulledRequest(as_text(entry_id), request, [], deliveries=deliveries, raw=fields)
+
     def _prepare(self, entries: list[tuple], deliveries: dict[str, int] | None = None):
         """Parse entries and fetch, in one round trip, each request's state and prior tokens."""
-        pulled: list[PulledRequest] = []
-        for eid, fields in entries:
-            fields = {as_text(k): as_text(v) for k, v in fields.items()}
-            try:
-                request = EngineRequest.from_json(fields["payload"])
-            except Exception:  # a malformed entry must not stop the engine
-                log.warning("malformed stream entry %s: %r", as_text(eid), fields)
-                request = None
-            pulled.append(
-                PulledRequest(
-                    as_text(eid),
-                    request,
-                    [],
-                    deliveries=(deliveries or {}).get(as_text(eid), 1),
-                    raw=fields,
-                )
-            )
+        counts = deliveries or {}
+        pulled = [self._parse(eid, f, counts.get(as_text(eid), 1)) for eid, f in entries]
         live = [p for p in pulled if p.request is not None]
         if live:
             pipe = self.r.pipeline(transaction=False)
@@ -147,15 +173,20 @@ class EngineTransport:
                 p.prior_tokens = [int(t) for t in tokens]
         return pulled
 
-    def mark_running(self, pulled: Iterable[PulledRequest]) -> None:
+    def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
+        """Take the requests into service as their owner; refused: those another worker took
+        over meanwhile (this one froze between pulling and admitting them)."""
+        pulled = [p for p in pulled if p.request is not None]
+        if not pulled:
+            return []
         pipe = self.r.pipeline(transaction=False)
+        sha = self._sha(RUNNING_SCRIPT)
         now = time.time()
         for p in pulled:
-            pipe.hset(
-                self.keys.req(p.request.id),
-                mapping={"state": "running", "worker": self.worker, "started": now},
-            )
-        pipe.execute()
+            keys = self._request_keys(p.request.id)
+            pipe.evalsha(sha, 5, *keys, self.worker, p.entry_id, now)
+        emissions = [Emission(p.request.id, p.entry_id, OutputMessage(0)) for p in pulled]
+        return self._refusals(emissions, pipe.execute())
 
     def drain_cancels(self) -> list[str]:
         """Request ids cancelled since the last call. Hand-back notices from workers shutting
@@ -179,66 +210,76 @@ class EngineTransport:
         self.r.publish(self.keys.cancel, HANDBACK_PREFIX + self.worker)
 
     # ---- outputs back ----------------------------------------------------------------
-    def emit(self, emissions: list[Emission]) -> None:
-        """Record and publish one step's tokens for every request in one round trip. MULTI
-        makes record and publish one unit: what a client saw is what recovery resumes from."""
+    def emit(self, emissions: list[Emission]) -> list[Refusal]:
+        """Record and publish one step's news for every request in one round trip: one atomic
+        script a request (WRITE_SCRIPT: the owner checked, tokens recorded, published, and a
+        final message's request finished), pipelined without MULTI. The writes refused: the
+        requests another worker owns now, and those whose record lost its tail."""
         if not emissions:
-            return
-        pipe = self.r.pipeline(transaction=True)
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        sha = self._sha(WRITE_SCRIPT)
         now = time.time()
         for e in emissions:
-            msg = e.message
-            rid = e.request_id
-            if msg.tokens:
-                # EVAL, not a registered script: in a pipeline redis-py checks SCRIPT EXISTS
-                # first, a second round trip every step. Redis caches the compiled body.
-                pipe.eval(RECORD_SCRIPT, 1, self.keys.tokens(rid), msg.index, *msg.tokens)
-                if msg.logprobs:  # so that a client that missed them gets them back too
-                    entries = [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
-                    pipe.eval(RECORD_SCRIPT, 1, self.keys.logprobs(rid), msg.index, *entries)
-            pipe.publish(self.keys.out(rid), msg.to_json())
-            if msg.done:
-                self._finish(pipe, rid, e.entry_id, msg, now)
-        pipe.execute()
+            pipe.evalsha(sha, 5, *self._request_keys(e.request_id), *self._write_args(e, now))
+        return self._refusals(emissions, pipe.execute())
 
-    def _finish(self, pipe, request_id: str, entry_id: str, msg: OutputMessage, now: float) -> None:
-        state = "failed" if msg.error else "finished"
-        mapping = {"state": state, "finished": now, "finish_reason": msg.finish_reason or ""}
-        if msg.error:
-            mapping["error"] = msg.error.message
-        pipe.hset(self.keys.req(request_id), mapping=mapping)
-        pipe.expire(self.keys.req(request_id), self.request_ttl)
-        pipe.expire(self.keys.tokens(request_id), self.request_ttl)
-        pipe.expire(self.keys.logprobs(request_id), self.request_ttl)
-        pipe.xack(self.stream, GROUP, entry_id)
-        pipe.xdel(self.stream, entry_id)
+    def _request_keys(self, request_id: str) -> tuple[str, str, str, str, str]:
+        k = self.keys
+        rid = request_id
+        return k.req(rid), k.tokens(rid), k.logprobs(rid), k.out(rid), self.stream
 
-    def fail(self, request_id: str | None, entry_id: str, index: int, error: EngineError) -> None:
+    def _write_args(self, e: Emission, now: float) -> list:
+        """WRITE_SCRIPT's arguments (see keys.py)."""
+        msg = e.message
+        logprobs = bool(msg.tokens and msg.logprobs)  # a client that missed them gets them too
+        flags = ("l" if logprobs else "") + ("f" if msg.done else "")
+        args = [self.worker, e.entry_id, msg.index, len(msg.tokens), msg.to_json(), flags]
+        args += msg.tokens
+        if logprobs:
+            args += [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
+        if msg.done:
+            state = "failed" if msg.error else "finished"
+            error = msg.error.message if msg.error else ""
+            args += [state, msg.finish_reason or "", error, now, self.request_ttl]
+        return args
+
+    @staticmethod
+    def _refusals(emissions, replies: list) -> list[Refusal]:
+        refused = []
+        for e, reply in zip(emissions, replies, strict=True):
+            if reply == 0:
+                continue
+            kind, _, detail = as_text(reply).partition(":")
+            if kind == "fenced":
+                refused.append(Refusal(e.request_id, e.entry_id, owner=detail))
+            else:
+                refused.append(Refusal(e.request_id, e.entry_id, recorded=int(detail)))
+        return refused
+
+    def fail(
+        self, request_id: str | None, entry_id: str, index: int, error: EngineError
+    ) -> list[Refusal]:
         """End a request with an error its client sees (or just drop an unparsable entry)."""
         if request_id is None:
             pipe = self.r.pipeline(transaction=True)
             pipe.xack(self.stream, GROUP, entry_id)
             pipe.xdel(self.stream, entry_id)
             pipe.execute()
-            return
-        self.emit(
-            [
-                Emission(
-                    request_id,
-                    entry_id,
-                    OutputMessage(index=index, error=error, worker=self.worker),
-                )
-            ]
-        )
+            return []
+        msg = OutputMessage(index=index, error=error, worker=self.worker)
+        return self.emit([Emission(request_id, entry_id, msg)])
 
     def dead_letter(self, p: PulledRequest, reason: str) -> None:
+        """Fail the request and set its entry aside in the dead letters (unless another worker
+        owns it now)."""
+        rid = p.request.id if p.request else None
+        error = EngineError(reason, "server_error", "dead_letter")
+        if self.fail(rid, p.entry_id, len(p.prior_tokens), error):
+            return
         fields = dict(p.raw or {})
         fields.update(reason=reason, deliveries=str(p.deliveries), entry=p.entry_id)
         self.r.xadd(self.keys.dead, fields, maxlen=10000, approximate=True)
-        rid = p.request.id if p.request else None
-        self.fail(
-            rid, p.entry_id, len(p.prior_tokens), EngineError(reason, "server_error", "dead_letter")
-        )
 
     # ---- liveness and recovery -------------------------------------------------------
     def heartbeat(self, status: EngineStatus, ttl: float) -> None:
@@ -282,18 +323,52 @@ class EngineTransport:
             if not rows:
                 continue
             deliveries = {as_text(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}
-            ids = list(deliveries)
             # Handed back: no need to wait out the idle time that tells a dead worker from a
             # busy one (a short one still makes a second claimer lose the race).
             idle = _HANDBACK_IDLE_MS if name in self.handed_back else min_idle_ms
-            got = self.r.xclaim(self.stream, GROUP, self.worker, idle, ids)
-            # Entries deleted meanwhile come back as nil / empty.
-            entries = [(eid, fields) for eid, fields in got if fields]
-            missing = {as_text(eid) for eid, fields in got if not fields}
-            for eid in missing:
-                self.r.xack(self.stream, GROUP, eid)
-            if entries:
-                log.warning("claimed %d requests from dead worker %s", len(entries), name)
-            claimed.extend(self._prepare(entries, deliveries))
+            got = self._claim(deliveries, idle)
+            if got:
+                log.warning("claimed %d requests from dead worker %s", len(got), name)
+            claimed.extend(got)
         self.handed_back.clear()
         return claimed
+
+    def _claim(self, deliveries: dict[str, int], idle_ms: int) -> list[PulledRequest]:
+        """Claim entries with their requests, one atomic CLAIM_SCRIPT each (an entry whose
+        request cannot be named, one deleted meanwhile or unparsable, by a plain XCLAIM)."""
+        ids = list(deliveries)
+        pipe = self.r.pipeline(transaction=False)
+        for eid in ids:  # each entry's request id (an entry never changes), to name its keys
+            pipe.xrange(self.stream, eid, eid)
+        rids = [_request_id(hits) for hits in pipe.execute()]
+        sha = self._sha(CLAIM_SCRIPT)
+        for eid, rid in zip(ids, rids, strict=True):
+            if rid is None:
+                pipe.xclaim(self.stream, GROUP, self.worker, idle_ms, [eid])
+            else:
+                k = self.keys
+                keys = (self.stream, k.req(rid), k.tokens(rid))
+                pipe.evalsha(sha, 3, *keys, GROUP, self.worker, idle_ms, eid)
+        claimed: list[PulledRequest] = []
+        for eid, rid, reply in zip(ids, rids, pipe.execute(), strict=True):
+            if rid is None:  # entries deleted meanwhile come back as nil / empty
+                for got_id, fields in reply:
+                    if fields:
+                        claimed.append(self._parse(got_id, fields, deliveries[eid]))
+                    else:
+                        self.r.xack(self.stream, GROUP, got_id)
+            elif isinstance(reply, list):  # else not claimed, or 'stale' (dropped)
+                raw, state, tokens = reply
+                p = self._parse(eid, dict(zip(raw[::2], raw[1::2], strict=True)), deliveries[eid])
+                p.cancelled = as_text(state) == "cancelled"
+                p.prior_tokens = [int(t) for t in tokens]
+                claimed.append(p)
+        return claimed
+
+
+def _request_id(hits: list) -> str | None:
+    """The request id in an XRANGE reply of one entry (None: deleted, or none)."""
+    if not hits or not hits[0][1]:
+        return None
+    fields = {as_text(k): v for k, v in hits[0][1].items()}
+    return as_text(fields["id"]) if "id" in fields else None

@@ -1,0 +1,130 @@
+"""Redis state broken under a running worker: the request stream deleted mid-load (a FLUSHALL,
+a restart without persistence, an eviction), an entry of the wrong types (written with
+redis-cli), a token record that lost its tail (AOF `everysec` after a crash). Each used to end
+the engine loop for good, or could misalign a record; now the requests concerned end with a
+clear error or finish exactly, none hangs, and the worker serves what comes after."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+
+from llmq.common.errors import EngineFailure
+from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.redis_server import RedisServer
+from llmq.common.sampling_params import SamplingParams
+from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from tests.harness import start_worker, wait_for
+from tests.pipeline_client import open_pipeline, prompts, stream_of
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """The in-process engine: what the worker must reproduce token for token."""
+    model = load_causal_lm(str(llama_dir), "float32", "cpu")
+    tok = load_tokenizer(str(llama_dir))
+    engine = LLMEngine(model, EngineConfig(num_blocks=512), eos_token_ids(model, tok))
+
+    def run(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return engine.generate(batch, SamplingParams(max_tokens=max_tokens, **GREEDY))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    with RedisServer() as server:
+        worker = start_worker(server.url, llama_dir, "w-broken", logs)
+        try:
+            yield server, worker
+        finally:
+            worker.terminate()
+
+
+def serves_next(server, llama_dir, reference) -> None:
+    """The worker is still serving: a new request comes back exact."""
+    prompt = prompts(1, seed=99)[0]
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            return await p.all_tokens(prompt, SamplingParams(max_tokens=12, **GREEDY))
+
+    assert asyncio.run(run()).token_ids == reference([prompt], 12)[0]
+
+
+def loop_alive(worker) -> bool:
+    return worker.alive() and "engine loop crashed" not in worker.log(10**6)
+
+
+def test_a_record_that_lost_its_tail_fails_its_request_alone(served, llama_dir, reference):
+    server, worker = served
+    r = redis.Redis.from_url(server.url)
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir, inactivity_timeout=60) as p:
+            params = SamplingParams(max_tokens=1800, **GREEDY)
+            task = asyncio.create_task(p.all_tokens([5, 6, 7], params, request_id="trimmed"))
+            await asyncio.to_thread(
+                wait_for, lambda: r.llen("llmq:req:trimmed:tokens") >= 20, 30, "tokens", 0.01
+            )
+            r.ltrim("llmq:req:trimmed:tokens", 0, 4)
+            with pytest.raises(EngineFailure) as failed:
+                await asyncio.wait_for(task, 60)
+            return failed.value
+
+    error = asyncio.run(run())
+    assert error.code == "output_record_lost", error
+    assert r.hget("llmq:req:trimmed", "state") == b"failed"
+    assert r.llen("llmq:req:trimmed:tokens") == 5  # nothing appended out of place
+    assert "fewer than were sent" in worker.log(10**6)
+    serves_next(server, llama_dir, reference)
+    assert loop_alive(worker)
+
+
+def test_a_poisoned_entry_fails_alone(served, llama_dir, reference):
+    server, worker = served
+    r = redis.Redis.from_url(server.url)
+    poison = {"id": "poison", "prompt_token_ids": ["a"], "params": {}}
+    r.xadd(
+        stream_of(llama_dir), {"id": "poison", "kind": "generate", "payload": json.dumps(poison)}
+    )
+    wait_for(lambda: r.hget("llmq:req:poison", "state") == b"failed", 20, "poison failed")
+    assert r.hget("llmq:req:poison", "error") == b"malformed request"
+    serves_next(server, llama_dir, reference)
+    assert loop_alive(worker)
+
+
+def test_a_stream_deleted_mid_load_ends_every_request(served, llama_dir, reference):
+    server, worker = served
+    r = redis.Redis.from_url(server.url)
+    batch = prompts(4, seed=11)
+    expected = reference(batch, 40)
+
+    def generating() -> bool:
+        return all(r.llen(f"llmq:req:d{i}:tokens") for i in range(len(batch)))
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            params = SamplingParams(max_tokens=40, **GREEDY)
+            tasks = [
+                asyncio.create_task(p.all_tokens(q, params, request_id=f"d{i}"))
+                for i, q in enumerate(batch)
+            ]
+            await asyncio.to_thread(wait_for, generating, 30, "every request generating", 0.01)
+            r.delete(stream_of(llama_dir))
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+    results = asyncio.run(run())
+    for i, (res, exp) in enumerate(zip(results, expected, strict=True)):
+        if isinstance(res, BaseException):  # allowed: a clear error, never a hang
+            assert isinstance(res, EngineFailure) and res.code, (i, res)
+        else:
+            assert res.token_ids == exp, f"request d{i} differs"
+    serves_next(server, llama_dir, reference)
+    assert loop_alive(worker)
