@@ -94,7 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.transport = transport
         app.state.registry = ModelRegistry(transport, settings)
         app.state.service = GenerationService(app.state.registry, app.state.metrics)
-        app.state.store = Store(client, transport.keys)
+        app.state.store = Store(client, transport.keys, settings.file_retention)
         app.state.shutting_down = asyncio.Event()
         shutdown_watch = asyncio.create_task(watch_shutdown(app.state.shutting_down))
         preload = asyncio.create_task(app.state.registry.preload())
@@ -130,9 +130,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(playground.router)
     for routes in (models_routes, completions_routes, embeddings_routes, batches_routes):
         app.include_router(routes.router, dependencies=[Depends(require_api_key)])
+    # An upload is refused with a 400 past max_file_bytes as it streams in (api/uploads.py),
+    # its rest read and dropped so that the client sees the answer; only a body far past the
+    # limit has its connection cut with a 413.
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
-        paths={"/v1/files": settings.max_file_bytes + 64 * 1024},
+        paths={"/v1/files": 2 * settings.max_file_bytes + (1 << 20)},
     )
     return app

@@ -7,17 +7,16 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, File, Form, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmq.api.uploads import FILE_PURPOSES, Limits, receive_file
 from llmq.common.celery_client import dispatch_batch
-from llmq.common.errors import BodyTooLarge, InvalidRequest, NotFound
+from llmq.common.errors import InvalidRequest, NotFound
 from llmq.common.store import BATCH_ENDPOINTS, Store
 
 router = APIRouter()
-
-FILE_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")  # OpenAI's
 
 
 def _store(request: Request) -> Store:
@@ -41,21 +40,31 @@ def _list_page(items: list[dict], has_more: bool) -> dict:
 
 
 # ---- files -------------------------------------------------------------------------------
-@router.post("/v1/files")
-async def create_file(
-    request: Request,
-    file: Annotated[UploadFile, File(description="The JSONL file")],
-    purpose: Annotated[str, Form()],
-) -> dict:
-    if purpose not in FILE_PURPOSES:
-        raise InvalidRequest(f"purpose must be one of {', '.join(FILE_PURPOSES)}", "purpose")
-    limit = request.app.state.settings.max_file_bytes
-    content = await file.read(limit + 1)
-    if len(content) > limit:
-        raise BodyTooLarge(f"the file is over the limit of {limit} bytes")
-    quota = request.app.state.settings.tenant_quota_bytes
-    filename = file.filename or "upload.jsonl"
-    return await _store(request).create_file(filename, purpose, content, _owner(request), quota)
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": list(FILE_PURPOSES)},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post("/v1/files", openapi_extra=_UPLOAD_BODY)
+async def create_file(request: Request) -> dict:
+    """Multipart fields ``file`` and ``purpose``, read as they stream in (api/uploads.py)."""
+    settings = request.app.state.settings
+    limits = Limits(settings.max_file_bytes, settings.max_batch_lines, settings.tenant_quota_bytes)
+    return await receive_file(request, _store(request), limits, _owner(request))
 
 
 @router.get("/v1/files")
@@ -84,14 +93,13 @@ async def get_file(file_id: str, request: Request) -> dict:
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str, request: Request) -> Response:
+async def file_content(file_id: str, request: Request) -> StreamingResponse:
+    """The content streamed out a stored piece at a time."""
     f = await _file(request, file_id)
-    content = await _store(request).file_content(file_id) or b""
-    return Response(
-        content,
-        media_type="application/jsonl"
-        if f["filename"].endswith(".jsonl")
-        else "application/octet-stream",
+    media = "application/jsonl" if f["filename"].endswith(".jsonl") else "application/octet-stream"
+    headers = {"content-length": str(f["bytes"])}
+    return StreamingResponse(
+        _store(request).file_chunks(file_id), media_type=media, headers=headers
     )
 
 

@@ -161,7 +161,20 @@ class Settings(BaseSettings):
 
     # Batch API
     max_file_bytes: int = Field(
-        200 * 1024 * 1024, description="Largest file accepted by POST /v1/files."
+        200 * 1024 * 1024,
+        description="Largest file accepted by POST /v1/files (checked as it streams in: 400).",
+    )
+    max_batch_lines: int = Field(
+        50_000,
+        ge=1,
+        description="Most requests (non-blank lines) in one batch input file, as OpenAI's "
+        "limit (checked as the upload streams in: 400).",
+    )
+    file_retention: int = Field(
+        30 * 24 * 3600,
+        ge=60,
+        description="Seconds files and finished batches stay in Redis (OpenAI keeps output "
+        "files 30 days); a batch's input file is kept at least until its window ends.",
     )
     tenant_quota_bytes: int = Field(
         10 * 1024**3,
@@ -170,7 +183,22 @@ class Settings(BaseSettings):
         "files included; an upload past it gets 429 insufficient_quota; 0: no limit.",
     )
     batch_concurrency: int = Field(
-        4, description="Lines of one batch job in flight at once (at batch priority)."
+        4,
+        ge=1,
+        description="Lines of one batch job in flight at once (at batch priority); its other "
+        "lines wait in the input file, not in memory.",
+    )
+    batch_retry_initial: float = Field(
+        1.0,
+        gt=0,
+        description="Seconds before a batch line that met a temporary error (5xx: no worker, "
+        "Redis away, a deadline at batch priority) runs again; doubled each time.",
+    )
+    batch_retry_max: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait between a batch line's retries; it is retried so until the "
+        "batch's completion window ends.",
     )
 
     # Flower

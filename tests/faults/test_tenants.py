@@ -17,10 +17,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from llmq.common.batch_checkpoint import LineCheckpoint
 from llmq.common.redis_server import RedisServer
 from llmq.common.store import Store
 from llmq.common.transport import Keys
-from llmq.worker.batch.results import finalize
+from llmq.worker.batch.finalize import finalize
 from tests.harness import start_api
 
 KEY_A, KEY_B, KEY_C = "key-a-0123456789", "key-b-0123456789", "key-c-0123456789"
@@ -182,9 +183,12 @@ def finish_in_process(redis_url: str, batch_id: str, body: dict) -> None:
             assert await store.transition(batch_id, "in_progress", ("validating",))
             response = {"status_code": 200, "request_id": "r", "body": body}
             row = {"id": "batch_req_t", "custom_id": "q", "response": response, "error": None}
-            assert await store.record_line(batch_id, 1, row, ok=True)
-            final = await finalize(store, batch_id, "completed", ("in_progress", "finalizing"))
-            assert final == "completed"
+            checkpoint = LineCheckpoint(client, Keys(), batch_id, 3600)
+            assert await checkpoint.record(1, row, ok=True)
+            assert await store.acquire_lease(batch_id, "test", 30)
+            batch = await store.get_batch(batch_id)
+            allowed = ("in_progress", "finalizing")
+            assert await finalize(store, checkpoint, batch, "completed", allowed, "test")
         finally:
             await client.aclose()
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from llmq.common.generation import SubmitOptions
+from llmq.common.jsonl_lines import InputLine
 from llmq.common.protocol import PRIORITY_BATCH
 from llmq.worker.batch.executor import ServiceExecutor, encoded_size
-from llmq.worker.batch.input_lines import InputLine
-from llmq.worker.batch.lines import LineRunner
+from llmq.worker.batch.lines import LineRunner, RetryPolicy
+from llmq.worker.batch.retry import Backoff
+
+pytestmark = pytest.mark.unit
 
 CHAT = "/v1/chat/completions"
 
@@ -25,14 +30,21 @@ class FakeService:
 
 
 class Rows:
-    """The store's ``record_line``, in memory."""
+    """The checkpoint (``LineCheckpoint``), in memory."""
 
     def __init__(self) -> None:
         self.rows: dict[int, tuple[dict, bool]] = {}
+        self.attempts: dict[int, int] = {}
 
-    async def record_line(self, batch_id: str, line: int, output: dict, ok: bool) -> bool:
+    async def record(self, line: int, output: dict, ok: bool) -> bool:
         self.rows[line] = (output, ok)
         return True
+
+    async def set_attempt(self, line: int, attempt: int) -> None:
+        self.attempts[line] = attempt
+
+
+NO_RETRY = RetryPolicy(Backoff(0.01, 0.01), deadline=float("inf"))
 
 
 def body_of_size(size: int) -> dict:
@@ -67,21 +79,17 @@ def test_a_body_over_the_api_limit_is_answered_413_without_running():
 def test_every_line_is_recorded_with_its_status_and_request_id():
     service = FakeService()
     rows = Rows()
-    runner = LineRunner(rows, "batch_x", CHAT, ServiceExecutor(service, 10_000), 2)
+    runner = LineRunner(rows, "batch_x", CHAT, ServiceExecutor(service, 10_000), NO_RETRY)
     good = {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"model": "m"}}
     lone_surrogate = {**good, "custom_id": "b", "body": {"model": "\ud800"}}
     lines = [
         InputLine(1, json.dumps(good)),
         InputLine(2, json.dumps(lone_surrogate)),
         InputLine(4, json.dumps({**good, "custom_id": 7})),
-        InputLine(5, json.dumps(good)),
     ]
-    cancelled = asyncio.Event()
 
     async def run() -> None:
-        await asyncio.gather(*(runner.run(line, cancelled) for line in lines[:3]))
-        cancelled.set()  # a line that starts after a cancel does not run
-        await runner.run(lines[3], cancelled)
+        await asyncio.gather(*(runner.run(line) for line in lines))
 
     asyncio.run(run())
     assert sorted(rows.rows) == [1, 2, 4]

@@ -75,7 +75,9 @@ class Stack:
 
 
 @contextmanager
-def stack(model: Path, logs: Path, worker_name: str, **worker_settings):
+def stack(
+    model: Path, logs: Path, worker_name: str, api_settings: dict | None = None, **worker_settings
+):
     """Redis + one `llmq worker` + `llmq api`, started side by side. A test may replace
     ``worker``; whichever is there at the end is stopped."""
     with RedisServer() as server:
@@ -83,7 +85,8 @@ def stack(model: Path, logs: Path, worker_name: str, **worker_settings):
         api = None
         s = None
         try:
-            api, base = start_api(server.url, model, logs, f"api-{worker_name}")
+            name = f"api-{worker_name}"
+            api, base = start_api(server.url, model, logs, name, **(api_settings or {}))
             wait_worker(server.url, worker_name, worker)
             s = Stack(server.url, worker, worker_name, api, base, str(model), logs)
             yield s
@@ -388,12 +391,13 @@ def test_cancel_landing_after_the_last_line_ends_cancelled(main):
             assert await store.transition(bid, "in_progress", ("validating",))
             out = {"id": "batch_req_x", "custom_id": "a", "error": None}
             out["response"] = {"status_code": 200, "request_id": "r", "body": {}}
-            assert await store.record_line(bid, 1, out, ok=True)
+            task = BatchRun(bid)
+            task.use(store)
+            assert await task.checkpoint.record(1, out, ok=True)
             # The task saw "in_progress" after its last line; the cancel lands now.
             assert await store.transition(bid, "cancelling", ("validating", "in_progress"))
-            task = BatchRun(bid)
-            task.store = store
-            await task._finalize("completed", ("in_progress", "finalizing"))
+            assert await store.acquire_lease(bid, task.owner, 30)
+            await task._finalize(batch, "completed", ("in_progress", "finalizing"))
             done = await store.get_batch(bid)
             content = await store.file_content(done["output_file_id"])
             return done, content.decode().splitlines()
@@ -424,7 +428,8 @@ def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error_file(
             bid = batch["id"]
             await store.update_batch(bid, expires_at=int(time.time()) - 1)
             task = BatchRun(bid)
-            task.store = store
+            task.use(store)
+            assert await store.acquire_lease(bid, task.owner, 30)
             await task._run()
             done = await store.get_batch(bid)
             errors = await store.file_content(done["error_file_id"])
@@ -482,7 +487,7 @@ def test_background_loops_end_when_their_cancel_is_lost():
         await asyncio.gather(task, return_exceptions=True)
         assert run.store.lost == 1 and done, "the loop kept running after its cancel was lost"
 
-    asyncio.run(scenario(lambda run, stop: run._watch_cancel(asyncio.Event(), stop)))
+    asyncio.run(scenario(lambda run, stop: run._watch_cancel(stop)))
     asyncio.run(scenario(lambda run, stop: run._renew_lease(stop)))
 
 

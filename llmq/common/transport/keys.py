@@ -18,14 +18,18 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
                                    the API reads live engines from, instead of a SCAN)
 - ``{p}:dead``                     stream: requests delivered too often, with the reason
 - ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
-- ``{p}:files:{id}``, ``{p}:files:{id}:content``
+- ``{p}:files:{id}``, ``{p}:files:{id}:content``, ``{p}:files:expiry``
                                    OpenAI Batch API files: object hash (with its ``owner``),
-                                   content string
+                                   content as a list of pieces of at most 1 MiB (both with a
+                                   TTL a week past the retention, a safety net), and every file
+                                   by the time its retention ends (the sweep that deletes it
+                                   and gives its bytes back to its owner)
 - ``{p}:batches:active``, ``{p}:batches:{id}``, ``{p}:batches:{id}:results``,
-  ``{p}:batches:{id}:lease``, ``{p}:batches:{id}:dispatch``
+  ``{p}:batches:{id}:attempts``, ``{p}:batches:{id}:lease``, ``{p}:batches:{id}:dispatch``
                                    OpenAI Batch API batches: those not final, object hash (with
-                                   its ``owner``), line results, the running task's lease, a
-                                   re-dispatch marker
+                                   its ``owner``; TTL: window + retention), line results and the
+                                   attempt of lines that were retried (TTL, deleted when the
+                                   batch ends), the running task's lease, a re-dispatch marker
 - ``{p}:tenants:{owner}:files``, ``{p}:tenants:{owner}:batches``, ``{p}:tenants:{owner}:bytes``
                                    per tenant (owner id of an API key): its files and batches
                                    (sorted sets by creation, what lists page through) and the
@@ -85,7 +89,13 @@ class Keys:
         return f"{self.prefix}:files:{file_id}"
 
     def file_content(self, file_id: str) -> str:
+        """List: the file's content in pieces (common/file_chunks.py)."""
         return f"{self.prefix}:files:{file_id}:content"
+
+    @property
+    def files_expiry(self) -> str:
+        """Sorted set: every file -> the time its retention ends."""
+        return f"{self.prefix}:files:expiry"
 
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batches:{batch_id}"
@@ -93,6 +103,11 @@ class Keys:
     def batch_results(self, batch_id: str) -> str:
         """Hash: line number -> output line (checkpoint: a line is run at most once)."""
         return f"{self.prefix}:batches:{batch_id}:results"
+
+    def batch_attempts(self, batch_id: str) -> str:
+        """Hash: line number -> its current attempt, for lines retried after a temporary
+        error (each attempt has its own request ids)."""
+        return f"{self.prefix}:batches:{batch_id}:attempts"
 
     def batch_lease(self, batch_id: str) -> str:
         return f"{self.prefix}:batches:{batch_id}:lease"
@@ -261,7 +276,7 @@ return {1, redis.call('INCRBY', KEYS[1], ARGV[1])}
 # Delete a file (object hash KEYS[1], content KEYS[4]) if tenant ARGV[2] owns it (one without
 # an owner field is ARGV[3]'s, the anonymous tenant's), drop it from the tenant's index and
 # give its bytes back; 0 when it is not there or not the tenant's, so of two deletes racing
-# one gives back.
+# one gives back. KEYS[5], the retention index, forgets it too.
 RELEASE_FILE_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local owner = redis.call('HGET', KEYS[1], 'owner') or ARGV[3]
@@ -269,6 +284,7 @@ if owner ~= ARGV[2] then return 0 end
 local bytes = redis.call('HGET', KEYS[1], 'bytes') or '0'
 redis.call('DEL', KEYS[1], KEYS[4])
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
 if redis.call('DECRBY', KEYS[3], bytes) <= 0 then redis.call('DEL', KEYS[3]) end
 return 1
 """

@@ -26,6 +26,8 @@ class LineExecutor(Protocol):
         self, endpoint: str, body: dict, request_id_prefix: str
     ) -> tuple[int, dict[str, Any]]: ...
 
+    async def attachable(self, request_id_prefix: str) -> bool: ...
+
 
 class AnsweringService(Protocol):
     async def answer(
@@ -42,9 +44,24 @@ def encoded_size(body: dict) -> int:
 
 
 class ServiceExecutor:
-    def __init__(self, service: AnsweringService, max_body_bytes: int):
+    def __init__(
+        self,
+        service: AnsweringService,
+        max_body_bytes: int,
+        transport: AsyncTransport | None = None,
+    ):
         self.service = service
         self.max_body_bytes = max_body_bytes
+        self.transport = transport
+
+    async def attachable(self, request_id_prefix: str) -> bool:
+        """Whether the requests of these ids, if any, can be followed to their end: never
+        started, or queued, running or finished. One cancelled or failed may hold tokens that
+        a new request of the same id would be confused with."""
+        if self.transport is None:
+            return True
+        state, _, _ = await self.transport.request_state(f"{request_id_prefix}-0")
+        return state.get("state") in (None, "queued", "running", "finished")
 
     async def answer(
         self, endpoint: str, body: dict, request_id_prefix: str
@@ -65,7 +82,7 @@ async def open_executor(settings: Settings) -> AsyncIterator[LineExecutor]:
     transport = AsyncTransport(client, Keys(settings.key_prefix))
     try:
         service = GenerationService(ModelRegistry(transport, settings))
-        yield ServiceExecutor(service, settings.max_body_bytes)
+        yield ServiceExecutor(service, settings.max_body_bytes, transport)
     finally:
         await transport.close()
         await client.aclose()

@@ -1,15 +1,20 @@
-"""The batch's input file: its non-empty lines, the checks that fail the whole batch before any
-line runs, and the parsing of one line into the request it carries."""
+"""The batch's input file: its non-empty lines as they are read, the checks that fail the whole
+batch before any line runs (one streaming pass), and the parsing of one line into the request
+it carries."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from llmq.common.errors import InvalidRequest
+from llmq.common.file_chunks import FileGone
+from llmq.common.jsonl_lines import InputLine, iter_lines
 from llmq.common.store import Store
+
+MAX_ERRORS = 100  # of a refused file, as many as its batch object lists
 
 
 def _refuse_constant(name: str) -> float:
@@ -26,11 +31,6 @@ def loads(text: str):
         raise ValueError("the line is nested too deeply") from None
 
 
-class InputLine(NamedTuple):
-    number: int  # 1-based, counting empty lines too
-    text: str
-
-
 @dataclass(frozen=True, slots=True)
 class ValidationError:
     """One entry of the batch's ``errors`` list when its input file is refused."""
@@ -43,42 +43,45 @@ class ValidationError:
         return {"code": self.code, "message": self.message, "line": self.line}
 
 
-async def read_input(
-    store: Store, input_file_id: str
-) -> tuple[list[InputLine], list[ValidationError]]:
-    """The input file's non-empty lines and what makes the file unusable (nothing if valid)."""
-    content = await store.file_content(input_file_id)
-    if content is None:
-        return [], [ValidationError("file_not_found", "the input file no longer exists")]
-    text = content.decode("utf-8-sig", errors="replace")  # a BOM is no part of line 1
-    lines = [InputLine(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not lines:
-        return [], [ValidationError("empty_file", "the input file has no lines")]
-    return lines, _validate(lines)
+def input_lines(store: Store, input_file_id: str) -> AsyncIterator[InputLine]:
+    """The input file's non-blank lines, read a chunk at a time (FileGone if it is deleted
+    meanwhile)."""
+    return iter_lines(store.file_chunks(input_file_id))
 
 
-def _validate(lines: list[InputLine]) -> list[ValidationError]:
-    """A file is JSONL if at least one line is JSON (the others fail alone when they run);
-    custom_ids must be unique."""
-    errors = []
-    parsed = 0
+async def validate_input(store: Store, input_file_id: str) -> tuple[int, list[ValidationError]]:
+    """In one pass over the file: its number of non-blank lines, and what makes it unusable
+    (nothing if it is valid). A file is JSONL if at least one line is JSON (the others fail
+    alone when they run); custom_ids must be unique (only the ids are kept, never the lines)."""
+    if await store.get_file(input_file_id) is None:
+        return 0, [ValidationError("file_not_found", "the input file no longer exists")]
+    errors: list[ValidationError] = []
+    total = parsed = 0
+    first = 0
     seen: dict[str, int] = {}
-    for n, line in lines:
-        try:
-            obj = loads(line)
-        except ValueError:
-            continue
-        parsed += 1
-        cid = obj.get("custom_id") if isinstance(obj, dict) else None
-        if isinstance(cid, str):
-            if cid in seen:
-                message = f"custom_id {cid!r} appears on lines {seen[cid]} and {n}"
-                errors.append(ValidationError("duplicate_custom_id", message, n))
-            seen[cid] = n
+    try:
+        async for n, line in input_lines(store, input_file_id):
+            total += 1
+            first = first or n
+            try:
+                obj = loads(line)
+            except ValueError:
+                continue
+            parsed += 1
+            cid = obj.get("custom_id") if isinstance(obj, dict) else None
+            if isinstance(cid, str):
+                if cid in seen and len(errors) < MAX_ERRORS:
+                    message = f"custom_id {cid!r} appears on lines {seen[cid]} and {n}"
+                    errors.append(ValidationError("duplicate_custom_id", message, n))
+                seen.setdefault(cid, n)
+    except FileGone:
+        return total, [ValidationError("file_not_found", "the input file no longer exists")]
+    if total == 0:
+        return 0, [ValidationError("empty_file", "the input file has no lines")]
     if parsed == 0:
         message = "the input file is not JSONL: no line is a JSON object"
-        errors.append(ValidationError("invalid_json_line", message, lines[0].number))
-    return errors
+        errors.append(ValidationError("invalid_json_line", message, first))
+    return total, errors
 
 
 @dataclass(frozen=True, slots=True)

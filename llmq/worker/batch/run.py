@@ -1,5 +1,9 @@
 """One run of a batch: its lease, the walk through its states (validating, in_progress,
-finalizing, then completed, failed, cancelled or expired), and its progress as Celery sees it."""
+finalizing, then completed, failed, cancelled or expired), and its progress as Celery sees it.
+
+A run that loses its lease (another run holds it, or it could not renew it in time) stops: it
+cancels its lines in flight and finalizes nothing; the run holding the lease finishes the
+batch."""
 
 from __future__ import annotations
 
@@ -11,14 +15,17 @@ import uuid
 
 from celery import Task
 
+from llmq.common.batch_checkpoint import LineCheckpoint
 from llmq.common.redis_clients import async_client
 from llmq.common.settings import get_settings
 from llmq.common.store import FINAL_STATES, Store
 from llmq.common.transport import Keys
 from llmq.worker.batch.executor import open_executor
-from llmq.worker.batch.input_lines import InputLine, read_input
-from llmq.worker.batch.lines import LineRunner
-from llmq.worker.batch.results import finalize
+from llmq.worker.batch.feed import run_lines
+from llmq.worker.batch.finalize import finalize
+from llmq.worker.batch.input_lines import input_lines, validate_input
+from llmq.worker.batch.lines import LineRunner, RetryPolicy
+from llmq.worker.batch.retry import Backoff
 
 log = logging.getLogger("llmq.batch")
 
@@ -34,12 +41,19 @@ class BatchRun:
         self.owner = f"{task_id}:{uuid.uuid4().hex[:8]}"
         self.expires_at: float | None = None
         self._last_progress = 0.0
+        self.stop = asyncio.Event()  # cancelled, expired or the lease lost: no line starts
+        self.lease_lost = False
         self.store: Store
+
+    def use(self, store: Store) -> None:
+        self.store = store
+        ttl = store.retention + 168 * 3600  # outlives the longest window
+        self.checkpoint = LineCheckpoint(store.r, store.keys, self.batch_id, ttl)
 
     async def run(self) -> dict:
         settings = self.settings
         client = async_client(settings.redis_url_or_default())
-        self.store = Store(client, Keys(settings.key_prefix))
+        self.use(Store(client, Keys(settings.key_prefix), settings.file_retention))
         try:
             if not await self.store.acquire_lease(self.batch_id, self.owner, LEASE_TTL):
                 log.info("batch %s is already running elsewhere", self.batch_id)
@@ -61,12 +75,23 @@ class BatchRun:
         # Loops end on ``done``, not on cancel() alone: on Python 3.11 redis-py can swallow a
         # cancellation that lands while it opens a connection (asyncio.wait_for, gh-86296),
         # and a loop that missed its cancel would renew the lease of a finished run forever.
+        renewed = time.monotonic()
         while not done.is_set():
             await asyncio.sleep(LEASE_TTL / 3)
             if done.is_set():
                 return
-            with contextlib.suppress(Exception):
-                await self.store.renew_lease(self.batch_id, self.owner, LEASE_TTL)
+            try:
+                held = await self.store.renew_lease(self.batch_id, self.owner, LEASE_TTL)
+            except Exception as exc:  # Redis away: the lease may lapse meanwhile
+                log.warning("batch %s: renewing its lease failed: %s", self.batch_id, exc)
+                held = time.monotonic() - renewed < LEASE_TTL
+            else:
+                renewed = time.monotonic()
+            if not held:
+                log.warning("batch %s: this run lost its lease; stopping", self.batch_id)
+                self.lease_lost = True
+                self.stop.set()
+                return
 
     # ---- the batch -----------------------------------------------------------------------
     async def _run(self) -> dict:
@@ -78,79 +103,82 @@ class BatchRun:
             return {"batch": self.batch_id, "status": batch["status"]}
         self.expires_at = batch["expires_at"]
         if self._expired():
-            lines = await self._lines(batch, quiet=True) or []
-            await self._finalize("expired", ("validating", "in_progress", "finalizing"), lines)
-            return {"batch": self.batch_id, "status": "expired"}
-        lines = await self._lines(batch)
-        if lines is None:
-            return {"batch": self.batch_id, "status": "failed"}
-        if batch["status"] == "validating":
-            await store.update_batch(self.batch_id, total=len(lines))
-            await store.transition(self.batch_id, "in_progress", ("validating",))
+            await self._finalize(batch, "expired", ("validating", "in_progress", "finalizing"))
+            return self._result(await store.get_batch(self.batch_id))
+        # Its input stays while it may still be read (a re-dispatch may come late).
+        await store.keep_file(batch["input_file_id"], int(self.expires_at - time.time()) + 3600)
+        if batch["status"] == "validating" and not await self._validate(batch):
+            return self._result(await store.get_batch(self.batch_id))
         if await store.status(self.batch_id) == "in_progress":
-            await self._run_lines(batch, lines)
+            await self._run_lines(batch)
+        if self.lease_lost:
+            return {"batch": self.batch_id, "skipped": "lease lost"}
         status = await store.status(self.batch_id)
         if status == "cancelling":
-            await self._finalize("cancelled", ("cancelling",), lines)
+            await self._finalize(batch, "cancelled", ("cancelling",))
         elif status in ("in_progress", "finalizing") and self._expired():
-            await self._finalize("expired", ("in_progress", "finalizing"), lines)
+            await self._finalize(batch, "expired", ("in_progress", "finalizing"))
         elif status in ("in_progress", "finalizing"):
-            await self._finalize("completed", ("in_progress", "finalizing"), lines)
-        final = await store.get_batch(self.batch_id)
-        return {"batch": self.batch_id, "status": final["status"], **final["request_counts"]}
+            await self._finalize(batch, "completed", ("in_progress", "finalizing"))
+        return self._result(await store.get_batch(self.batch_id))
+
+    def _result(self, batch: dict | None) -> dict:
+        if self.lease_lost or batch is None:
+            return {"batch": self.batch_id, "skipped": "lease lost"}
+        return {"batch": self.batch_id, "status": batch["status"], **batch["request_counts"]}
 
     def _expired(self) -> bool:
         return bool(self.expires_at) and time.time() > self.expires_at
 
-    async def _lines(self, batch: dict, quiet: bool = False) -> list[InputLine] | None:
-        """The input file's non-empty lines; None (and, unless ``quiet``, the batch failed)
-        when it is not JSONL."""
-        lines, errors = await read_input(self.store, batch["input_file_id"])
-        if not errors:
-            return lines
-        if not quiet:
-            data = [e.to_dict() for e in errors[:100]]
+    async def _validate(self, batch: dict) -> bool:
+        """One pass over the input file; a file that is not JSONL fails the batch."""
+        total, errors = await validate_input(self.store, batch["input_file_id"])
+        if errors:
+            data = [e.to_dict() for e in errors]
             await self.store.update_batch(self.batch_id, errors={"object": "list", "data": data})
-            await self._finalize("failed", ("validating",))
-        return None
+            await self._finalize(batch, "failed", ("validating",))
+            return False
+        await self.store.update_batch(self.batch_id, total=total)
+        await self.store.transition(self.batch_id, "in_progress", ("validating",), self.owner)
+        return True
 
-    async def _run_lines(self, batch: dict, lines: list[InputLine]) -> None:
-        done = await self.store.done_lines(self.batch_id)
-        todo = [line for line in lines if line.number not in done]
-        log.info("batch %s: %d lines, %d to run", self.batch_id, len(lines), len(todo))
-        async with open_executor(self.settings) as executor:
+    async def _run_lines(self, batch: dict) -> None:
+        done = await self.checkpoint.done()
+        total = (await self.store.get_batch(self.batch_id))["request_counts"]["total"]
+        log.info("batch %s: %d lines, %d to run", self.batch_id, total, total - len(done))
+        settings = self.settings
+        retry = RetryPolicy(
+            Backoff(settings.batch_retry_initial, settings.batch_retry_max), self.expires_at or 0
+        )
+        async with open_executor(settings) as executor:
             runner = LineRunner(
-                self.store,
+                self.checkpoint,
                 self.batch_id,
                 batch["endpoint"],
                 executor,
-                self.settings.batch_concurrency,
+                retry,
+                attempts=await self.checkpoint.attempts(),
+                rerun=batch["in_progress_at"] is not None,
             )
-            cancelled = asyncio.Event()
             lines_over = asyncio.Event()
-            watcher = asyncio.create_task(self._watch_cancel(cancelled, lines_over))
-            tasks = [asyncio.create_task(runner.run(line, cancelled)) for line in todo]
+            watcher = asyncio.create_task(self._watch_cancel(lines_over))
             try:
-                waiter = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
-                stop = asyncio.ensure_future(cancelled.wait())
-                await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
+                lines = input_lines(self.store, batch["input_file_id"])
+                await run_lines(lines, done, runner.run, settings.batch_concurrency, self.stop)
             finally:
-                for t in tasks:
-                    t.cancel()
                 lines_over.set()
                 watcher.cancel()
-                await asyncio.gather(*tasks, watcher, return_exceptions=True)
-                stop.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
         await self._progress(force=True)
 
-    async def _watch_cancel(self, cancelled: asyncio.Event, lines_over: asyncio.Event) -> None:
+    async def _watch_cancel(self, lines_over: asyncio.Event) -> None:
         while not lines_over.is_set():  # see _renew_lease: cancel() alone may be lost
             await asyncio.sleep(0.5)
             if lines_over.is_set():
                 return
             with contextlib.suppress(Exception):
                 if await self.store.status(self.batch_id) != "in_progress" or self._expired():
-                    cancelled.set()  # the lines not started yet stay unrun
+                    self.stop.set()  # the lines not started yet stay unrun
                     return
             await self._progress()
 
@@ -174,9 +202,11 @@ class BatchRun:
             self.task.update_state(state="PROGRESS", meta=meta)
             self.task.send_event("task-progress", **meta)
 
-    async def _finalize(
-        self, final: str, allowed_from: tuple[str, ...], lines: list[InputLine] = ()
-    ) -> None:
-        final = await finalize(self.store, self.batch_id, final, allowed_from, lines)
+    async def _finalize(self, batch: dict, final: str, allowed_from: tuple[str, ...]) -> None:
+        moved = await finalize(self.store, self.checkpoint, batch, final, allowed_from, self.owner)
+        if moved is None:
+            log.warning("batch %s: this run lost its lease; not finalizing", self.batch_id)
+            self.lease_lost = True
+            return
         await self._progress(force=True)
-        log.info("batch %s %s", self.batch_id, final)
+        log.info("batch %s %s", self.batch_id, moved)

@@ -1,4 +1,5 @@
-"""A worker thread that finds batches whose task died with its worker and queues them again.
+"""A worker thread that finds batches whose task died with its worker and queues them again,
+and deletes files past their retention.
 
 The broker alone brings a killed task back slowly, or twice (see DESIGN.md): a batch's lease in
 Redis says whether its task still runs."""
@@ -50,11 +51,13 @@ def supervise(stop: threading.Event, interval: float = 5.0) -> None:
     async def loop() -> None:
         settings = get_settings()
         client = async_client(settings.redis_url_or_default())
-        store = Store(client, Keys(settings.key_prefix))
+        store = Store(client, Keys(settings.key_prefix), settings.file_retention)
         try:
             while not stop.is_set():
                 try:
                     await redispatch_orphans(store, settings)
+                    # Files past their retention go as a delete does: bytes given back.
+                    await store.sweep_expired()
                 except Exception as exc:  # Redis away: try again next round
                     log.debug("batch supervisor: %s", exc)
                 await asyncio.to_thread(stop.wait, interval)
