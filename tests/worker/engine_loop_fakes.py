@@ -106,9 +106,7 @@ class MemoryQueue:
                 refused.append(fenced)
                 continue
             if msg.tokens and len(record) < msg.index:
-                refused.append(
-                    Refusal(e.request_id, e.entry_id, recorded=len(record), message=msg)
-                )
+                refused.append(Refusal(e.request_id, e.entry_id, recorded=len(record), message=msg))
                 continue
             record.extend(msg.tokens[len(record) - msg.index :] if msg.tokens else [])
             self.emitted.append(e)
