@@ -115,7 +115,7 @@ def test_ids_in_url_paths_not_in_the_id_format_are_404_and_build_no_key(s):
         control = f"file-{uuid.uuid4().hex}"
         assert_error(httpx.get(f"{s.base}/v1/files/{control}", timeout=30), 404, "file_id")
     # The object keys (files:{id}, batches:{id}) were never named but for the well-formed id;
-    # the index of active batches is the workers' own business.
-    named = [c for c in commands if re.search(r'"llmq:(files|batches):(?!active")', c)]
+    # the index of active batches and the files' retention index are the workers' business.
+    named = [c for c in commands if re.search(r'"llmq:(files|batches):(?!(active|expiry)")', c)]
     assert named and all(f'"llmq:files:{control}"' in c for c in named), named[:5]
     assert r.dbsize() == keys
