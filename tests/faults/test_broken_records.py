@@ -15,6 +15,7 @@ import redis
 
 from llmq.common.errors import EngineFailure
 from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.protocol import EngineRequest
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
@@ -100,6 +101,16 @@ def test_a_poisoned_entry_fails_alone(served, llama_dir, reference):
     )
     wait_for(lambda: r.hget("llmq:req:poison", "state") == b"failed", 20, "poison failed")
     assert r.hget("llmq:req:poison", "error") == b"malformed request"
+    # A well-formed entry whose token record is not token ids (written by hand): it fails
+    # alone too, where parsing the record once raised on every pull and every restart.
+    r.rpush("llmq:req:poisoned-record:tokens", "x")
+    request = EngineRequest("poisoned-record", [5, 6, 7], SamplingParams(max_tokens=4))
+    r.xadd(
+        stream_of(llama_dir),
+        {"id": request.id, "kind": "generate", "payload": request.to_json()},
+    )
+    failed = lambda: r.hget("llmq:req:poisoned-record", "state") == b"failed"  # noqa: E731
+    wait_for(failed, 20, "poisoned record failed")
     serves_next(server, llama_dir, reference)
     assert loop_alive(worker)
 

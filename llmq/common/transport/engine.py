@@ -171,7 +171,7 @@ class EngineTransport:
             for i, p in enumerate(live):
                 state, tokens = replies[2 * i], replies[2 * i + 1]
                 p.cancelled = state is not None and as_text(state) == "cancelled"
-                p.prior_tokens = [int(t) for t in tokens]
+                _set_prior_tokens(p, tokens)
         return pulled
 
     def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
@@ -364,9 +364,19 @@ class EngineTransport:
                 raw, state, tokens = reply
                 p = self._parse(eid, dict(zip(raw[::2], raw[1::2], strict=True)), deliveries[eid])
                 p.cancelled = as_text(state) == "cancelled"
-                p.prior_tokens = [int(t) for t in tokens]
+                _set_prior_tokens(p, tokens)
                 claimed.append(p)
         return claimed
+
+
+def _set_prior_tokens(p: PulledRequest, values: list) -> None:
+    """The tokens a request's record holds; a record that is not a list of token ids (written
+    by hand) makes the request malformed: it fails, instead of raising on every restart."""
+    try:
+        p.prior_tokens = [int(t) for t in values]
+    except ValueError:
+        log.warning("request %s: its token record is not token ids; failing it", p.request.id)
+        p.request = None
 
 
 def _request_id(hits: list) -> str | None:
