@@ -155,6 +155,13 @@ class Settings(BaseSettings):
         "hermes (<tool_call>{...}</tool_call>: Qwen2.5/3, SmolLM3), llama3_json, mistral "
         "([TOOL_CALLS][...]); unset: the format the chat template names, else none (text).",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "none"] | None = Field(
+        None,
+        description="How a reasoning model's thinking is told from its answer in chat "
+        "(message.reasoning_content): deepseek_r1 and qwen3 (<think>...</think>, also when the "
+        "template opens the block in the prompt); none: off, the thinking stays in content; "
+        "unset: <think> when the chat template names </think>, else off.",
+    )
     redis_max_connections: int = Field(
         256, description="Redis connections one API process opens at most (more requests wait)."
     )

@@ -239,3 +239,11 @@ def test_tool_requests_refused_with_400(base):
         r = httpx.post(url, json={"messages": MESSAGES, "model": base.model, **extra}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
+
+
+def test_reasoning_effort_refused_by_a_template_without_the_knob(base):
+    """This template reads no reasoning_effort: a 400 naming it, never dropped silently."""
+    body = {"messages": MESSAGES, "model": base.model, "reasoning_effort": "low"}
+    r = httpx.post(f"{base.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "reasoning_effort", r.text

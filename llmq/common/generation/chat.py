@@ -4,6 +4,7 @@ answer and chunks."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 from llmq.common.engine_status import EngineStatus
@@ -17,6 +18,7 @@ from llmq.common.generation.choices import (
 )
 from llmq.common.generation.logprobs import chat_logprobs
 from llmq.common.generation.marker_tokens import MarkerKeepingStream, skipped_markers
+from llmq.common.generation.reasoning import chat_reasoning, reasoning_template_kwargs
 from llmq.common.generation.responses import (
     AssistantMessage,
     ChatChoice,
@@ -25,6 +27,8 @@ from llmq.common.generation.responses import (
     ChatCompletionChunk,
     ChatDelta,
     ChatLogprobs,
+    CompletionTokensDetails,
+    Usage,
     WireModel,
 )
 from llmq.common.generation.run import Generation
@@ -42,8 +46,13 @@ async def chat_choices(
 ) -> tuple[list[Choice], int]:
     """The request's choices, and its prompt tokens."""
     vocab = engine.vocab_size
+    effort = reasoning_template_kwargs(
+        body.reasoning_effort, getattr(pipeline.tokenizer, "chat_template", None)
+    )
     prompt_ids = await pipeline.encode_chat(
-        body.template_messages(), tools=body.template_tools(), **body.template_kwargs()
+        body.template_messages(),
+        tools=body.template_tools(),
+        **{**body.template_kwargs(), **effort},
     )
     prompt_ids = truncated(body, prompt_ids, engine.max_model_len)
     limit = max_tokens(body, len(prompt_ids), engine.max_model_len)
@@ -91,8 +100,11 @@ class ChatGeneration(Generation):
         for c in self.choices:
             if (calls := choice_tool_calls(body, tokenizer)) is not None:
                 self.tool_calls[c.index] = calls
+        prompt_ids = self.choices[0].prompt_ids
+        self.reasoning = chat_reasoning(tokenizer, prompt_ids, body.include_reasoning)
         fmt = next(iter(self.tool_calls.values())).fmt if self.tool_calls else None
-        markers = skipped_markers(tokenizer, fmt.markers) if fmt is not None else {}
+        tags = (self.reasoning.fmt.start, self.reasoning.fmt.end) if self.reasoning else ()
+        markers = skipped_markers(tokenizer, (fmt.markers if fmt is not None else ()) + tags)
         if markers:
             self.streams = [MarkerKeepingStream(s, tokenizer, markers) for s in self.streams]
 
@@ -123,13 +135,21 @@ class ChatGeneration(Generation):
         ]
 
     def chunk(self, choice: Choice, chunk: GenerationChunk) -> WireModel:
+        reasoning = ""
+        if self.reasoning is not None:  # the thinking apart; the rest goes on as content
+            final = chunk.finish_reason is not None
+            reasoning, text = self.reasoning.feed(choice.index, chunk.text, final)
+            if not (reasoning or text or final or chunk.logprobs):
+                return ChunkSequence(chunks=[])  # all held back (a tag may be arriving)
+            chunk = dataclasses.replace(chunk, text=text)
+        thinking = self.reasoning.fields(reasoning) if self.reasoning is not None else {}
         calls = self.tool_calls.get(choice.index)
         if calls is not None:
-            return self._tool_chunks(choice, chunk, calls)
-        has_text = chunk.text or chunk.finish_reason is None
+            return self._tool_chunks(choice, chunk, calls, thinking)
+        has_text = chunk.text or (chunk.finish_reason is None and not thinking)
         row = ChatChunkChoice(
             index=choice.index,
-            delta=ChatDelta(content=chunk.text) if has_text else ChatDelta(),
+            delta=ChatDelta(content=chunk.text if has_text else None, **thinking),
             logprobs=self._logprobs(chunk.logprobs)
             if self.wants_logprobs and chunk.logprobs
             else None,
@@ -138,13 +158,15 @@ class ChatGeneration(Generation):
         return self._chunk([row])
 
     def _tool_chunks(
-        self, choice: Choice, chunk: GenerationChunk, calls: ChoiceToolCalls
+        self, choice: Choice, chunk: GenerationChunk, calls: ChoiceToolCalls, thinking: dict
     ) -> ChunkSequence:
         """Text held back while it may open a call; a call's opening and its arguments as
         deltas of their own. Logprobs go with the first chunk, the finish reason with the
         last."""
         reason = chunk.finish_reason
         deltas = calls.feed(chunk.text) + (calls.finish() if reason is not None else [])
+        if thinking:  # the parser sees only the content: the thinking goes first, apart
+            deltas.insert(0, ChatDelta(**thinking))
         logprobs = (
             self._logprobs(chunk.logprobs) if self.wants_logprobs and chunk.logprobs else None
         )
@@ -160,6 +182,13 @@ class ChatGeneration(Generation):
                 rows[-1].finish_reason = calls.stream_finish_reason(reason)
         return ChunkSequence(chunks=[self._chunk([r]) for r in rows])
 
+    def usage(self) -> Usage:
+        usage = super().usage()
+        if self.reasoning is not None:
+            count = sum(self.reasoning.tokens("".join(c.text), c.token_ids) for c in self.choices)
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
+        return usage
+
     def usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk([], usage=self.usage())
 
@@ -170,12 +199,16 @@ class ChatGeneration(Generation):
         )
 
     def _choice(self, c: Choice) -> ChatChoice:
-        text, reason = "".join(c.text), c.finish_reason
+        text, reason, reasoning = "".join(c.text), c.finish_reason, None
+        if self.reasoning is not None:  # tool calls are read from the content alone
+            reasoning, text = self.reasoning.split(text)
         calls = self.tool_calls.get(c.index)
         if calls is not None and reason is not None:
             message, reason = calls.message(text, reason)
         else:
             message = AssistantMessage(content=text)
+        if self.reasoning is not None:
+            message = message.model_copy(update=self.reasoning.fields(reasoning))
         return ChatChoice(
             index=c.index,
             message=message,

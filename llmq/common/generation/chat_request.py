@@ -74,6 +74,28 @@ _CHAT_REFUSED = {
 }
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs must not set: the body's
+# fields set them.
+_TEMPLATE_CALL_ARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
+
 # Structured-output fields (on SamplingFields) besides response_format: each constrains the
 # output, which a forced tool call constrains already.
 _CONSTRAINT_FIELDS = (
@@ -107,6 +129,26 @@ class ChatCompletionRequest(SamplingFields):
         description="Continue the final (assistant) message instead of starting a new one; "
         "needs add_generation_prompt: false (vLLM's option).",
     )
+
+    chat_template_kwargs: SkipJsonSchema[dict[str, Any] | None] = Field(
+        None, description="Variables for the chat template, e.g. enable_thinking (vLLM's option)."
+    )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None,
+        description="How much a reasoning model thinks: passed to a chat template that reads "
+        "reasoning_effort, refused (400) by one that does not.",
+    )
+    include_reasoning: SkipJsonSchema[bool] = Field(
+        True, description="false: the thinking is left out of the answer (vLLM's option)."
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_template_kwargs(cls, v: dict[str, Any] | None):
+        taken = sorted(set(v or ()) & _TEMPLATE_CALL_ARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -179,8 +221,9 @@ class ChatCompletionRequest(SamplingFields):
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
-    def template_kwargs(self) -> dict[str, bool]:
+    def template_kwargs(self) -> dict[str, Any]:
         return {
+            **(self.chat_template_kwargs or {}),
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }

@@ -26,13 +26,19 @@ class PromptTokensDetails(WireModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(WireModel):
+    reasoning_tokens: int
+
+
 class Usage(WireModel):
-    omit_if_none = frozenset({"prompt_tokens_details"})
+    omit_if_none = frozenset({"prompt_tokens_details", "completion_tokens_details"})
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None  # only when tokens were cached
+    # Only for a chat answer from a model that reasons (a reasoning parser in use).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 # ---- chat ------------------------------------------------------------------------------------
@@ -65,10 +71,14 @@ class ToolCall(WireModel):
 
 
 class AssistantMessage(WireModel):
-    omit_if_none = frozenset({"tool_calls"})
+    omit_if_none = frozenset({"reasoning_content", "reasoning", "tool_calls"})
 
     role: str = "assistant"
     content: str | None  # None: the answer is tool calls alone
+    # A reasoning model's thinking, under both names clients read (vLLM and SGLang's
+    # reasoning_content, newer vLLM and Ollama's reasoning); left out when there is none.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -108,10 +118,12 @@ class ToolCallDelta(WireModel):
 
 
 class ChatDelta(WireModel):
-    omit_if_none = frozenset({"role", "content", "tool_calls"})
+    omit_if_none = frozenset({"role", "content", "reasoning_content", "reasoning", "tool_calls"})
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # as AssistantMessage's, a piece of the thinking
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

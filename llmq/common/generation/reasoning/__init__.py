@@ -1,0 +1,27 @@
+"""Reasoning models' thinking (<think>...</think>) apart from their answer: the format per
+family, the streamed split, the reasoning tokens, reasoning_effort as a template variable."""
+
+from llmq.common.generation.reasoning.chat import ChatReasoning, chat_reasoning
+from llmq.common.generation.reasoning.formats import (
+    FORMATS,
+    PARSER_NAMES,
+    ReasoningFormat,
+    choose_reasoning,
+)
+from llmq.common.generation.reasoning.splitter import ReasoningSplitter, split_reasoning
+from llmq.common.generation.reasoning.template import reasoning_template_kwargs
+from llmq.common.generation.reasoning.tokens import prompt_opens_block, reasoning_tokens
+
+__all__ = [
+    "ChatReasoning",
+    "FORMATS",
+    "PARSER_NAMES",
+    "ReasoningFormat",
+    "ReasoningSplitter",
+    "chat_reasoning",
+    "choose_reasoning",
+    "prompt_opens_block",
+    "reasoning_template_kwargs",
+    "reasoning_tokens",
+    "split_reasoning",
+]

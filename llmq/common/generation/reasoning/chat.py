@@ -1,0 +1,56 @@
+"""One chat request's reasoning: its format, whether the prompt opened the think block, and a
+splitter per choice for the streamed answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmq.common.generation.reasoning.formats import ReasoningFormat, choose_reasoning
+from llmq.common.generation.reasoning.splitter import ReasoningSplitter, split_reasoning
+from llmq.common.generation.reasoning.tokens import prompt_opens_block, reasoning_tokens
+from llmq.common.settings import get_settings
+
+
+class ChatReasoning:
+    def __init__(
+        self, tokenizer, fmt: ReasoningFormat, prompt_ids: list[int], include: bool
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+        self.inside = prompt_opens_block(tokenizer, fmt, prompt_ids)
+        self.include = include  # include_reasoning: false leaves the thinking out
+        self.splitters: dict[int, ReasoningSplitter] = {}
+
+    def feed(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of a streamed chunk's text of choice ``index``."""
+        splitter = self.splitters.setdefault(index, ReasoningSplitter(self.fmt, self.inside))
+        reasoning, content = splitter.feed(text)
+        if final:
+            more, rest = splitter.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole output's reasoning (None: none) and content."""
+        return split_reasoning(self.fmt, self.inside, text)
+
+    def fields(self, reasoning: str | None) -> dict[str, Any]:
+        """The reasoning fields of a message or delta (none when there is nothing to show)."""
+        if not reasoning or not self.include:
+            return {}
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+    def tokens(self, text: str, token_ids: list[int]) -> int:
+        """The reasoning tokens of a choice's output (``text``: its text)."""
+        if not (self.inside or text.lstrip().startswith(self.fmt.start)):
+            return 0
+        return reasoning_tokens(self.tokenizer, self.fmt, token_ids)
+
+
+def chat_reasoning(tokenizer, prompt_ids: list[int], include: bool) -> ChatReasoning | None:
+    """The request's reasoning, or None where no reasoning parser applies to the model."""
+    template = getattr(tokenizer, "chat_template", None)
+    fmt = choose_reasoning(
+        get_settings().reasoning_parser, template if isinstance(template, str) else None
+    )
+    return None if fmt is None else ChatReasoning(tokenizer, fmt, prompt_ids, include)
