@@ -5,6 +5,7 @@ closes is known from the logprobs' tokens, the reference for what each part must
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import httpx
@@ -131,6 +132,26 @@ def test_reasoning_effort_passed_to_a_template_that_reads_it(served):
     plain = served.create(messages=MESSAGES, max_tokens=1)
     high = served.create(messages=MESSAGES, max_tokens=1, reasoning_effort="high")
     assert high.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_json_output_is_the_answer_not_thinking(served):
+    """A JSON constraint holds from the first token: despite the block the prompt opened, the
+    output is the content (and a forced call's arguments are the call's)."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 2]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    r = served.create(messages=MESSAGES, max_tokens=20, response_format=fmt)
+    assert json.loads(r.choices[0].message.content)["a"] in (1, 2)
+    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+    assert r.usage.completion_tokens_details is None
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    named = {"type": "function", "function": {"name": "f"}}
+    r = served.create(messages=MESSAGES, max_tokens=20, tools=[tool], tool_choice=named)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["a"] in (1, 2)
 
 
 def test_template_call_arguments_refused_in_chat_template_kwargs(served):

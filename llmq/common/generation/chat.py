@@ -100,8 +100,7 @@ class ChatGeneration(Generation):
         for c in self.choices:
             if (calls := choice_tool_calls(body, tokenizer)) is not None:
                 self.tool_calls[c.index] = calls
-        prompt_ids = self.choices[0].prompt_ids
-        self.reasoning = chat_reasoning(tokenizer, prompt_ids, body.include_reasoning)
+        self.reasoning = chat_reasoning(tokenizer, body, self.choices[0].prompt_ids)
         fmt = next(iter(self.tool_calls.values())).fmt if self.tool_calls else None
         tags = (self.reasoning.fmt.start, self.reasoning.fmt.end) if self.reasoning else ()
         markers = skipped_markers(tokenizer, (fmt.markers if fmt is not None else ()) + tags)

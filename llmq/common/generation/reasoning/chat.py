@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.reasoning.formats import ReasoningFormat, choose_reasoning
 from llmq.common.generation.reasoning.splitter import ReasoningSplitter, split_reasoning
 from llmq.common.generation.reasoning.tokens import prompt_opens_block, reasoning_tokens
+from llmq.common.generation.structured_output import requested_constraint
 from llmq.common.settings import get_settings
 
 
@@ -47,10 +49,27 @@ class ChatReasoning:
         return reasoning_tokens(self.tokenizer, self.fmt, token_ids)
 
 
-def chat_reasoning(tokenizer, prompt_ids: list[int], include: bool) -> ChatReasoning | None:
-    """The request's reasoning, or None where no reasoning parser applies to the model."""
+def _constrained_answer(body: ChatCompletionRequest) -> bool:
+    """The output is JSON or tool calls from its first token (a grammar forces them there,
+    whatever block the prompt opened): it is the answer, not thinking. A regex or grammar of
+    the body's own may write the thinking and its closing tag: that output is split."""
+    if body.tool_mode() in ("required", "named"):
+        return True
+    constraint = requested_constraint(body)
+    return constraint is not None and constraint.kind == "json_schema"
+
+
+def chat_reasoning(
+    tokenizer, body: ChatCompletionRequest, prompt_ids: list[int]
+) -> ChatReasoning | None:
+    """The request's reasoning, or None where no reasoning parser applies (the model's or the
+    body's constrained answer)."""
+    if _constrained_answer(body):
+        return None
     template = getattr(tokenizer, "chat_template", None)
     fmt = choose_reasoning(
         get_settings().reasoning_parser, template if isinstance(template, str) else None
     )
-    return None if fmt is None else ChatReasoning(tokenizer, fmt, prompt_ids, include)
+    return (
+        None if fmt is None else ChatReasoning(tokenizer, fmt, prompt_ids, body.include_reasoning)
+    )
