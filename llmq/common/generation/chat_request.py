@@ -133,10 +133,13 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: SkipJsonSchema[dict[str, Any] | None] = Field(
         None, description="Variables for the chat template, e.g. enable_thinking (vLLM's option)."
     )
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
-        None,
-        description="How much a reasoning model thinks: passed to a chat template that reads "
-        "reasoning_effort, refused (400) by one that does not.",
+    # Out of the OpenAPI schema, as the tools: most models' templates refuse it (400s).
+    reasoning_effort: SkipJsonSchema[Literal["none", "minimal", "low", "medium", "high"] | None] = (
+        Field(
+            None,
+            description="How much a reasoning model thinks: passed to a chat template that reads "
+            "reasoning_effort, refused (400) by one that does not.",
+        )
     )
     include_reasoning: SkipJsonSchema[bool] = Field(
         True, description="false: the thinking is left out of the answer (vLLM's option)."
