@@ -52,7 +52,10 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
     }
     fields |= {k: v for k, v in optional.items() if v is not None}
     fields |= _tool_fields(body)
-    if body.text is not None and body.text.format.type != "text":
+    # A forced call is the constrained output of its turn: text.format is for text, which a
+    # forced turn does not give (OpenAI takes both; chat refuses response_format beside it).
+    forced = body.tools and body.tool_choice != "auto" and body.tool_choice != "none"
+    if body.text is not None and body.text.format.type != "text" and not forced:
         try:
             fields["response_format"] = body.text.format.response_format()
         except ValueError as exc:
