@@ -18,6 +18,7 @@ from llmq.common.errors import AuthenticationFailed, BodyTooLarge
 from llmq.common.generation import GenerationService
 from llmq.common.model_registry import ModelRegistry
 from llmq.common.redis_clients import async_client
+from llmq.common.responses_store import ResponsesStore
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import Store
 from llmq.common.tenants import ANONYMOUS, owner_id
@@ -83,6 +84,24 @@ def require_api_key(request: Request) -> None:
     request.state.owner = owner
 
 
+def _include_routes(app: FastAPI) -> None:
+    from llmq.api import (
+        batches_routes,
+        completions_routes,
+        embeddings_routes,
+        health,
+        models_routes,
+        playground,
+        responses_routes,
+    )
+
+    app.include_router(health.router)
+    app.include_router(playground.router)
+    keyed = (models_routes, completions_routes, responses_routes, embeddings_routes)
+    for routes in (*keyed, batches_routes):
+        app.include_router(routes.router, dependencies=[Depends(require_api_key)])
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
@@ -95,6 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.registry = ModelRegistry(transport, settings)
         app.state.service = GenerationService(app.state.registry, app.state.metrics)
         app.state.store = Store(client, transport.keys, settings.file_retention)
+        app.state.responses = ResponsesStore(client, transport.keys, settings.file_retention)
         app.state.shutting_down = asyncio.Event()
         shutdown_watch = asyncio.create_task(watch_shutdown(app.state.shutting_down))
         preload = asyncio.create_task(app.state.registry.preload())
@@ -117,19 +137,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics()
     install_error_handlers(app)
 
-    from llmq.api import (
-        batches_routes,
-        completions_routes,
-        embeddings_routes,
-        health,
-        models_routes,
-        playground,
-    )
-
-    app.include_router(health.router)
-    app.include_router(playground.router)
-    for routes in (models_routes, completions_routes, embeddings_routes, batches_routes):
-        app.include_router(routes.router, dependencies=[Depends(require_api_key)])
+    _include_routes(app)
     # An upload is refused with a 400 past max_file_bytes as it streams in (api/uploads.py),
     # its rest read and dropped so that the client sees the answer; only a body far past the
     # limit has its connection cut with a 413.

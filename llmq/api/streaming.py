@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import anyio
 from fastapi import Request
@@ -16,6 +17,7 @@ from sse_starlette.sse import AppStatus
 
 from llmq.common.errors import LLMQError, ServerShuttingDown
 from llmq.common.generation import Generation
+from llmq.common.generation.responses import WireModel
 
 # When the server shuts down, an answer gets this long to finish; then a stream ends with a
 # server_shutting_down error event and [DONE], and a non-streamed request gets that error as a
@@ -61,7 +63,13 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
-async def whole_answer(request: Request, generation: Generation) -> dict[str, Any]:
+class Answering(Protocol):
+    """A generation, or a run built on one, answered whole."""
+
+    async def complete(self) -> WireModel: ...
+
+
+async def whole_answer(request: Request, generation: Answering) -> dict[str, Any]:
     """Run every choice to the end; a client that disconnects, or a server shutdown that
     outlasts the drain, cancels them all."""
     run = asyncio.ensure_future(generation.complete())
@@ -81,32 +89,39 @@ async def whole_answer(request: Request, generation: Generation) -> dict[str, An
         await asyncio.gather(run, watcher, shutdown, return_exceptions=True)
 
 
-def _sse(data: dict | str) -> dict:
-    return {"data": data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))}
+def _sse(data: dict | str, event: str | None = None) -> dict:
+    frame = {"data": data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))}
+    return frame if event is None else {"event": event, **frame}
 
 
-async def _end_at_shutdown(shutdown: anyio.Event, generation: Generation) -> None:
+class Running(Protocol):
+    """What a stream ends: a generation, or a run built on one."""
+
+    def fail(self, error: LLMQError) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def _end_at_shutdown(shutdown: anyio.Event, running: Running) -> None:
     await shutdown.wait()
     await asyncio.sleep(SHUTDOWN_DRAIN_S)
-    generation.fail(_shutdown_error())
+    running.fail(_shutdown_error())
 
 
-def streamed_answer(generation: Generation) -> EventSourceResponse:
-    """The answer's chunks as SSE events, an error event if it fails, then ``[DONE]``."""
+def event_stream(running: Running, frames: AsyncIterator[dict]) -> EventSourceResponse:
+    """``frames`` as SSE events; at shutdown ``running`` gets SHUTDOWN_DRAIN_S to finish, then
+    fails (``frames`` answer that failure as they do any other)."""
     shutdown = anyio.Event()
 
     async def events():
-        ender = asyncio.ensure_future(_end_at_shutdown(shutdown, generation))
+        ender = asyncio.ensure_future(_end_at_shutdown(shutdown, running))
         try:
-            async with contextlib.aclosing(generation.chunks()) as chunks:
-                async for chunk in chunks:
-                    yield _sse(chunk.model_dump())
-        except LLMQError as exc:
-            yield _sse(exc.to_dict())
+            async with contextlib.aclosing(frames) as framed:
+                async for frame in framed:
+                    yield frame
         finally:
             ender.cancel()
-            await generation.aclose()
-        yield _sse("[DONE]")
+            await running.aclose()
 
     return EventSourceResponse(
         events(),
@@ -115,3 +130,29 @@ def streamed_answer(generation: Generation) -> EventSourceResponse:
         shutdown_event=shutdown,
         shutdown_grace_period=SHUTDOWN_DRAIN_S + 1.0,
     )
+
+
+def streamed_answer(generation: Generation) -> EventSourceResponse:
+    """The answer's chunks as SSE events, an error event if it fails, then ``[DONE]``."""
+
+    async def frames():
+        try:
+            async with contextlib.aclosing(generation.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield _sse(chunk.model_dump())
+        except LLMQError as exc:
+            yield _sse(exc.to_dict())
+        await generation.aclose()  # its choices cancelled before the client reads [DONE]
+        yield _sse("[DONE]")
+
+    return event_stream(generation, frames())
+
+
+def typed_events(running: Running, events: AsyncIterator[dict]) -> EventSourceResponse:
+    """Events that name their type (the Responses API's): each frame ``event: <type>``."""
+
+    async def frames():
+        async for event in events:
+            yield _sse(event, event["type"])
+
+    return event_stream(running, frames())

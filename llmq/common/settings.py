@@ -180,8 +180,9 @@ class Settings(BaseSettings):
     file_retention: int = Field(
         30 * 24 * 3600,
         ge=60,
-        description="Seconds files and finished batches stay in Redis (OpenAI keeps output "
-        "files 30 days); a batch's input file is kept at least until its window ends.",
+        description="Seconds files, finished batches and stored responses (/v1/responses) "
+        "stay in Redis (OpenAI keeps output files and responses 30 days); a batch's input file "
+        "is kept at least until its window ends.",
     )
     tenant_quota_bytes: int = Field(
         10 * 1024**3,

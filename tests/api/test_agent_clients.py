@@ -22,6 +22,7 @@ from agents import (
     Agent,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
     Runner,
     ToolCallItem,
     ToolCallOutputItem,
@@ -212,3 +213,60 @@ def test_openai_agents_calls_the_tool_and_feeds_its_result_back(base, model):
         "days": days,
     }
     assert isinstance(result.final_output, str)
+
+
+def test_openai_agents_default_responses_model_runs_the_tool(base, model):
+    """The Agents SDK's default model speaks the Responses API: a forced call, its result sent
+    back as a function_call_output item, then the final output (text.format json_schema, its
+    grammar ending it: an answer cut at max_output_tokens is a failed run for the SDK)."""
+    set_tracing_disabled(True)
+    calls: list[tuple[str, int]] = []
+    requests: list[dict] = []
+
+    @function_tool
+    def get_weather(
+        city: Literal["Paris", "Oslo", "Lima"], days: Annotated[int, Field(ge=1, le=9)]
+    ) -> str:
+        """The weather in a city over some days."""
+        calls.append((city, days))
+        return f"sunny in {city} for {days} days"
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/responses"):
+            requests.append(json.loads(request.content))
+
+    async def run():
+        http = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, http_client=http
+        )
+        agent = Agent(
+            name="forecaster",
+            instructions="Answer with the weather.",
+            tools=[get_weather],
+            model=OpenAIResponsesModel(model=model, openai_client=client),
+            model_settings=ModelSettings(
+                tool_choice="required", parallel_tool_calls=False, max_tokens=120
+            ),
+            output_type=Forecast,
+            reset_tool_choice=True,
+        )
+        try:
+            return await Runner.run(agent, QUESTION, max_turns=3)
+        finally:
+            await http.aclose()
+
+    result = asyncio.run(run())
+    assert len(calls) == 1, calls
+    city, days = calls[0]
+    outputs = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]
+    assert len(outputs) == 1 and outputs[0].output == f"sunny in {city} for {days} days"
+    assert len(requests) == 2, requests
+    assert requests[0]["tool_choice"] == "required"
+    assert requests[0]["tools"][0]["name"] == "get_weather"
+    call = next(i for i in requests[1]["input"] if i.get("type") == "function_call")
+    answer = next(i for i in requests[1]["input"] if i.get("type") == "function_call_output")
+    assert answer["call_id"] == call["call_id"] and answer["output"] == outputs[0].output
+    assert json.loads(call["arguments"]) == {"city": city, "days": days}
+    assert requests[1]["text"]["format"]["type"] == "json_schema"
+    assert isinstance(result.final_output, Forecast)

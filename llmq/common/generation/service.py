@@ -25,6 +25,11 @@ from llmq.common.generation.request_bodies import (
     SamplingFields,
 )
 from llmq.common.generation.responses import EmbeddingList, ModelCard, ModelList, WireModel
+from llmq.common.generation.responses_api.answer import chat_request, echoed_fields
+from llmq.common.generation.responses_api.items import input_items
+from llmq.common.generation.responses_api.objects import new_response
+from llmq.common.generation.responses_api.request import ResponsesRequest
+from llmq.common.generation.responses_api.run import ResponsesRun
 from llmq.common.generation.run import Generation
 from llmq.common.generation.submission import SubmitOptions, submit_all
 from llmq.common.model_registry import ModelRegistry
@@ -58,6 +63,15 @@ class GenerationService:
     ) -> ChatGeneration:
         """The request's choices, submitted: run them with ``complete()`` or ``chunks()``."""
         return await self._generation(body, options, chat_choices, ChatGeneration)
+
+    async def responses(
+        self, body: ResponsesRequest, history: list[dict[str, Any]]
+    ) -> ResponsesRun:
+        """A Responses request after ``history`` (the items of the responses before it), run
+        as the chat request it translates to."""
+        generation = await self.chat(chat_request(body, history))
+        response = new_response(generation.model, echoed_fields(body))
+        return ResponsesRun(generation, response, history + input_items(body.input))
 
     async def completions(
         self, body: CompletionRequest, options: SubmitOptions = _INTERACTIVE

@@ -121,6 +121,10 @@ class Keys:
         """Set of batches not yet in a final state (for re-dispatch when a lease expires)."""
         return f"{self.prefix}:batches:active"
 
+    # Stored responses of the Responses API (common/responses_store.py)
+    def response(self, response_id: str) -> str:
+        return f"{self.prefix}:responses:{response_id}"
+
     # Per tenant: an index each (a tenant's list pages through its own objects only) and the
     # bytes its files hold.
     def tenant_files(self, owner: str) -> str:

@@ -1,0 +1,142 @@
+"""The Responses API's translation, without processes: items to chat messages, the request to
+a chat request, chat chunks to typed events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from llmq.common.errors import InvalidRequest
+from llmq.common.generation.responses import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    FunctionCallDelta,
+    ToolCallDelta,
+    Usage,
+)
+from llmq.common.generation.responses_api.answer import chat_request, echoed_fields
+from llmq.common.generation.responses_api.events import ResponseEvents
+from llmq.common.generation.responses_api.items import chat_messages
+from llmq.common.generation.responses_api.objects import new_response
+from llmq.common.generation.responses_api.request import ResponsesRequest
+from llmq.common.responses_store import is_response_id
+
+pytestmark = pytest.mark.unit
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+def test_items_become_chat_messages_calls_joining_their_assistant_turn():
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "t"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "r1"},
+        {"type": "reasoning", "summary": []},
+    ]  # fmt: skip
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    second = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    assert chat_messages(items) == [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "t", "tool_calls": [call, second]},
+        {"role": "tool", "content": "r1", "tool_call_id": "c1"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("item", "param"),
+    [
+        ({"role": "tool", "content": "x"}, "input[0]"),
+        ({"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}, "input[0].content[0]"),
+        ({"type": "function_call", "call_id": "c", "name": "f"}, "input[0].arguments"),
+        ({"type": "item_reference", "id": "x"}, "input[0]"),
+    ],
+)  # fmt: skip
+def test_items_not_served_are_400s_naming_them(item, param):
+    with pytest.raises(InvalidRequest) as exc:
+        chat_messages([item])
+    assert exc.value.param == param
+
+
+def test_request_becomes_the_chat_request_of_the_same_answer():
+    body = ResponsesRequest.model_validate({
+        "input": "q", "instructions": "sys", "max_output_tokens": 5, "temperature": 0,
+        "tools": [TOOL], "tool_choice": {"type": "function", "name": "f"},
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}},
+    })  # fmt: skip
+    chat = chat_request(body, [{"role": "user", "content": "before"}])
+    assert chat.template_messages() == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "before"},
+        {"role": "user", "content": "q"},
+    ]
+    assert chat.max_completion_tokens == 5 and chat.temperature == 0
+    assert chat.tool_mode() == "named" and chat.tools[0].function.name == "f"
+    assert chat.response_format is None  # the forced call is the constrained output
+    free = chat_request(body.model_copy(update={"tool_choice": "auto"}), [])
+    assert free.response_format.json_schema.json_schema == {"type": "object"}
+    echo = echoed_fields(body)
+    assert echo["tool_choice"] == {"type": "function", "name": "f"}
+    assert echo["text"]["format"]["schema"] == {"type": "object"}
+
+
+@pytest.mark.parametrize("tool", ["web_search", "file_search", "mcp"])
+def test_built_in_tools_are_refused_by_name(tool):
+    with pytest.raises(ValidationError, match=tool):
+        ResponsesRequest.model_validate({"input": "q", "tools": [TOOL, {"type": tool}]})
+
+
+def test_response_ids_are_checked_before_a_key_is_built():
+    assert is_response_id(new_response("m", {}).id)
+    for bad in ("resp_" + "0" * 31, "resp_../x", "file-" + "0" * 32, "resp_" + "A" * 32):
+        assert not is_response_id(bad)
+
+
+def _chunk(delta: ChatDelta | None = None, reason=None, usage=None) -> ChatCompletionChunk:
+    rows = (
+        []
+        if delta is None
+        else [ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=reason)]
+    )
+    return ChatCompletionChunk(id="c", created=0, model="m", choices=rows, usage=usage)
+
+
+def test_chunks_become_events_text_then_a_call():
+    opening = ToolCallDelta(
+        index=0, id="call_1", type="function", function=FunctionCallDelta(name="f", arguments="")
+    )
+    args = ToolCallDelta(index=0, function=FunctionCallDelta(arguments='{"a": 1}'))
+    chunks = [
+        _chunk(ChatDelta(role="assistant", content="")), _chunk(ChatDelta(content="he")),
+        _chunk(ChatDelta(content="y")), _chunk(ChatDelta(tool_calls=[opening])),
+        _chunk(ChatDelta(tool_calls=[args]), "tool_calls"),
+        _chunk(usage=Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)),
+    ]  # fmt: skip
+
+    async def events():
+        async def source():
+            for c in chunks:
+                yield c
+
+        response = new_response("m", {"store": True})
+        return [e async for e in ResponseEvents(response).events(source())], response
+
+    got, response = asyncio.run(events())
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert [e["type"].removeprefix("response.") for e in got] == [
+        "created", "in_progress", "output_item.added", "content_part.added",
+        "output_text.delta", "output_text.delta", "output_text.done", "content_part.done",
+        "output_item.done", "output_item.added", "function_call_arguments.delta",
+        "function_call_arguments.done", "output_item.done", "completed",
+    ]  # fmt: skip
+    final = got[-1]["response"]
+    assert final["status"] == "completed" and final["store"] is True and "echo" not in final
+    message, call = final["output"]
+    assert message["content"][0]["text"] == "hey" and message["status"] == "completed"
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')
+    assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [0, 1]
+    assert final["usage"]["input_tokens"] == 3 and final["usage"]["total_tokens"] == 7
+    assert response.model_dump() == final
