@@ -1140,12 +1140,10 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_its_blocks(main):
     body = {"messages": MESSAGES, "max_tokens": 1900, "n": 2, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{main.base}/v1/chat/completions", json=body, timeout=1.0)
-    gone = time.monotonic()
-    try:
-        wait_for(lambda: main.heartbeat()["kv_blocks_used"] == "0", 3.0, "blocks freed", 0.01)
+    try:  # the two choices would take minutes: freed well before is freed by the cancel
+        wait_for(lambda: main.heartbeat()["kv_blocks_used"] == "0", 30, "blocks freed", 0.01)
     except TimeoutError:
         raise AssertionError(f"{main.heartbeat()}\n{main.worker.log(tail=3000)}") from None
-    assert time.monotonic() - gone < 3.0
     assert main.heartbeat()["running"] == "0"
     time.sleep(1.2)
     # Cancelled, not run to the end: fewer tokens than the two choices asked for.
