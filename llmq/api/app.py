@@ -129,13 +129,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(health.router)
     app.include_router(playground.router)
-    for routes in (
-        models_routes,
-        completions_routes,
-        embeddings_routes,
-        batches_routes,
-        tokenizer_routes,
-    ):
+    served = (models_routes, completions_routes, embeddings_routes, batches_routes)
+    for routes in (*served, tokenizer_routes):
         app.include_router(routes.router, dependencies=[Depends(require_api_key)])
     # An upload is refused with a 400 past max_file_bytes as it streams in (api/uploads.py),
     # its rest read and dropped so that the client sees the answer; only a body far past the
