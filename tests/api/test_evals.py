@@ -16,6 +16,7 @@ from tests.api.test_api import MESSAGES, PROMPT, assert_error, stack
 
 TOL = 1e-4
 TASK = "llmq_tiny_mc"
+GEN_TASK = "llmq_tiny_gen"
 DOCS = [
     ("The capital of France is", ["Paris", "Berlin", "a river", "seven"], 0),
     ("import numpy as", ["np", "pd", "torch", "os"], 0),
@@ -69,36 +70,50 @@ def test_tokenize_detokenize_and_tokenizer_info(served, llama_dir):
     body = {"model": "nope", "prompt": "x"}
     assert_error(httpx.post(f"{base}/tokenize", json=body), 404, param="model")
     assert_error(httpx.get(f"{base}/tokenizer_info", params={"model": "nope"}), 404)
+    # lm-eval's remote tokenizer (its default where the server has these endpoints).
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    assert check_remote_tokenizer_support(f"{base}/v1/completions")
+    remote = RemoteTokenizer(f"{base}/v1/completions")
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    assert remote.encode(PROMPT) == ids and remote.decode(ids) == tok.decode(ids)
+    assert remote.eos_token_id == tok.eos_token_id
 
 
-def write_task(folder) -> None:
+def write_tasks(folder) -> None:
+    """The multiple-choice task, and a generation task over the same questions."""
     data = folder / "docs.jsonl"
     data.write_text(
         "".join(json.dumps({"q": q, "choices": c, "label": a}) + "\n" for q, c, a in DOCS)
     )
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        'test_split: test\ndoc_to_text: "{{q}}"\n'
+    )
     (folder / f"{TASK}.yaml").write_text(
-        f"task: {TASK}\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "output_type: multiple_choice\n"
-        "test_split: test\n"
-        'doc_to_text: "{{q}}"\n'
-        "doc_to_target: label\n"
-        "doc_to_choice: choices\n"
-        'target_delimiter: " "\n'
+        f"task: {TASK}\n{common}output_type: multiple_choice\n"
+        'doc_to_target: label\ndoc_to_choice: choices\ntarget_delimiter: " "\n'
         "metric_list:\n  - metric: acc\n"
+    )
+    (folder / f"{GEN_TASK}.yaml").write_text(
+        f"task: {GEN_TASK}\n{common}output_type: generate_until\n"
+        'doc_to_target: "{{choices[label]}}"\n'
+        "generation_kwargs:\n  until: []\n  max_gen_toks: 6\n  do_sample: false\n"
+        "  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n"
     )
 
 
-def evaluate(model: str, model_args: dict, tasks_dir) -> dict:
+def evaluate(model: str, model_args: dict, tasks_dir, task: str = TASK, **options) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=[TASK],
+        tasks=[task],
         task_manager=TaskManager(include_path=str(tasks_dir)),
+        **options,
         batch_size=4,
         log_samples=True,
         random_seed=0,
@@ -118,7 +133,7 @@ def loglikelihoods(results: dict) -> dict[int, list[float]]:
 def test_lm_eval_scores_through_llmq_as_on_the_model(served, llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    write_task(tmp_path)
+    write_tasks(tmp_path)
     through_llmq = evaluate(
         "local-completions",
         {
@@ -142,3 +157,43 @@ def test_lm_eval_scores_through_llmq_as_on_the_model(served, llama_dir, tmp_path
         assert max(abs(a - b) for a, b in zip(lls, theirs[doc], strict=True)) < TOL, doc
     acc = through_llmq["results"][TASK]["acc,none"]
     assert acc == direct["results"][TASK]["acc,none"]
+
+
+def test_lm_eval_generates_through_llmq_chat_as_the_engine_does(
+    served, llama_dir, tmp_path, monkeypatch
+):
+    """A generate_until task through `local-chat-completions`: each answer is the greedy
+    continuation of the chat-templated question, as the in-process engine generates it."""
+    from llmq.common.model_loader import eos_token_ids, load_causal_lm
+    from llmq.common.sampling_params import SamplingParams
+    from llmq.worker.llm_engine import EngineConfig, LLMEngine
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    write_tasks(tmp_path)
+    args = {
+        "base_url": f"{served.base}/v1/chat/completions",
+        "model": served.model,
+        "tokenizer_backend": "none",
+        "num_concurrent": 2,
+        "max_retries": 1,
+    }
+    out = evaluate("local-chat-completions", args, tmp_path, GEN_TASK, apply_chat_template=True)
+    answers = {s["doc_id"]: s["resps"][0][0] for s in out["samples"][GEN_TASK]}
+    tok = load_tokenizer(str(llama_dir))
+    model = load_causal_lm(str(llama_dir), "float32", "cpu")
+    engine = LLMEngine(model, EngineConfig(num_blocks=64), eos_token_ids(model, tok))
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for q, _, _ in DOCS
+    ]
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    assert answers == {i: tok.decode(t, skip_special_tokens=True) for i, t in enumerate(greedy)}
+    assert sum(map(bool, answers.values())) >= len(DOCS) // 2  # text, not empty answers
