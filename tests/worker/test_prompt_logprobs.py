@@ -99,3 +99,17 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(llama_dir, referen
     assert out.num_output_tokens == 0 and out.num_prompt_tokens == len(prompt)
     check(out.prompt_logprobs, expected(reference, prompt), prompt)
     assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_resumed_request_does_not_score_its_prompt_again(llama_dir):
+    """Resumed after output (its first message, with the prompt logprobs, was recorded): its
+    prompt comes from the prefix cache as any other's, and no prompt logprobs are sent."""
+    model = load_causal_lm(str(llama_dir), "float32", "cpu")
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, cuda_graphs=False))
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=K)
+    seq = engine.add_request("r", list(range(10, 30)), params, output_token_ids=[7, 8])
+    assert not seq.prompt_logprobs_pending
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.prompt_logprobs for o in outs] == [None, None]
