@@ -93,12 +93,13 @@ def _include_routes(app: FastAPI) -> None:
         models_routes,
         playground,
         responses_routes,
+        tokenizer_routes,
     )
 
     app.include_router(health.router)
     app.include_router(playground.router)
     keyed = (models_routes, completions_routes, responses_routes, embeddings_routes)
-    for routes in (*keyed, batches_routes):
+    for routes in (*keyed, batches_routes, tokenizer_routes):
         app.include_router(routes.router, dependencies=[Depends(require_api_key)])
 
 

@@ -83,6 +83,10 @@ class OutputMessage:
     worker: str | None = None
     # Embedding results: one base64 string of little-endian float32 per input, in order.
     embeddings: list[str] | None = None
+    # On the first message of a request that asked for them: None (token 0), then per prompt
+    # token {token_id, logprob, rank, top}; recorded with the request, for a client that
+    # missed the message.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def done(self) -> bool:
@@ -102,6 +106,8 @@ class OutputMessage:
             data["worker"] = self.worker
         if self.embeddings is not None:
             data["embeddings"] = self.embeddings
+        if self.prompt_logprobs is not None:
+            data["prompt_logprobs"] = self.prompt_logprobs
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -117,4 +123,5 @@ class OutputMessage:
             error=EngineError(**error) if error else None,
             worker=data.get("worker"),
             embeddings=data.get("embeddings"),
+            prompt_logprobs=data.get("prompt_logprobs"),
         )

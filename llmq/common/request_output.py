@@ -5,6 +5,7 @@ request whose model no live worker serves any more fails fast with the 503 a new
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -186,6 +187,9 @@ class OutputReader:
             return None, status  # vectors travel only by pub/sub: wait for the message
         if len(tokens) <= expected and not done:
             return None, status
+        prompt_logprobs = None
+        if expected == 0 and state.get("prompt_logprobs"):  # the first message was missed
+            prompt_logprobs = json.loads(state["prompt_logprobs"])
         return OutputMessage(
             index=expected,
             tokens=tokens[expected:],
@@ -194,6 +198,7 @@ class OutputReader:
             usage={"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": len(tokens)}
             if done
             else None,
+            prompt_logprobs=prompt_logprobs,
         ), status
 
 

@@ -29,6 +29,7 @@ class GenerationChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     queue_time: float | None = None  # seconds before a worker took it (on the last chunk)
+    prompt_logprobs: list[dict | None] | None = None  # on the first chunk, when asked for
 
 
 class RequestStream:
@@ -103,6 +104,7 @@ class RequestStream:
                     completion_tokens=usage.get("completion_tokens", msg.index + len(msg.tokens)),
                     cached_tokens=usage.get("cached_tokens", 0),
                     queue_time=usage.get("queue_time"),
+                    prompt_logprobs=msg.prompt_logprobs,
                 )
                 if reason is not None:
                     self.finished = msg.done

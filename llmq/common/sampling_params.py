@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # None: no prompt logprobs; k: each prompt token's logprob, its rank and the top k (the
+    # prompt rows' logits are then kept, and the prefix cache is not used for the prompt).
+    prompt_logprobs: int | None = None
     # Constrained decoding: an llguidance grammar (the JSON text LLMatcher.grammar_from_*
     # returns), built and validated by the API; None: unconstrained.
     grammar: str | None = None

@@ -108,6 +108,7 @@ class GenerationBackend:
                 {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
                 for lp in out.logprobs
             ]
+        msg.prompt_logprobs = out.prompt_logprobs
         if msg.finish_reason is not None and msg.error is None:
             msg.usage = {
                 "prompt_tokens": out.num_prompt_tokens,

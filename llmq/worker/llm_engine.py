@@ -14,6 +14,7 @@ from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmq.worker.request_error import RequestError
+from llmq.worker.runner.prompt_logprobs import reduce_prompt_rows
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -104,6 +105,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # With the first output of a request that asked: None for token 0, then per prompt token
+    # {token_id, logprob, rank, top: [[id, logprob], ...]}.
+    prompt_logprobs: list[dict | None] | None = None
     error: EngineError | None = None  # the request failed (its grammar): finish_reason abort
 
     @property
@@ -248,7 +252,10 @@ class LLMEngine:
             if self._num_building and not failed:
                 self.constrained.wait(GRAMMAR_WAIT_S)
             return failed
-        logits, entries = self.runner.execute(out)
+        logits, entries, prompt_rows = self.runner.execute(out)
+        if prompt_rows:
+            reduce_prompt_rows(logits[len(entries) :], prompt_rows)
+            logits = logits[: len(entries)]
         seqs = [out.scheduled[i].seq for i in entries]
         mask = None
         if self.constrained is not None and self.constrained.matchers:
@@ -272,8 +279,9 @@ class LLMEngine:
                 u.seq.output_token_ids.pop()
                 outputs.append(self._fail(u.seq, grammar.failed[u.seq], "grammar_error"))
                 continue
-            lp = logprobs.get(id(u.seq))
-            outputs.append(self._output(u.seq, [u.token_id], u.finish_reason, lp))
+            lp = logprobs.get(id(u.seq)) if u.token_id is not None else None
+            tokens = [u.token_id] if u.token_id is not None else []
+            outputs.append(self._output(u.seq, tokens, u.finish_reason, lp))
             if u.finish_reason is not None:
                 self._forget(u.seq)
         return outputs
@@ -316,7 +324,7 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence, tokens, reason, logprobs=None) -> RequestOutput:
-        return RequestOutput(
+        out = RequestOutput(
             request_id=seq.request_id,
             token_ids=tokens,
             finish_reason=reason,
@@ -325,6 +333,11 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
         )
+        if seq.prompt_logprobs_pending and (tokens or reason == FinishReason.LENGTH):
+            # The first output: its prompt is computed (token 0 has no logprob).
+            out.prompt_logprobs = [None, *seq.prompt_logprobs]
+            seq.prompt_logprobs_pending, seq.prompt_logprobs = False, []
+        return out
 
 
 def _constrained_sequences(

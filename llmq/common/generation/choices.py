@@ -39,6 +39,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     text_offset: int = 0  # completions' streamed logprobs: where the next token's text starts
+    prompt_logprobs: list[dict | None] | None = None  # as the engine sent them, when asked for
 
     def add(self, chunk: GenerationChunk) -> None:
         """Gather a chunk of this choice's output (usage from its last chunk)."""
@@ -46,6 +47,8 @@ class Choice:
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.prompt_tokens = chunk.prompt_tokens

@@ -13,9 +13,19 @@ from llmq.common.generation.choices import (
     max_tokens,
     truncated,
 )
-from llmq.common.generation.logprobs import completion_logprobs
+from llmq.common.generation.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from llmq.common.generation.request_bodies import CompletionRequest
-from llmq.common.generation.responses import Completion, CompletionChoice, CompletionChunk
+from llmq.common.generation.responses import (
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+)
 from llmq.common.generation.run import Generation
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.request_stream import GenerationChunk
@@ -73,7 +83,7 @@ class CompletionGeneration(Generation):
         )
 
     def opening_chunks(self) -> list[CompletionChunk]:
-        if not self.body.echo:
+        if not self.body.echo or self.wants_logprobs:  # echoed with the prompt's logprobs
             return []
         return [
             self._chunk(
@@ -87,16 +97,23 @@ class CompletionGeneration(Generation):
         ]
 
     def chunk(self, choice: Choice, chunk: GenerationChunk) -> CompletionChunk:
-        logprobs = None
+        text, logprobs, prompt = chunk.text, None, None
+        if chunk.prompt_logprobs is not None:  # a choice's first chunk
+            prompt = self._prompt_logprobs(choice, chunk.prompt_logprobs)
+            if self._echoes_logprobs():
+                text = choice.prompt_text + text
+                logprobs = self._echo(choice, chunk.prompt_logprobs)
         if self.wants_logprobs and chunk.logprobs:
-            logprobs, choice.text_offset = completion_logprobs(
+            generated, choice.text_offset = completion_logprobs(
                 self.tokenizer, chunk.logprobs, choice.text_offset
             )
+            logprobs = joined(logprobs, generated) if logprobs else generated
         row = CompletionChoice(
             index=choice.index,
-            text=chunk.text,
+            text=text,
             logprobs=logprobs,
             finish_reason=chunk.finish_reason,
+            prompt_logprobs=prompt,
         )
         return self._chunk([row])
 
@@ -110,14 +127,31 @@ class CompletionGeneration(Generation):
             logprobs = None
             if self.wants_logprobs:
                 logprobs = completion_logprobs(self.tokenizer, c.logprobs, len(prefix))[0]
+                if self._echoes_logprobs():
+                    logprobs = joined(self._echo(c, c.prompt_logprobs), logprobs)
             rows.append(
                 CompletionChoice(
                     index=c.index,
                     text=prefix + "".join(c.text),
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
+                    prompt_logprobs=self._prompt_logprobs(c, c.prompt_logprobs),
                 )
             )
         return Completion(
             id=self.id, created=self.created, model=self.model, choices=rows, usage=self.usage()
         )
+
+    def _echoes_logprobs(self) -> bool:
+        return self.body.echo_logprobs() is not None
+
+    def _echo(self, choice: Choice, entries: list[dict | None] | None) -> CompletionLogprobs:
+        """The prompt's logprobs, first in an echoed choice's."""
+        entries = entries or [None] * len(choice.prompt_ids)
+        return echo_logprobs(self.tokenizer, choice.prompt_ids, entries, self.body.logprobs)
+
+    def _prompt_logprobs(self, choice: Choice, entries: list[dict | None] | None):
+        k = self.body.prompt_logprobs
+        if k is None or entries is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, entries, k)

@@ -1,11 +1,14 @@
 """Logprobs as the engines send them (``{"token_id", "logprob", "top": [[id, logprob], ...]}``
-per token) in OpenAI's two shapes: chat's and completions'."""
+per token) in OpenAI's two shapes, chat's and completions' (echo: the prompt's first), and the
+prompt's in vLLM's ``prompt_logprobs`` shape."""
 
 from __future__ import annotations
 
 from llmq.common.generation.responses import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
 )
@@ -51,3 +54,56 @@ def completion_logprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets
     )
     return body, offset
+
+
+def echo_logprobs(
+    tokenizer, prompt_ids: list[int], entries: list[dict | None], k: int
+) -> CompletionLogprobs:
+    """The prompt's part of completions' logprobs (echo): the first token has none (null), each
+    other its logprob and its top ``k``; offsets count each token's own text from 0."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for token_id, e in zip(prompt_ids, entries, strict=True):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(e["logprob"] if e else None)
+        top.append({token_text(tokenizer, t): lp for t, lp in e["top"][:k]} if e else None)
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets
+    )
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs | None) -> CompletionLogprobs:
+    if then is None:
+        return first
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
+
+
+def vllm_prompt_logprobs(tokenizer, entries: list[dict | None], k: int) -> PromptLogprobs:
+    """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}}
+    holding the prompt token and the top ``k`` (ranked 1..k)."""
+    out: PromptLogprobs = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        row = {
+            str(e["token_id"]): PromptLogprob(
+                logprob=e["logprob"],
+                rank=e.get("rank"),
+                decoded_token=token_text(tokenizer, e["token_id"]),
+            )
+        }
+        for rank, (t, lp) in enumerate(e["top"][:k], start=1):
+            row.setdefault(
+                str(t), PromptLogprob(logprob=lp, rank=rank, decoded_token=token_text(tokenizer, t))
+            )
+        out.append(row)
+    return out

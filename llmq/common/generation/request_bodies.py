@@ -3,7 +3,7 @@ validate with them."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -89,7 +89,9 @@ class SamplingFields(BaseModel):
     # not ignored (and left out of the OpenAPI schema).
     allowed_token_ids: SkipJsonSchema[Any] = None
     bad_words: SkipJsonSchema[Any] = None
-    prompt_logprobs: SkipJsonSchema[Any] = None
+    # vLLM's prompt logprobs: each prompt token's logprob, rank and the top k, answered as
+    # vLLM does (per choice on completions, at the top level on chat).
+    prompt_logprobs: SkipJsonSchema[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None] = None
 
     # Refused unless it equals n (left out of the OpenAPI schema): every choice is returned.
     best_of: SkipJsonSchema[int | None] = None
@@ -105,7 +107,7 @@ class SamplingFields(BaseModel):
             raise ValueError("best_of is not supported (every choice is returned: use n)")
         return v
 
-    @field_validator("allowed_token_ids", "bad_words", "prompt_logprobs")
+    @field_validator("allowed_token_ids", "bad_words")
     @classmethod
     def _unserved(cls, v, info: ValidationInfo):
         if v is not None:
@@ -137,6 +139,20 @@ class SamplingFields(BaseModel):
         if isinstance(v, list) and len(v) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings")
         return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _streamed_prompt_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and info.data.get("stream") and not cls.streams_prompt_logprobs:
+            raise ValueError("prompt_logprobs is not supported with stream on this endpoint")
+        return v
+
+    # Whether a streamed answer carries prompt logprobs (completions' first chunk of a choice).
+    streams_prompt_logprobs: ClassVar[bool] = False
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """The top k of the prompt logprobs the engine computes (None: none)."""
+        return self.prompt_logprobs
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -176,6 +192,7 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             grammar=self.grammar(),
+            prompt_logprobs=self.wanted_prompt_logprobs(),
         )
 
 
@@ -189,8 +206,11 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
+    # 0: the prompt alone (with echo and logprobs: its logprobs, as evaluation harnesses ask).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
+    streams_prompt_logprobs: ClassVar[bool] = True
     # Refused unless it asks for nothing (left out of the OpenAPI schema, like chat's).
     suffix: SkipJsonSchema[str | None] = None
 
@@ -206,16 +226,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v, info: ValidationInfo):
-        if v and info.data.get("logprobs") is not None:
-            raise ValueError(
-                "echo with logprobs is not supported (no logprobs for prompt tokens); ask for "
-                "one or the other"
-            )
-        return v
-
     def max_tokens_field(self) -> str:
         return "max_tokens"
 
@@ -224,6 +234,14 @@ class CompletionRequest(SamplingFields):
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """echo with logprobs k answers the prompt's logprobs too, with their top k."""
+        wanted = [k for k in (self.prompt_logprobs, self.echo_logprobs()) if k is not None]
+        return max(wanted) if wanted else None
+
+    def echo_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

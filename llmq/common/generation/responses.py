@@ -41,6 +41,18 @@ class Usage(WireModel):
     completion_tokens_details: CompletionTokensDetails | None = None
 
 
+class PromptLogprob(WireModel):
+    """vLLM's entry of ``prompt_logprobs``, per token id (the prompt token's and the top k)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then token id -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 # ---- chat ------------------------------------------------------------------------------------
 class TopLogprob(WireModel):
     token: str
@@ -90,12 +102,15 @@ class ChatChoice(WireModel):
 
 
 class ChatCompletion(WireModel):
+    omit_if_none = frozenset({"prompt_logprobs"})
+
     id: str
     object: str = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class FunctionCallDelta(WireModel):
@@ -148,16 +163,19 @@ class ChatCompletionChunk(WireModel):
 # ---- completions -----------------------------------------------------------------------------
 class CompletionLogprobs(WireModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
 class CompletionChoice(WireModel):
+    omit_if_none = frozenset({"prompt_logprobs"})
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class Completion(WireModel):

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from llmq.common.errors import LLMQError
 from llmq.common.generation.choices import Choice
+from llmq.common.generation.logprobs import vllm_prompt_logprobs
 from llmq.common.generation.metrics import ChoiceRecorder
 from llmq.common.generation.request_bodies import SamplingFields
 from llmq.common.generation.responses import PromptTokensDetails, Usage, WireModel
@@ -66,7 +67,13 @@ class Generation(ABC):
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(BaseException):
                 await everything  # its outcome retrieved: no "exception was never retrieved" log
-        return self.response()
+        response = self.response()
+        k = self.body.prompt_logprobs
+        if k is not None and "prompt_logprobs" in type(response).model_fields:
+            # vLLM's place on chat: the response's top level (one prompt for every choice).
+            entries = self.choices[0].prompt_logprobs or []
+            response.prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, entries, k)
+        return response
 
     async def chunks(self) -> AsyncIterator[WireModel]:
         """The answer as stream chunks: opening ones, one per chunk of output that carries
@@ -76,7 +83,12 @@ class Generation(ABC):
             yield opening
         async for choice, chunk in merged(self.streams, self.choices):
             self.recorder.record(choice, chunk)
-            if chunk.text or chunk.finish_reason is not None or chunk.logprobs:
+            if (
+                chunk.text
+                or chunk.finish_reason is not None
+                or chunk.logprobs
+                or (chunk.prompt_logprobs is not None)
+            ):
                 yield self.chunk(choice, chunk)
         options = self.body.stream_options
         if options and options.include_usage:

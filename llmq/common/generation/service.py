@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import LLMQError, redis_failure
+from llmq.common.generation import tokenization
 from llmq.common.generation.chat import ChatGeneration, chat_choices
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import Choice, check_token_ids
@@ -32,6 +33,12 @@ from llmq.common.generation.responses_api.request import ResponsesRequest
 from llmq.common.generation.responses_api.run import ResponsesRun
 from llmq.common.generation.run import Generation
 from llmq.common.generation.submission import SubmitOptions, submit_all
+from llmq.common.generation.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from llmq.common.model_registry import ModelRegistry
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.validation import validation_error
@@ -104,6 +111,18 @@ class GenerationService:
         items = embedding_inputs(body.input)
         pipeline, engine = await self.registry.get(body.model, kind="embed")
         return await embed(pipeline, engine, body, items, options)
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        pipeline, engine = await self.registry.get(body.model)
+        return await tokenization.tokenize(pipeline, engine, body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        pipeline, engine = await self.registry.get(body.model)
+        return tokenization.detokenize(pipeline, engine, body)
+
+    async def tokenizer_info(self, model: str | None) -> dict[str, Any]:
+        pipeline, engine = await self.registry.get(model)
+        return tokenization.tokenizer_info(pipeline, engine)
 
     async def models(self) -> ModelList:
         return model_list(await self.registry.engines())

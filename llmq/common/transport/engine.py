@@ -234,11 +234,14 @@ class EngineTransport:
         """WRITE_SCRIPT's arguments (see keys.py)."""
         msg = e.message
         logprobs = bool(msg.tokens and msg.logprobs)  # a client that missed them gets them too
-        flags = ("l" if logprobs else "") + ("f" if msg.done else "")
+        prompt = msg.prompt_logprobs is not None
+        flags = ("l" if logprobs else "") + ("p" if prompt else "") + ("f" if msg.done else "")
         args = [self.worker, e.entry_id, msg.index, len(msg.tokens), msg.to_json(), flags]
         args += msg.tokens
         if logprobs:
             args += [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
+        if prompt:
+            args.append(json.dumps(msg.prompt_logprobs, separators=(",", ":")))
         if msg.done:
             state = "failed" if msg.error else "finished"
             error = msg.error.message if msg.error else ""

@@ -196,8 +196,9 @@ if own[1] and own[1] ~= ARGV[1] then return 'fenced:' .. own[1] end
 
 # One request's news from one engine step, in one atomic call. KEYS: req, tokens, logprobs,
 # out channel, stream. ARGV: worker, entry, index, token count n, message JSON, flags ('l':
-# logprob entries follow the tokens, 'f': the final message), the n tokens, [n logprob
-# entries], [final state, finish_reason, error, finished time, record TTL]. (Few arguments
+# logprob entries follow the tokens, 'p': the prompt logprobs (JSON) follow, recorded in the
+# request's hash, 'f': the final message), the n tokens, [n logprob entries], [prompt
+# logprobs], [final state, finish_reason, error, finished time, record TTL]. (Few arguments
 # while running: this runs for every request of every step.) Tokens are appended
 # idempotently (a write retried after a dropped connection records nothing twice), and the
 # record, the publish and the finish happen together: what a client saw is what a claimer
@@ -218,6 +219,10 @@ if n > 0 then
     for i = lps - first + 1, n do redis.call('RPUSH', KEYS[3], ARGV[at + i]) end
     at = at + n
   end
+end
+if string.find(flags, 'p', 1, true) then
+  redis.call('HSET', KEYS[1], 'prompt_logprobs', ARGV[at + 1])
+  at = at + 1
 end
 redis.call('PUBLISH', KEYS[4], ARGV[5])
 if string.find(flags, 'f', 1, true) then

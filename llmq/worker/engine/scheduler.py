@@ -53,7 +53,7 @@ class SequenceUpdate:
     """What one step did for one sequence that produced a token."""
 
     seq: Sequence
-    token_id: int
+    token_id: int | None  # None: the request ended at its prompt (max_tokens 0)
     finish_reason: FinishReason | None
 
 
@@ -177,7 +177,8 @@ class Scheduler:
             seq = self.waiting[0]
             if first_priority is not None and seq.priority > first_priority:
                 break
-            cached = bm.find_cached_prefix(seq)
+            # Prompt logprobs need every prompt row's logits: none of it comes from the cache.
+            cached = [] if seq.prompt_logprobs_pending else bm.find_cached_prefix(seq)
             num_new = min(
                 seq.num_tokens - len(cached) * bm.block_size,
                 step.tokens_left,
@@ -262,6 +263,10 @@ class Scheduler:
             if not item.samples:
                 continue
             assert token is not None
+            if seq.params.max_tokens == 0:  # the prompt alone (its logprobs): no token
+                self._finish(seq, FinishReason.LENGTH)
+                updates.append(SequenceUpdate(seq, None, FinishReason.LENGTH))
+                continue
             seq.append_token(token)
             reason = FinishReason.STOP if seq in complete else self._stop_reason(seq, token)
             if reason is not None:

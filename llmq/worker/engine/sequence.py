@@ -42,6 +42,12 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # Prompt logprobs still to compute and send (with the first output): not for a request
+        # resumed after output, whose first message (and record) already carried them.
+        self.prompt_logprobs_pending = (
+            self.params.prompt_logprobs is not None and not self.output_token_ids
+        )
+        self.prompt_logprobs: list[dict] = []  # for tokens 1.. of the prompt, as computed
 
     @property
     def num_tokens(self) -> int:

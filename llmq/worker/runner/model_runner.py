@@ -27,7 +27,7 @@ from llmq.worker.runner.attention import (
     StepMetadata,
 )
 from llmq.worker.runner.decoder_forward import DecoderForward, supports
-from llmq.worker.runner.packed_batch import PackedBatch, pack_step
+from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
 
 log = logging.getLogger(__name__)
@@ -138,19 +138,20 @@ class ModelRunner:
         return self._arange[:n]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns float32 logits, one row per sampling entry, and the indices
-        of those entries in ``out.scheduled``."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[PromptRows]]:
+        """Run one step. Returns float32 logits, one row per sampling entry, then the rows of
+        the prompts that want prompt logprobs; the indices of the sampling entries in
+        ``out.scheduled``; and those prompts' rows, in order."""
         batch = pack_step(out.scheduled, self.block_size)
         if self._fits_graphs(batch):
             tables = [item.seq.block_table for item in batch.decodes]
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, tables)
-            return logits.float(), batch.sampled_entries
+            return logits.float(), batch.sampled_entries, []
         meta = self._step_metadata(batch)
         keep_rows = torch.tensor(batch.keep, dtype=torch.long, device=self.device)
         with self._threads_for(len(batch.input_ids)):
             logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta)
-        return logits.float(), batch.sampled_entries
+        return logits.float(), batch.sampled_entries, batch.prompt_rows
 
     def _fits_graphs(self, batch: PackedBatch) -> bool:
         """Whether a captured CUDA graph runs this step: decodes only, every one sampling, in

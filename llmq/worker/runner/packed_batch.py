@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmq.worker.engine.scheduler import ScheduledSequence
+from llmq.worker.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -15,10 +16,23 @@ class PackedBatch:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # cache slot of every packed token
-    keep: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    keep: list[int] = field(default_factory=list)  # rows whose logits are kept: sampled first
     sampled_entries: list[int] = field(default_factory=list)  # their indices in ``scheduled``
     decodes: list[ScheduledSequence] = field(default_factory=list)  # in row order
     prefills: list[tuple[ScheduledSequence, int]] = field(default_factory=list)  # (chunk, row)
+    # Prompt rows kept for prompt logprobs, after the sampled rows in ``keep``.
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    _prompt_keep: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """``count`` consecutive kept rows of one sequence's prompt: row j scores prompt token
+    ``first + j`` (the logits at position ``first + j - 1`` predict it)."""
+
+    seq: Sequence
+    first: int
+    count: int
 
 
 def pack_step(scheduled: list[ScheduledSequence], block_size: int) -> PackedBatch:
@@ -38,17 +52,32 @@ def pack_step(scheduled: list[ScheduledSequence], block_size: int) -> PackedBatc
         batch.positions.append(p)
         batch.slots.append(seq.block_table[p // bs] * bs + p % bs)
         batch.decodes.append(item)
+        _keep_prompt_rows(batch, item, row)
         if item.samples:
             batch.keep.append(row)
             batch.sampled_entries.append(i)
     for i in prefills:
         item = scheduled[i]
         batch.prefills.append((item, len(batch.input_ids)))
+        _keep_prompt_rows(batch, item, len(batch.input_ids))
         _pack_prefill(batch, item, block_size)
         if item.samples:
             batch.keep.append(len(batch.input_ids) - 1)
             batch.sampled_entries.append(i)
+    batch.keep.extend(batch._prompt_keep)
     return batch
+
+
+def _keep_prompt_rows(batch: PackedBatch, item: ScheduledSequence, row: int) -> None:
+    """Keep the rows of a chunk that predict prompt tokens, for a sequence that wants prompt
+    logprobs (the chunk's first row at packed ``row``)."""
+    seq = item.seq
+    if not seq.prompt_logprobs_pending:
+        return
+    count = min(item.num_new_tokens, seq.num_prompt_tokens - 1 - item.start)
+    if count > 0:
+        batch.prompt_rows.append(PromptRows(seq, item.start + 1, count))
+        batch._prompt_keep.extend(range(row, row + count))
 
 
 def _pack_prefill(batch: PackedBatch, item: ScheduledSequence, block_size: int) -> None:
