@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -134,24 +135,84 @@ def test_reasoning_effort_passed_to_a_template_that_reads_it(served):
     assert high.usage.prompt_tokens > plain.usage.prompt_tokens
 
 
-def test_json_output_is_the_answer_not_thinking(served):
-    """A JSON constraint holds from the first token: despite the block the prompt opened, the
-    output is the content (and a forced call's arguments are the call's)."""
-    schema = {
-        "type": "object",
-        "properties": {"a": {"enum": [1, 2]}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
-    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
-    r = served.create(messages=MESSAGES, max_tokens=20, response_format=fmt)
-    assert json.loads(r.choices[0].message.content)["a"] in (1, 2)
-    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
-    assert r.usage.completion_tokens_details is None
-    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"enum": [1, 2]}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+N = 6
+
+
+def thinking_body(served: Served, **fields) -> dict:
+    """Sampled (seeded) with </think> made likely: each choice thinks a few tokens, some none,
+    then gives its answer under the grammar."""
+    return dict(
+        messages=MESSAGES,
+        n=N,
+        temperature=1.0,
+        seed=11,
+        max_tokens=60,
+        logprobs=True,
+        logit_bias={str(served.end_id): 6},
+        **fields,
+    )
+
+
+def split_tokens(choice) -> tuple[int, str]:
+    """The reasoning tokens (</think> included) and the text after </think> of a choice."""
+    tokens = [t.token for t in choice.logprobs.content]
+    at = tokens.index(END)
+    return at + 1, "".join(tokens[at + 1 :])
+
+
+def streamed_parts(chunks) -> dict[int, dict[str, str]]:
+    parts: dict[int, dict[str, str]] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            part = parts.setdefault(c.index, {"reasoning": "", "content": ""})
+            part["reasoning"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            part["content"] += c.delta.content or ""
+    return parts
+
+
+def test_json_answer_follows_the_thinking(served):
+    """response_format json_schema on a prompt that opened the think block: the grammar holds
+    from </think> on, the thinking is reasoning_content, the content valid JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA}}
+    r = served.create(**thinking_body(served, response_format=fmt))
+    thought = 0
+    for choice in r.choices:
+        count, after = split_tokens(choice)
+        assert choice.finish_reason == "stop"
+        assert choice.message.content == after
+        jsonschema.validate(json.loads(after), SCHEMA)
+        reasoning = (choice.message.model_extra or {}).get("reasoning_content")
+        assert (reasoning is not None) == (count > 1), (count, reasoning)
+        thought += count > 1
+    assert thought > 0
+    total = sum(split_tokens(c)[0] for c in r.choices)
+    assert r.usage.completion_tokens_details.reasoning_tokens == total
+    chunks = served.create(stream=True, **thinking_body(served, response_format=fmt))
+    parts = streamed_parts(chunks)
+    for choice in r.choices:
+        reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+        assert parts[choice.index] == {"reasoning": reasoning, "content": choice.message.content}
+
+
+def test_forced_tool_call_follows_the_thinking(served):
+    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
     named = {"type": "function", "function": {"name": "f"}}
-    r = served.create(messages=MESSAGES, max_tokens=20, tools=[tool], tool_choice=named)
-    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["a"] in (1, 2)
+    r = served.create(**thinking_body(served, tools=[tool], tool_choice=named))
+    thought = 0
+    for choice in r.choices:
+        count, after = split_tokens(choice)
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "f"
+        assert call.function.arguments == after
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        thought += bool((choice.message.model_extra or {}).get("reasoning_content"))
+    assert thought > 0
 
 
 def test_template_call_arguments_refused_in_chat_template_kwargs(served):

@@ -18,7 +18,11 @@ from llmq.common.generation.choices import (
 )
 from llmq.common.generation.logprobs import chat_logprobs
 from llmq.common.generation.marker_tokens import MarkerKeepingStream, skipped_markers
-from llmq.common.generation.reasoning import chat_reasoning, reasoning_template_kwargs
+from llmq.common.generation.reasoning import (
+    answer_grammar,
+    chat_reasoning,
+    reasoning_template_kwargs,
+)
 from llmq.common.generation.responses import (
     AssistantMessage,
     ChatChoice,
@@ -32,6 +36,7 @@ from llmq.common.generation.responses import (
     WireModel,
 )
 from llmq.common.generation.run import Generation
+from llmq.common.generation.structured_output import requested_constraint
 from llmq.common.generation.tool_calls import ChoiceToolCalls
 from llmq.common.generation.tool_grammar import tool_grammar
 from llmq.common.generation.tool_parsers import FORCED_ARRAY, choose_format
@@ -62,13 +67,23 @@ async def chat_choices(
         Choice(i, prompt_ids, choice_params(body, limit, logprobs, i, vocab), group)
         for i in range(body.n)
     ]
-    if body.tools and body.tool_mode() in ("required", "named"):
-        grammar = tool_grammar(
-            body.tools, forced_tool_name(body.tool_choice), body.parallel_tool_calls
-        )
+    if (grammar := _answer_grammar(body)) is not None:
+        grammar = answer_grammar(pipeline.tokenizer, prompt_ids, grammar)
         for c in choices:
             c.params.grammar = grammar
     return choices, len(prompt_ids)
+
+
+def _answer_grammar(body: ChatCompletionRequest) -> str | None:
+    """The grammar of an answer a reasoning model gives after its thinking: a forced tool
+    call's, or JSON's. A regex, choice or Lark grammar of the body's own holds from the first
+    token (it may spell the thinking and its closing tag itself)."""
+    if body.tools and body.tool_mode() in ("required", "named"):
+        return tool_grammar(
+            body.tools, forced_tool_name(body.tool_choice), body.parallel_tool_calls
+        )
+    constraint = requested_constraint(body)
+    return body.grammar() if constraint is not None and constraint.kind == "json_schema" else None
 
 
 class ChunkSequence(WireModel):

@@ -7,9 +7,9 @@ from typing import Any
 
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.reasoning.formats import ReasoningFormat, choose_reasoning
+from llmq.common.generation.reasoning.grammar import after_thinking
 from llmq.common.generation.reasoning.splitter import ReasoningSplitter, split_reasoning
 from llmq.common.generation.reasoning.tokens import prompt_opens_block, reasoning_tokens
-from llmq.common.generation.structured_output import requested_constraint
 from llmq.common.settings import get_settings
 
 
@@ -49,27 +49,28 @@ class ChatReasoning:
         return reasoning_tokens(self.tokenizer, self.fmt, token_ids)
 
 
-def _constrained_answer(body: ChatCompletionRequest) -> bool:
-    """The output is JSON or tool calls from its first token (a grammar forces them there,
-    whatever block the prompt opened): it is the answer, not thinking. A regex or grammar of
-    the body's own may write the thinking and its closing tag: that output is split."""
-    if body.tool_mode() in ("required", "named"):
-        return True
-    constraint = requested_constraint(body)
-    return constraint is not None and constraint.kind == "json_schema"
+def chat_format(tokenizer) -> ReasoningFormat | None:
+    """The served model's reasoning format (None: no reasoning parser applies)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return choose_reasoning(
+        get_settings().reasoning_parser, template if isinstance(template, str) else None
+    )
 
 
 def chat_reasoning(
     tokenizer, body: ChatCompletionRequest, prompt_ids: list[int]
 ) -> ChatReasoning | None:
-    """The request's reasoning, or None where no reasoning parser applies (the model's or the
-    body's constrained answer)."""
-    if _constrained_answer(body):
-        return None
-    template = getattr(tokenizer, "chat_template", None)
-    fmt = choose_reasoning(
-        get_settings().reasoning_parser, template if isinstance(template, str) else None
-    )
+    """The request's reasoning, or None where no reasoning parser applies."""
+    fmt = chat_format(tokenizer)
     return (
         None if fmt is None else ChatReasoning(tokenizer, fmt, prompt_ids, body.include_reasoning)
     )
+
+
+def answer_grammar(tokenizer, prompt_ids: list[int], grammar: str) -> str:
+    """An answer's grammar (JSON, a forced tool call) held back until the thinking is over,
+    where the model reasons; unchanged where it does not."""
+    fmt = chat_format(tokenizer)
+    if fmt is None:
+        return grammar
+    return after_thinking(tokenizer, fmt, prompt_opens_block(tokenizer, fmt, prompt_ids), grammar)

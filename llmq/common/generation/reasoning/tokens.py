@@ -20,7 +20,7 @@ def prompt_opens_block(tokenizer, fmt: ReasoningFormat, prompt_ids: list[int]) -
     return tail.rfind(fmt.start) > tail.rfind(fmt.end)
 
 
-def _single_token(tokenizer, tag: str) -> int | None:
+def single_token(tokenizer, tag: str) -> int | None:
     ids = tokenizer.encode(tag, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
 
@@ -29,7 +29,7 @@ def reasoning_tokens(tokenizer, fmt: ReasoningFormat, token_ids: list[int]) -> i
     """The tokens of an output that reasons, up to its closing tag included (the tags count
     as reasoning: completion tokens are reasoning tokens plus the content's); all of them when
     the block never closed."""
-    end_id = _single_token(tokenizer, fmt.end)
+    end_id = single_token(tokenizer, fmt.end)
     if end_id is not None and end_id in token_ids:
         return token_ids.index(end_id) + 1
     if fmt.end not in _decode(tokenizer, token_ids):
