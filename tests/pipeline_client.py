@@ -1,5 +1,6 @@
 """The engines' client for integration tests: a TokenGeneratorPipeline on its own Redis
-connection, random prompts, and the name of a model's request stream."""
+connection, random prompts, the name of a model's request stream, and the in-process engine
+whose greedy tokens the workers must reproduce."""
 
 from __future__ import annotations
 
@@ -8,9 +9,26 @@ import random
 
 import redis.asyncio as aioredis
 
-from llmq.common.model_loader import load_tokenizer
+from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
 from llmq.common.pipeline import TokenGeneratorPipeline
+from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import AsyncTransport, Keys
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def greedy_reference(model_dir, num_blocks: int = 2048):
+    """The in-process engine: run(prompts, max_tokens) -> each prompt's greedy tokens."""
+    from llmq.worker.llm_engine import EngineConfig, LLMEngine
+
+    model = load_causal_lm(str(model_dir), "float32", "cpu")
+    tok = load_tokenizer(str(model_dir))
+    engine = LLMEngine(model, EngineConfig(num_blocks=num_blocks), eos_token_ids(model, tok))
+
+    def run(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return engine.generate(batch, SamplingParams(max_tokens=max_tokens, **GREEDY))
+
+    return run
 
 
 def stream_of(model_dir) -> str:

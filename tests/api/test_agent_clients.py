@@ -148,7 +148,9 @@ def test_langchain_bind_tools_any_returns_valid_tool_calls(base, model):
 
 
 # ---- OpenAI Agents SDK -----------------------------------------------------------------------
-def test_openai_agents_calls_the_tool_and_feeds_its_result_back(base, model):
+def run_forecaster(base: str, path: str, make_model, **agent_options):
+    """Run an agent with one tool (get_weather) against llmq, recording every request its
+    model sends to ``path``: (the run's result, the tool's calls, the request bodies)."""
     set_tracing_disabled(True)  # offline: nothing may be sent to OpenAI's trace exporter
     calls: list[tuple[str, int]] = []
     requests: list[dict] = []
@@ -162,7 +164,7 @@ def test_openai_agents_calls_the_tool_and_feeds_its_result_back(base, model):
         return f"sunny in {city} for {days} days"
 
     async def record(request: httpx.Request) -> None:
-        if request.url.path.endswith("/chat/completions"):
+        if request.url.path.endswith(path):
             requests.append(json.loads(request.content))
 
     async def run():
@@ -179,18 +181,27 @@ def test_openai_agents_calls_the_tool_and_feeds_its_result_back(base, model):
             name="forecaster",
             instructions="Answer with the weather.",
             tools=[get_weather],
-            model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+            model=make_model(client),
             model_settings=ModelSettings(
                 tool_choice="required", parallel_tool_calls=False, max_tokens=120
             ),
             reset_tool_choice=True,
+            **agent_options,
         )
         try:
             return await Runner.run(agent, QUESTION, max_turns=3)
         finally:
             await http.aclose()
 
-    result = asyncio.run(run())
+    return asyncio.run(run()), calls, requests
+
+
+def test_openai_agents_calls_the_tool_and_feeds_its_result_back(base, model):
+    result, calls, requests = run_forecaster(
+        base,
+        "/chat/completions",
+        lambda client: OpenAIChatCompletionsModel(model=model, openai_client=client),
+    )
     assert len(calls) == 1, calls
     city, days = calls[0]
     assert city in ("Paris", "Oslo", "Lima") and 1 <= days <= 9
@@ -219,44 +230,12 @@ def test_openai_agents_default_responses_model_runs_the_tool(base, model):
     """The Agents SDK's default model speaks the Responses API: a forced call, its result sent
     back as a function_call_output item, then the final output (text.format json_schema, its
     grammar ending it: an answer cut at max_output_tokens is a failed run for the SDK)."""
-    set_tracing_disabled(True)
-    calls: list[tuple[str, int]] = []
-    requests: list[dict] = []
-
-    @function_tool
-    def get_weather(
-        city: Literal["Paris", "Oslo", "Lima"], days: Annotated[int, Field(ge=1, le=9)]
-    ) -> str:
-        """The weather in a city over some days."""
-        calls.append((city, days))
-        return f"sunny in {city} for {days} days"
-
-    async def record(request: httpx.Request) -> None:
-        if request.url.path.endswith("/responses"):
-            requests.append(json.loads(request.content))
-
-    async def run():
-        http = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=120)
-        client = openai.AsyncOpenAI(
-            base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, http_client=http
-        )
-        agent = Agent(
-            name="forecaster",
-            instructions="Answer with the weather.",
-            tools=[get_weather],
-            model=OpenAIResponsesModel(model=model, openai_client=client),
-            model_settings=ModelSettings(
-                tool_choice="required", parallel_tool_calls=False, max_tokens=120
-            ),
-            output_type=Forecast,
-            reset_tool_choice=True,
-        )
-        try:
-            return await Runner.run(agent, QUESTION, max_turns=3)
-        finally:
-            await http.aclose()
-
-    result = asyncio.run(run())
+    result, calls, requests = run_forecaster(
+        base,
+        "/responses",
+        lambda client: OpenAIResponsesModel(model=model, openai_client=client),
+        output_type=Forecast,
+    )
     assert len(calls) == 1, calls
     city, days = calls[0]
     outputs = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]

@@ -11,29 +11,18 @@ import time
 import pytest
 import redis
 
-from llmq.common.errors import DeadlineExceeded
-from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.model_loader import load_tokenizer
 from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
-from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests.harness import LLMQ, heartbeat, start_worker, wait_for
-from tests.pipeline_client import open_pipeline, prompts, stream_of
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     """The in-process engine: what the workers must reproduce token for token."""
-    model = load_causal_lm(str(llama_dir), "float32", "cpu")
-    tok = load_tokenizer(str(llama_dir))
-    engine = LLMEngine(model, EngineConfig(num_blocks=2048), eos_token_ids(model, tok))
-
-    def run(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return engine.generate(batch, SamplingParams(max_tokens=max_tokens, **GREEDY))
-
-    return run
+    return greedy_reference(llama_dir)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +158,7 @@ def test_llmq_inspect_shows_the_worker_serving_a_request(served, llama_dir):
             gen = p.generate([5, 6, 7], SamplingParams(max_tokens=1500, **GREEDY))
             await gen.__anext__()
             try:
-                await asyncio.to_thread(wait_for, counted, 5, "the request in the heartbeat")
+                await asyncio.to_thread(wait_for, counted, 30, "the request in the heartbeat")
                 return inspect("--json"), inspect()
             finally:
                 await gen.aclose()
@@ -254,78 +243,6 @@ def test_killed_worker_requests_resume_exactly(llama_dir, reference, tmp_path):
         workers = {client.hget(f"llmq:req:r{i}", "worker") for i in range(len(batch))}
         assert workers == {b"w2"}
         assert client.xpending(stream_of(llama_dir), "engines")["pending"] == 0
-
-
-def test_redis_restart_with_queued_requests(llama_dir, reference, tmp_path):
-    batch = prompts(6, seed=9)
-    expected = reference(batch, 60)
-    with RedisServer(appendonly=True) as server:
-        worker = start_worker(server.url, llama_dir, "w-aof", tmp_path, max_batch_size=2)
-        client = redis.Redis.from_url(server.url)
-        try:
-
-            async def run():
-                async with open_pipeline(server.url, llama_dir, inactivity_timeout=120) as p:
-                    tasks = [
-                        asyncio.create_task(
-                            p.all_tokens(q, SamplingParams(max_tokens=60, **GREEDY), timeout=60)
-                        )
-                        for q in batch
-                    ]
-                    await asyncio.to_thread(
-                        wait_for,
-                        lambda: client.xlen(stream_of(llama_dir)) == len(batch),
-                        10,
-                        "enqueue",
-                        0.01,
-                    )
-                    await asyncio.to_thread(server.restart)
-                    return await asyncio.gather(*tasks, return_exceptions=True)
-
-            started = time.monotonic()
-            results = asyncio.run(run())
-            assert time.monotonic() - started < 60
-            for res, exp in zip(results, expected, strict=True):
-                if isinstance(res, DeadlineExceeded):
-                    pytest.fail(f"a request was lost across the restart: {res}")
-                assert not isinstance(res, BaseException), res
-                assert res.token_ids == exp
-            assert worker.alive()
-        finally:
-            worker.terminate()
-
-
-def test_requests_right_after_a_redis_restart_succeed(llama_dir, tmp_path):
-    """The API's pooled connections die with a Redis restart; the first requests after it
-    retry on fresh ones instead of answering 503."""
-    import httpx
-
-    from tests.harness import start_api, wait_worker
-
-    with RedisServer(appendonly=True) as server:
-        worker = start_worker(server.url, llama_dir, "w-rr", tmp_path)
-        api, base = start_api(server.url, llama_dir, tmp_path, "api-rr")
-        try:
-            wait_worker(server.url, "w-rr", worker)
-            body = {"prompt": "hello", "max_tokens": 2}
-
-            async def burst() -> list[int]:
-                async with httpx.AsyncClient(base_url=base, timeout=60) as c:
-                    rs = await asyncio.gather(
-                        *(c.post("/v1/completions", json=body) for _ in range(16))
-                    )
-                return [r.status_code for r in rs]
-
-            assert asyncio.run(burst()) == [200] * 16  # the pool now holds idle connections
-            server.restart()
-            r = redis.Redis.from_url(server.url)
-            wait_for(lambda: heartbeat(server.url, "w-rr"), 20, "the worker back", 0.1)
-            wait_for(lambda: r.xinfo_groups(stream_of(llama_dir)), 20, "its group back", 0.1)
-            assert asyncio.run(burst()) == [200] * 16
-            assert "redis unavailable" not in api.log(100_000)
-        finally:
-            api.terminate()
-            worker.terminate()
 
 
 def test_operator_mistakes_get_one_line_errors(tmp_path):

@@ -14,28 +14,17 @@ import pytest
 import redis
 
 from llmq.common.errors import EngineFailure
-from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
 from llmq.common.protocol import EngineRequest
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
-from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests.harness import start_worker, wait_for
-from tests.pipeline_client import open_pipeline, prompts, stream_of
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     """The in-process engine: what the worker must reproduce token for token."""
-    model = load_causal_lm(str(llama_dir), "float32", "cpu")
-    tok = load_tokenizer(str(llama_dir))
-    engine = LLMEngine(model, EngineConfig(num_blocks=512), eos_token_ids(model, tok))
-
-    def run(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return engine.generate(batch, SamplingParams(max_tokens=max_tokens, **GREEDY))
-
-    return run
+    return greedy_reference(llama_dir)
 
 
 @pytest.fixture(scope="module")
