@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from flower.utils.broker import Broker
 
 from llmq.common.celery_client import make_celery
 from llmq.common.redis_clients import async_client
@@ -51,6 +52,10 @@ def test_celery_asks_the_sentinels_for_the_named_master():
     assert app.conf.broker_transport_options["master_name"] == "llmq-main"
     assert app.conf.result_backend_transport_options["master_name"] == "llmq-main"
     assert type(app.backend).__name__ == "SentinelBackend"
+    # Flower's broker view builds its Redis client from the same options.
+    first = app.connection().as_uri(include_password=True)
+    flower = Broker(first, broker_options=app.conf.broker_transport_options)
+    assert type(flower).__name__ == "RedisSentinel" and flower.master_name == "llmq-main"
     plain = make_celery(Settings(redis_url="redis://127.0.0.1:1/0"))
     assert "master_name" not in plain.conf.broker_transport_options
 
