@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import redis
+from llmq.common.redis_clients import tool_client
 
 LLMQ = str(Path(sys.executable).parent / "llmq")
 
@@ -101,7 +101,7 @@ def start_worker(
 
 
 def wait_worker(redis_url: str, name: str, proc: Proc, prefix: str = "llmq", timeout=90.0) -> None:
-    client = redis.Redis.from_url(redis_url)
+    client = tool_client(redis_url)  # a sentinel:// URL too
 
     def ready():
         if not proc.alive():
@@ -112,7 +112,7 @@ def wait_worker(redis_url: str, name: str, proc: Proc, prefix: str = "llmq", tim
 
 
 def heartbeat(redis_url: str, name: str, prefix: str = "llmq") -> dict[str, str]:
-    raw = redis.Redis.from_url(redis_url).hgetall(f"{prefix}:engines:{name}")
+    raw = tool_client(redis_url).hgetall(f"{prefix}:engines:{name}")
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 

@@ -108,7 +108,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = async_client(settings.redis_url_or_default(), settings.redis_max_connections)
+        client = async_client(
+            settings.redis_url_or_default(),
+            settings.redis_max_connections,
+            settings.redis_sentinel_master,
+        )
         transport = AsyncTransport(client, Keys(settings.key_prefix))
         app.state.redis = client
         app.state.transport = transport

@@ -11,6 +11,7 @@ import threading
 
 from celery import Celery
 
+from llmq.common.redis_sentinel import is_sentinel_url
 from llmq.common.settings import Settings
 
 BATCH_TASK = "llmq.batch.run"
@@ -31,7 +32,11 @@ def make_celery(settings: Settings, include: list[str] | None = None) -> Celery:
     """A Celery app on llmq's Redis: what a sender and a worker must agree on."""
     url = broker_url(settings)
     app = Celery("llmq", broker=url, backend=url, include=include or [])
-    celery_keys = {"global_keyprefix": f"{settings.key_prefix}:celery:"}
+    celery_keys: dict = {"global_keyprefix": f"{settings.key_prefix}:celery:"}
+    if is_sentinel_url(url):
+        # kombu's sentinel transport and Celery's sentinel backend take the same `;` list of
+        # sentinels and ask them for this master.
+        celery_keys["master_name"] = settings.redis_sentinel_master
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -46,14 +51,14 @@ def make_celery(settings: Settings, include: list[str] | None = None) -> Celery:
     return app
 
 
-_senders: dict[tuple[str, str], Celery] = {}
+_senders: dict[tuple[str, str, str], Celery] = {}
 _senders_lock = threading.Lock()
 
 
 def _sender(settings: Settings) -> Celery:
-    """One sending app per broker and key prefix, built on first use (dispatch runs in
+    """One sending app per broker, key prefix and sentinel master, built on first use (dispatch runs in
     threads)."""
-    key = (settings.redis_url_or_default(), settings.key_prefix)
+    key = (settings.redis_url_or_default(), settings.key_prefix, settings.redis_sentinel_master)
     with _senders_lock:
         app = _senders.get(key)
         if app is None:

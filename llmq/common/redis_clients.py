@@ -1,9 +1,18 @@
-"""The one place Redis clients are built, with the options each side needs."""
+"""The one place Redis clients are built, with the options each side needs. A ``sentinel://``
+URL (see redis_sentinel.py) gives a client of the master its sentinels name: on a connection
+error, or READONLY from a demoted master, redis-py's sentinel pool asks them again, so every
+client follows a failover by itself."""
 
 from __future__ import annotations
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.sentinel as aiosentinel
+import redis.sentinel
+
+from llmq.common.redis_sentinel import is_sentinel_url, parse_sentinel_url
+
+DEFAULT_SENTINEL_MASTER = "mymaster"
 
 
 def async_redis_options() -> dict:
@@ -28,10 +37,58 @@ def async_redis_options() -> dict:
     }
 
 
-def async_client(url: str, max_connections: int | None = None) -> aioredis.Redis:
+def _sentinel_kwargs(asynchronous: bool) -> dict:
+    """Options of the connections to the sentinels themselves: short timeouts (a dead sentinel
+    is skipped for the next), no SETINFO and no maintenance notifications either."""
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    kwargs: dict = {"socket_connect_timeout": 2, "socket_timeout": 2, "driver_info": None}
+    if asynchronous:
+        kwargs["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+    return kwargs
+
+
+class _MasterConnection(aiosentinel.SentinelManagedConnection):
+    """Asks the sentinels for the master on every connect. redis-py's asyncio connection asks
+    only in connect(); a command retried after a connection error reconnects through
+    connect_check_health() to the dead master's address, so the first command after a failover
+    failed on every pooled connection."""
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class _BlockingSentinelPool(aiosentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The master's pool that waits for a free connection, as the plain blocking pool does."""
+
+
+def async_client(
+    url: str, max_connections: int | None = None, sentinel_master: str = DEFAULT_SENTINEL_MASTER
+) -> aioredis.Redis:
     """An asyncio client (the API, batch tasks). With ``max_connections``, a blocking pool: a
     burst waits for a free connection instead of failing with "Too many connections" (redis-py's
     default pool raises past 100)."""
+    if is_sentinel_url(url):
+        address = parse_sentinel_url(url)
+        manager = aiosentinel.Sentinel(
+            address.sentinels,
+            sentinel_kwargs=_sentinel_kwargs(asynchronous=True),
+            **async_redis_options(),
+            **address.master_kwargs(),
+        )
+        if max_connections is None:
+            return manager.master_for(sentinel_master, connection_class=_MasterConnection)
+        return manager.master_for(
+            sentinel_master,
+            connection_class=_MasterConnection,
+            connection_pool_class=_BlockingSentinelPool,
+            max_connections=max_connections,
+            timeout=10,
+        )
     if max_connections is None:
         return aioredis.Redis.from_url(url, **async_redis_options())
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -40,11 +97,25 @@ def async_client(url: str, max_connections: int | None = None) -> aioredis.Redis
     return aioredis.Redis(connection_pool=pool)
 
 
-def engine_client(url: str) -> redis.Redis:
+def _sync_client(url: str, sentinel_master: str, **options) -> redis.Redis:
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **options)
+    address = parse_sentinel_url(url)
+    manager = redis.sentinel.Sentinel(
+        address.sentinels,
+        sentinel_kwargs=_sentinel_kwargs(asynchronous=False),
+        **options,
+        **address.master_kwargs(),
+    )
+    return manager.master_for(sentinel_master)
+
+
+def engine_client(url: str, sentinel_master: str = DEFAULT_SENTINEL_MASTER) -> redis.Redis:
     """The engine loop's synchronous client: a long socket timeout (a blocking XREADGROUP), and
     errors raised to the loop, which retries with backoff."""
-    return redis.Redis.from_url(
+    return _sync_client(
         url,
+        sentinel_master,
         socket_timeout=30,
         socket_connect_timeout=5,
         health_check_interval=10,
@@ -52,6 +123,6 @@ def engine_client(url: str) -> redis.Redis:
     )
 
 
-def tool_client(url: str) -> redis.Redis:
+def tool_client(url: str, sentinel_master: str = DEFAULT_SENTINEL_MASTER) -> redis.Redis:
     """A command-line tool's synchronous client: fails fast when Redis is not there."""
-    return redis.Redis.from_url(url, socket_connect_timeout=5, driver_info=None)
+    return _sync_client(url, sentinel_master, socket_connect_timeout=5, driver_info=None)

@@ -94,7 +94,14 @@ class Settings(BaseSettings):
     # Redis and processes
     redis_url: str | None = Field(
         None,
-        description="Redis URL (redis:// or rediss://); unset: `llmq up` starts an embedded Redis.",
+        description="Redis URL (redis:// or rediss://), or Redis Sentinel's as kombu takes it: "
+        "`sentinel://[:PASSWORD@]HOST:26379;sentinel://HOST2:26379` (the password is the "
+        "master's); unset: `llmq up` starts an embedded Redis.",
+    )
+    redis_sentinel_master: str = Field(
+        "mymaster",
+        description="With a sentinel:// Redis URL: the name the sentinels monitor the master "
+        "under; every client (API, workers, Celery, Flower) follows it across failovers.",
     )
     key_prefix: str = Field("llmq", description="Prefix of every Redis key llmq uses.")
     worker_name: str | None = Field(

@@ -114,7 +114,7 @@ def show(settings: Settings, as_json: bool = False) -> int:
     """Print the snapshot, as text or as JSON; the exit status."""
     import json
 
-    client = tool_client(settings.redis_url_or_default())
+    client = tool_client(settings.redis_url_or_default(), settings.redis_sentinel_master)
     snap = snapshot(client, Keys(settings.key_prefix))
     print(json.dumps(snap, indent=2) if as_json else render(snap))
     return 0

@@ -72,7 +72,7 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
     backend, model, max_model_len = build_backend(settings)
     name = served_name(settings)
     transport = EngineTransport(
-        engine_client(settings.redis_url_or_default()),
+        engine_client(settings.redis_url_or_default(), settings.redis_sentinel_master),
         Keys(settings.key_prefix),
         worker_name,
         name,

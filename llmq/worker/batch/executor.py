@@ -78,7 +78,11 @@ class ServiceExecutor:
 @contextlib.asynccontextmanager
 async def open_executor(settings: Settings) -> AsyncIterator[LineExecutor]:
     """An executor on its own Redis connections, for the lines of one batch run."""
-    client = async_client(settings.redis_url_or_default(), settings.redis_max_connections)
+    client = async_client(
+        settings.redis_url_or_default(),
+        settings.redis_max_connections,
+        settings.redis_sentinel_master,
+    )
     transport = AsyncTransport(client, Keys(settings.key_prefix))
     try:
         service = GenerationService(ModelRegistry(transport, settings))

@@ -52,7 +52,9 @@ class BatchRun:
 
     async def run(self) -> dict:
         settings = self.settings
-        client = async_client(settings.redis_url_or_default())
+        client = async_client(
+            settings.redis_url_or_default(), sentinel_master=settings.redis_sentinel_master
+        )
         self.use(Store(client, Keys(settings.key_prefix), settings.file_retention))
         try:
             if not await self.store.acquire_lease(self.batch_id, self.owner, LEASE_TTL):

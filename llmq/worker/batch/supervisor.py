@@ -50,7 +50,9 @@ def supervise(stop: threading.Event, interval: float = 5.0) -> None:
 
     async def loop() -> None:
         settings = get_settings()
-        client = async_client(settings.redis_url_or_default())
+        client = async_client(
+            settings.redis_url_or_default(), sentinel_master=settings.redis_sentinel_master
+        )
         store = Store(client, Keys(settings.key_prefix), settings.file_retention)
         try:
             while not stop.is_set():
