@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -30,7 +31,10 @@ def served(llama_dir, tmp_path_factory):
     """One Redis and one worker shared by the tests of this module that need nothing special."""
     logs = tmp_path_factory.mktemp("logs")
     with RedisServer() as server:
-        worker = start_worker(server.url, llama_dir, "w-main", logs, request_ttl=2)
+        # A long heartbeat TTL: one test freezes this worker for a moment (SIGSTOP).
+        worker = start_worker(
+            server.url, llama_dir, "w-main", logs, request_ttl=2, heartbeat_ttl=30
+        )
         try:
             yield server, worker
         finally:
@@ -139,7 +143,8 @@ def test_redis_cli_shows_readable_json(served, llama_dir):
 
 
 def test_llmq_inspect_shows_the_worker_serving_a_request(served, llama_dir):
-    server, _ = served
+    server, worker = served
+    r = redis.Redis.from_url(server.url)
 
     def inspect(*flags: str) -> str:
         return subprocess.run(
@@ -150,16 +155,23 @@ def test_llmq_inspect_shows_the_worker_serving_a_request(served, llama_dir):
             timeout=30,
         ).stdout
 
-    def counted() -> bool:  # by the heartbeat (once a second)
-        return heartbeat(server.url, "w-main").get("running") == "1"
+    def serving() -> bool:  # in the heartbeat (refreshed once a second) and the stream
+        running = heartbeat(server.url, "w-main").get("running") == "1"
+        return running and r.xpending(stream_of(llama_dir), "engines")["pending"] == 1
 
     async def run():
         async with open_pipeline(server.url, llama_dir) as p:
             gen = p.generate([5, 6, 7], SamplingParams(max_tokens=1500, **GREEDY))
             await gen.__anext__()
             try:
-                await asyncio.to_thread(wait_for, counted, 30, "the request in the heartbeat")
-                return inspect("--json"), inspect()
+                await asyncio.to_thread(wait_for, serving, 30, "the request being served")
+                # Frozen while inspected: on a fast machine the request could end between the
+                # heartbeat and the snapshot (the heartbeat outlives the freeze: TTL 30 s).
+                os.killpg(worker.proc.pid, signal.SIGSTOP)
+                try:
+                    return inspect("--json"), inspect()
+                finally:
+                    os.killpg(worker.proc.pid, signal.SIGCONT)
             finally:
                 await gen.aclose()
 
