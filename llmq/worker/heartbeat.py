@@ -42,7 +42,9 @@ class Heartbeat:
 
     def update(self, status: EngineStatus, stats: dict, now: float) -> None:
         """Fold the backend's stats into ``status`` (the rates over the last seconds) and hand
-        the thread a copy of it (a new object: the thread never reads one half written)."""
+        the thread a copy of it (a new object: the thread never reads one half written), to
+        write at once: a heartbeat is then never more than one refresh old (written only on the
+        thread's tick it could be two, and a reader saw counts from before its last request)."""
         steps, tokens = stats.get("steps_total", 0), stats.get("tokens_total", 0)
         self._window.append((now, steps, tokens))
         self._window = [w for w in self._window if now - w[0] <= _STATS_WINDOW_S]
@@ -55,6 +57,7 @@ class Heartbeat:
             updated=round(now, 3),
         )
         self._status = dataclasses.replace(status)
+        self._wake.set()
 
     def beat(self) -> None:
         """Write the latest snapshot now (on the caller's thread)."""
