@@ -163,6 +163,7 @@ class TokenGeneratorPipeline:
             priority=priority,
             deadline=started + timeout,
             created=started,
+            reply_to=self.transport.reply_channel,
         )
         queue = await self.transport.subscribe(request_id)
         try:
@@ -221,6 +222,7 @@ class TokenGeneratorPipeline:
             priority=priority,
             deadline=started + timeout,
             created=started,
+            reply_to=self.transport.reply_channel,
         )
         queue = await self.transport.subscribe(request_id)
         finished = False

@@ -35,6 +35,10 @@ class EngineRequest:
     # Embedding requests: one token-id list per input, and options (dimensions, ...).
     inputs: list[list[int]] | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    # The pub/sub channel of the API process waiting for the output (one per process, not
+    # per request: a worker sends each process one message a step). Empty: the request's
+    # own channel (a request written by hand, followed with redis-cli).
+    reply_to: str = ""
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -112,7 +116,10 @@ class OutputMessage:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> OutputMessage:
-        data = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OutputMessage:
         error = data.get("error")
         return cls(
             index=data.get("index", 0),
@@ -125,3 +132,14 @@ class OutputMessage:
             embeddings=data.get("embeddings"),
             prompt_logprobs=data.get("prompt_logprobs"),
         )
+
+
+def encode_step(messages: list[tuple[str, str]]) -> str:
+    """One step's messages for one API process: a JSON object of request id -> OutputMessage
+    (each already JSON: a worker encodes a message once, for the channel and the record)."""
+    return "{" + ",".join(f"{json.dumps(rid)}:{msg}" for rid, msg in messages) + "}"
+
+
+def decode_step(raw: str | bytes) -> dict[str, OutputMessage]:
+    """The messages of ``encode_step``, by request id."""
+    return {rid: OutputMessage.from_dict(msg) for rid, msg in json.loads(raw).items()}

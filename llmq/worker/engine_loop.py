@@ -223,7 +223,8 @@ class EngineLoop:
             return
         if self._mend_record(r):
             return
-        if self.active.pop(r.request_id, None) is not None:
+        active = self.active.pop(r.request_id, None)
+        if active is not None:
             self.backend.abort(r.request_id)
         log.error(
             "request %s: its record in Redis holds %d tokens, fewer than were sent (Redis "
@@ -237,7 +238,8 @@ class EngineLoop:
             "server_error",
             "output_record_lost",
         )
-        self.transport.fail(r.request_id, r.entry_id, r.recorded or 0, error)
+        reply_to = active.request.reply_to if active is not None else ""
+        self.transport.fail(r.request_id, r.entry_id, r.recorded or 0, error, reply_to)
 
     def _mend_record(self, r: Refusal) -> bool:
         """Write a running request's record again from where Redis lost it (a restart without
@@ -252,7 +254,8 @@ class EngineLoop:
         if tokens is None or len(tokens) < end:
             return False
         mended = OutputMessage(index=r.recorded, tokens=tokens[r.recorded : end])
-        if self.transport.emit([Emission(r.request_id, r.entry_id, mended)]):
+        emission = Emission(r.request_id, r.entry_id, mended, active.request.reply_to)
+        if self.transport.emit([emission]):
             return False
         log.warning(
             "request %s: Redis lost %d of its recorded tokens; written again from this worker",
@@ -271,7 +274,7 @@ class EngineLoop:
                 f"the engine failed on this request: {exc}", "server_error", "engine_error"
             )
             msg = OutputMessage(index=index, finish_reason="abort", error=error)
-            self._publish([Emission(rid, active.entry_id, msg)])
+            self._publish([Emission(rid, active.entry_id, msg, active.request.reply_to)])
         return result.news
 
     def _emission(self, request_id: str, msg: OutputMessage) -> Emission | None:
@@ -293,7 +296,7 @@ class EngineLoop:
             msg.worker = self.transport.worker
             if msg.usage is not None and active.created:
                 msg.usage["queue_time"] = round(max(0.0, active.started - active.created), 4)
-        return Emission(request_id, active.entry_id, msg)
+        return Emission(request_id, active.entry_id, msg, active.request.reply_to)
 
     # ---- admission -----------------------------------------------------------------------
     def _resume(self, pulled: list[PulledRequest]) -> None:
@@ -321,10 +324,12 @@ class EngineLoop:
                     p.entry_id,
                     len(p.prior_tokens),
                     EngineError("cancelled", "cancelled", "cancelled"),
+                    req.reply_to,
                 )
                 continue
             if req.deadline is not None and now > req.deadline:
-                self.transport.fail(req.id, p.entry_id, len(p.prior_tokens), _deadline_error())
+                error = _deadline_error()
+                self.transport.fail(req.id, p.entry_id, len(p.prior_tokens), error, req.reply_to)
                 continue
             try:
                 self.backend.add(req, p.prior_tokens)
@@ -337,6 +342,7 @@ class EngineLoop:
                     p.entry_id,
                     len(p.prior_tokens),
                     EngineError(f"invalid request: {exc}", "invalid_request_error"),
+                    req.reply_to,
                 )
                 continue
             if p.prior_tokens:
@@ -361,7 +367,7 @@ class EngineLoop:
                 self.clock() - active.started,
             )
         msg.error = reason
-        self._publish([Emission(request_id, active.entry_id, msg)])
+        self._publish([Emission(request_id, active.entry_id, msg, active.request.reply_to)])
 
     def _check_deadlines(self, now: float) -> None:
         self._last_deadline_check = now

@@ -45,9 +45,15 @@ class EngineQueue(Protocol):
         tail: those come back refused."""
 
     def fail(
-        self, request_id: str | None, entry_id: str, index: int, error: EngineError
+        self,
+        request_id: str | None,
+        entry_id: str,
+        index: int,
+        error: EngineError,
+        reply_to: str = "",
     ) -> list[Refusal]:
-        """End a request with an error (request_id None: drop an unparsable entry)."""
+        """End a request with an error (request_id None: drop an unparsable entry); its
+        client hears of it on ``reply_to``."""
 
     def dead_letter(self, p: PulledRequest, reason: str) -> None:
         """Set a request aside as undeliverable and fail it."""

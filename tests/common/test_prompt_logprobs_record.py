@@ -10,7 +10,7 @@ import redis
 from llmq.common.protocol import EngineRequest, OutputMessage
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
-from llmq.common.transport import Emission, EngineTransport, Keys
+from llmq.common.transport import Emission, EngineTransport, Keys, PulledRequest
 from tests.pipeline_client import open_pipeline
 
 
@@ -24,6 +24,7 @@ def test_a_missed_first_message_brings_its_prompt_logprobs_back(llama_dir):
                 params = SamplingParams(max_tokens=3, prompt_logprobs=1)
                 asked = EngineRequest(id="plp", prompt_token_ids=[1, 2], params=params)
                 first = OutputMessage(index=0, tokens=[5], prompt_logprobs=prompt)
+                assert not engine.mark_running([PulledRequest("0-1", asked, [])])
                 engine.emit([Emission("plp", "0-1", first)])  # nobody subscribed: missed
                 engine.emit([Emission("plp", "0-1", OutputMessage(index=1, tokens=[6]))])
                 return await p.output.recover(asked, 0), await p.output.recover(asked, 1)

@@ -280,9 +280,10 @@ def test_operator_mistakes_get_one_line_errors(tmp_path):
 
 def test_a_gap_is_filled_with_its_logprobs(llama_dir):
     """Tokens a client missed (published while it was not subscribed: a Redis restart, a
-    pub/sub gap) come back from the request's record with their logprobs."""
+    pub/sub gap) come back from the request's record with their logprobs: the first from its
+    list (a worker's first write goes there), the second from its worker's log."""
     from llmq.common.protocol import EngineRequest, OutputMessage
-    from llmq.common.transport import Emission, EngineTransport
+    from llmq.common.transport import Emission, EngineTransport, PulledRequest
 
     with RedisServer() as server:
 
@@ -292,8 +293,10 @@ def test_a_gap_is_filled_with_its_logprobs(llama_dir):
                 params = SamplingParams(max_tokens=3, logprobs=1)
                 asked = EngineRequest(id="gap", prompt_token_ids=[1, 2], params=params)
                 lps = [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]} for t in (5, 6)]
-                msg = OutputMessage(index=0, tokens=[5, 6], logprobs=lps)
-                engine.emit([Emission("gap", "0-1", msg)])  # nobody subscribed: missed
+                assert not engine.mark_running([PulledRequest("0-1", asked, [])])
+                for i in (0, 1):  # nobody listens: missed
+                    msg = OutputMessage(index=i, tokens=[5 + i], logprobs=lps[i : i + 1])
+                    assert not engine.emit([Emission("gap", "0-1", msg)])
                 whole, _ = await p.output.recover(asked, 0)
                 tail, _ = await p.output.recover(asked, 1)
                 plain = EngineRequest(id="gap", prompt_token_ids=[1, 2])

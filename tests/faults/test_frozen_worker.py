@@ -27,11 +27,12 @@ MAX_TOKENS = 400
 
 
 class Published:
-    """Every message published on any request's output channel, from before the first."""
+    """Every request's message published on any API process's channel, from before the
+    first."""
 
     def __init__(self, url: str):
         self.pubsub = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
-        self.pubsub.psubscribe("llmq:out:*")
+        self.pubsub.psubscribe("llmq:replies:*")
         self.messages: list[tuple[str, dict]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -41,8 +42,7 @@ class Published:
         while not self._stop.is_set():
             msg = self.pubsub.get_message(timeout=0.1)
             if msg and msg["type"] == "pmessage":
-                rid = msg["channel"].decode().removeprefix("llmq:out:")
-                self.messages.append((rid, json.loads(msg["data"])))
+                self.messages.extend(json.loads(msg["data"]).items())
 
     def close(self) -> None:
         self._stop.set()

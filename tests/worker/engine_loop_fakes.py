@@ -119,7 +119,12 @@ class MemoryQueue:
         self.acked.append(entry_id)
 
     def fail(
-        self, request_id: str | None, entry_id: str, index: int, error: EngineError
+        self,
+        request_id: str | None,
+        entry_id: str,
+        index: int,
+        error: EngineError,
+        reply_to: str = "",
     ) -> list[Refusal]:
         if request_id is not None and (fenced := self._fenced(request_id, entry_id)):
             return [fenced]

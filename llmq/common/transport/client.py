@@ -1,5 +1,10 @@
 """The API's side of the Redis transport (redis.asyncio): enqueue and cancel requests, route
-their output messages, and read requests', queues' and engines' state."""
+their output messages, and read requests', queues' and engines' state.
+
+Each process listens on one channel of its own (``{p}:replies:{replica}``), named in every
+request it enqueues: a worker sends it one message a step with the news of all its requests
+(a SUBSCRIBE and an UNSUBSCRIBE per request, and a PUBLISH per request and step, were most of
+Redis's work per token)."""
 
 from __future__ import annotations
 
@@ -7,40 +12,62 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 
 import redis
 import redis.asyncio as aioredis
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.protocol import EngineRequest, OutputMessage
+from llmq.common.protocol import EngineRequest, decode_step
 from llmq.common.transport.keys import CANCEL_SCRIPT, ENQUEUE_SCRIPT, GROUP, Keys, as_text
+from llmq.common.transport.output_log import merge
+from llmq.common.transport.scripts import READ_SCRIPT
 
 log = logging.getLogger(__name__)
 
 
 class AsyncTransport:
-    """The API's side (redis.asyncio): enqueue, cancel, and one shared pub/sub connection that
-    routes output messages to per-request queues."""
+    """The API's side (redis.asyncio): enqueue, cancel, and one pub/sub connection on this
+    process's channel that routes output messages to per-request queues."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys):
         self.r = client
         self.keys = keys
+        self.replica = uuid.uuid4().hex[:12]
+        self.reply_channel = keys.replies(self.replica)
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._cancel = client.register_script(CANCEL_SCRIPT)
+        self._read = client.register_script(READ_SCRIPT)
         self._pubsub: aioredis.client.PubSub | None = None
         self._listener: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._subscribed: dict[str, asyncio.Event] = {}
+        self._ready = asyncio.Event()  # Redis confirmed the subscription to the channel
         self._lock = asyncio.Lock()
         self._closing = False
-        self._wake = asyncio.Event()
         self._releasing: set[asyncio.Task] = set()
 
-    async def start(self) -> None:
-        if self._listener is None:
-            self._closing = False
-            self._pubsub = self.r.pubsub()
-            self._listener = asyncio.create_task(self._listen(), name="llmq-output-router")
+    async def start(self, timeout: float = 5.0) -> None:
+        """Listen on this process's channel (confirmed by Redis: pub/sub keeps nothing, so
+        this happens before any request is enqueued)."""
+        async with self._lock:
+            if self._listener is None:
+                self._closing = False
+                self._ready.clear()
+                self._pubsub = self.r.pubsub()
+                await self._subscribe_channel()
+                self._listener = asyncio.create_task(self._listen(), name="llmq-output-router")
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def _subscribe_channel(self) -> None:
+        for attempt in range(5):
+            try:
+                await self._pubsub.subscribe(self.reply_channel)
+                return
+            except (redis.ConnectionError, redis.TimeoutError, RuntimeError):
+                # Redis restarting: the listener's reconnect resubscribes; try again shortly.
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.1 * 2**attempt)
 
     async def close(self) -> None:
         await self.settle()
@@ -65,54 +92,27 @@ class AsyncTransport:
                 raise
 
     async def subscribe(self, request_id: str, timeout: float = 5.0) -> asyncio.Queue:
-        """Subscribe to a request's output channel and wait until Redis confirms it: pub/sub
-        keeps nothing, so this must happen before the request is enqueued."""
-        await self.start()
-        channel = self.keys.out(request_id)
+        """A queue for a request's output messages, routed from this process's channel (on
+        which Redis has confirmed the subscription before this returns)."""
+        await self.start(timeout)
         queue: asyncio.Queue = asyncio.Queue()
-        event = asyncio.Event()
-        self._queues[channel] = queue
-        self._subscribed[channel] = event
-        try:
-            for attempt in range(5):
-                try:
-                    async with self._lock:
-                        await self._pubsub.subscribe(channel)
-                    break
-                except (redis.ConnectionError, redis.TimeoutError, RuntimeError):
-                    # Redis restarted: the listener reconnects the pub/sub connection (and
-                    # resubscribes) while this write races it; try again shortly.
-                    if attempt == 4:
-                        raise
-                    await asyncio.sleep(0.1 * 2**attempt)
-            self._wake.set()
-            await asyncio.wait_for(event.wait(), timeout)
-        except BaseException:
-            self.release(request_id, cancel=False)
-            raise
+        self._queues[request_id] = queue
         return queue
 
     def release(self, request_id: str, cancel: bool) -> None:
-        """Stop routing a request's output, unsubscribe, and (``cancel``) cancel it on its
-        engine. Not awaited: the Redis calls run in a task of their own, since the caller may
-        sit in a cancelled scope (the client disconnected) where any await raises at once and
-        a subscription left behind would stay for the life of the process."""
-        channel = self.keys.out(request_id)
-        self._queues.pop(channel, None)
-        self._subscribed.pop(channel, None)
-        task = asyncio.get_running_loop().create_task(self._release(request_id, channel, cancel))
+        """Stop routing a request's output and (``cancel``) cancel it on its engine. Not
+        awaited: the cancel runs in a task of its own, since the caller may sit in a cancelled
+        scope (the client disconnected) where any await raises at once."""
+        self._queues.pop(request_id, None)
+        if not cancel:
+            return
+        task = asyncio.get_running_loop().create_task(self._cancel_quietly(request_id))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-    async def _release(self, request_id: str, channel: str, cancel: bool) -> None:
-        if cancel:
-            with contextlib.suppress(Exception):
-                await self.cancel(request_id)
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                async with self._lock:
-                    if channel not in self._queues:  # not subscribed again meanwhile
-                        await self._pubsub.unsubscribe(channel)
+    async def _cancel_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.cancel(request_id)
 
     async def settle(self) -> None:
         """Wait for the releases under way (tests, shutdown)."""
@@ -123,13 +123,6 @@ class AsyncTransport:
         backoff = 0.1
         while not self._closing:
             try:
-                if not self._pubsub.subscribed:
-                    # Nothing to read until the next subscribe, which wakes this at once (a
-                    # polling sleep here added its period to the first token of lone requests).
-                    self._wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), 1.0)
-                    continue
                 msg = await self._pubsub.get_message(timeout=1.0)
                 backoff = 0.1
             except asyncio.CancelledError:
@@ -141,16 +134,22 @@ class AsyncTransport:
                 continue
             if msg is None:
                 continue
-            channel = as_text(msg.get("channel"))
             kind = msg.get("type")
             if kind == "subscribe":
-                event = self._subscribed.get(channel)
-                if event is not None:
-                    event.set()
+                self._ready.set()
             elif kind == "message":
-                queue = self._queues.get(channel)
-                if queue is not None:
-                    queue.put_nowait(OutputMessage.from_json(msg["data"]))
+                self._route(msg["data"])
+
+    def _route(self, data: bytes) -> None:
+        try:
+            messages = decode_step(data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.warning("unreadable output message dropped: %r (%s)", data[:200], exc)
+            return
+        for request_id, message in messages.items():
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(message)
 
     async def enqueue(
         self,
@@ -186,18 +185,16 @@ class AsyncTransport:
     async def request_state(
         self, request_id: str, logprobs: bool = False
     ) -> tuple[dict[str, str], list[int], list[dict]]:
-        """The request's state, its recorded tokens and (``logprobs``) their logprobs."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(self.keys.req(request_id))
-        pipe.lrange(self.keys.tokens(request_id), 0, -1)
-        if logprobs:
-            pipe.lrange(self.keys.logprobs(request_id), 0, -1)
-        state, tokens, *lps = await pipe.execute()
-        return (
-            {as_text(k): as_text(v) for k, v in state.items()},
-            [int(t) for t in tokens],
-            [json.loads(x) for x in lps[0]] if lps else [],
-        )
+        """The request's state, its recorded tokens and (``logprobs``) their logprobs: its
+        list and what its owner's log holds past it, read in one atomic script."""
+        k = self.keys
+        keys = [k.req(request_id), k.tokens(request_id), k.logprobs(request_id)]
+        args = [k.log_prefix, request_id, "1" if logprobs else "0"]
+        raw, tokens, lps, values = await self._read(keys=keys, args=args)
+        state = {as_text(raw[i]): as_text(raw[i + 1]) for i in range(0, len(raw) - 1, 2)}
+        listed = [json.loads(x) for x in lps] if logprobs else None
+        ids, merged_lps = merge([int(t) for t in tokens], listed, [as_text(v) for v in values])
+        return state, ids, merged_lps or []
 
     async def queue_stats(self, model: str) -> tuple[int, int]:
         """(lag, pending) of a model's stream: requests no engine has taken yet, and requests

@@ -16,15 +16,9 @@ import redis
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
-from llmq.common.transport.keys import (
-    CLAIM_SCRIPT,
-    GROUP,
-    HANDBACK_PREFIX,
-    RUNNING_SCRIPT,
-    WRITE_SCRIPT,
-    Keys,
-    as_text,
-)
+from llmq.common.transport.keys import GROUP, HANDBACK_PREFIX, Keys, as_text
+from llmq.common.transport.scripts import CLAIM_SCRIPT, RUNNING_SCRIPT, TAKE_SCRIPT
+from llmq.common.transport.step_writer import Emission, Refusal, StepWriter
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +41,6 @@ class PulledRequest:
     cancelled: bool = False
     deliveries: int = 1
     raw: dict | None = None
-
-
-@dataclass(slots=True)
-class Emission:
-    """One request's news from one engine step, for ``EngineTransport.emit``."""
-
-    request_id: str
-    entry_id: str
-    message: OutputMessage
-
-
-@dataclass(slots=True)
-class Refusal:
-    """A write the transport refused for a request: another worker owns it now (``owner``, the
-    worker that claimed it), or its record lost its tail (``recorded``: the tokens it holds)."""
-
-    request_id: str
-    entry_id: str
-    owner: str | None = None
-    recorded: int | None = None
-    message: OutputMessage | None = None  # the message refused for a lost tail
 
 
 class EngineTransport:
@@ -94,10 +67,12 @@ class EngineTransport:
         self._pubsub = None
         self.handed_back: set[str] = set()  # workers that announced a hand-back
         self._loaded: set[str] = set()  # scripts this Redis has cached (EVALSHA'd, not EVAL'd)
+        self.writer = StepWriter(client, keys, worker, self.stream, request_ttl)
 
     def setup(self, status: EngineStatus | None = None) -> None:
         ensure_group(self.r, self.stream)
         self._loaded.clear()  # a Redis restarted since (its NOSCRIPT brought us here) has none
+        self.writer.reset()
         if status is not None:
             model_info = {
                 "source": status.source,
@@ -158,18 +133,27 @@ class EngineTransport:
         return PulledRequest(as_text(entry_id), request, [], deliveries=deliveries, raw=fields)
 
     def _prepare(self, entries: list[tuple], deliveries: dict[str, int] | None = None):
-        """Parse entries and fetch, in one round trip, each request's state and prior tokens."""
+        """Parse entries and fetch, in one round trip, each request's state and prior tokens
+        (for entries this worker held before a restart, with their tails in its log moved
+        into their lists first)."""
         counts = deliveries or {}
         pulled = [self._parse(eid, f, counts.get(as_text(eid), 1)) for eid, f in entries]
         live = [p for p in pulled if p.request is not None]
         if live:
             pipe = self.r.pipeline(transaction=False)
+            take = self._sha(TAKE_SCRIPT) if deliveries is not None else None
             for p in live:
-                pipe.hget(self.keys.req(p.request.id), "state")
-                pipe.lrange(self.keys.tokens(p.request.id), 0, -1)
+                rid = p.request.id
+                if take is not None:
+                    keys = (self.keys.req(rid), self.keys.tokens(rid), self.keys.logprobs(rid))
+                    pipe.evalsha(take, 3, *keys, self.keys.log(self.worker), rid)
+                else:
+                    pipe.hget(self.keys.req(rid), "state")
+                    pipe.lrange(self.keys.tokens(rid), 0, -1)
             replies = pipe.execute()
-            for i, p in enumerate(live):
-                state, tokens = replies[2 * i], replies[2 * i + 1]
+            if take is None:
+                replies = list(zip(replies[::2], replies[1::2], strict=True))
+            for p, (state, tokens) in zip(live, replies, strict=True):
                 p.cancelled = state is not None and as_text(state) == "cancelled"
                 _set_prior_tokens(p, tokens)
         return pulled
@@ -184,10 +168,17 @@ class EngineTransport:
         sha = self._sha(RUNNING_SCRIPT)
         now = time.time()
         for p in pulled:
-            keys = self._request_keys(p.request.id)
+            keys = (self.keys.req(p.request.id), "", "", "", self.stream)
             pipe.evalsha(sha, 5, *keys, self.worker, p.entry_id, now)
-        emissions = [Emission(p.request.id, p.entry_id, OutputMessage(0)) for p in pulled]
-        return self._refusals(emissions, pipe.execute())
+        refused = []
+        for p, reply in zip(pulled, pipe.execute(), strict=True):
+            rid = p.request.id
+            if reply == 0:
+                self.writer.hold(rid, p.entry_id, p.request.reply_to, len(p.prior_tokens))
+            else:
+                owner = as_text(reply).partition(":")[2]
+                refused.append(Refusal(rid, p.entry_id, owner=owner))
+        return refused
 
     def drain_cancels(self) -> list[str]:
         """Request ids cancelled since the last call. Hand-back notices from workers shutting
@@ -212,59 +203,18 @@ class EngineTransport:
 
     # ---- outputs back ----------------------------------------------------------------
     def emit(self, emissions: list[Emission]) -> list[Refusal]:
-        """Record and publish one step's news for every request in one round trip: one atomic
-        script a request (WRITE_SCRIPT: the owner checked, tokens recorded, published, and a
-        final message's request finished), pipelined without MULTI. The writes refused: the
-        requests another worker owns now, and those whose record lost its tail."""
-        if not emissions:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        sha = self._sha(WRITE_SCRIPT)
-        now = time.time()
-        for e in emissions:
-            pipe.evalsha(sha, 5, *self._request_keys(e.request_id), *self._write_args(e, now))
-        return self._refusals(emissions, pipe.execute())
-
-    def _request_keys(self, request_id: str) -> tuple[str, str, str, str, str]:
-        k = self.keys
-        rid = request_id
-        return k.req(rid), k.tokens(rid), k.logprobs(rid), k.out(rid), self.stream
-
-    def _write_args(self, e: Emission, now: float) -> list:
-        """WRITE_SCRIPT's arguments (see keys.py)."""
-        msg = e.message
-        logprobs = bool(msg.tokens and msg.logprobs)  # a client that missed them gets them too
-        prompt = msg.prompt_logprobs is not None
-        flags = ("l" if logprobs else "") + ("p" if prompt else "") + ("f" if msg.done else "")
-        args = [self.worker, e.entry_id, msg.index, len(msg.tokens), msg.to_json(), flags]
-        args += msg.tokens
-        if logprobs:
-            args += [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
-        if prompt:
-            args.append(json.dumps(msg.prompt_logprobs, separators=(",", ":")))
-        if msg.done:
-            state = "failed" if msg.error else "finished"
-            error = msg.error.message if msg.error else ""
-            args += [state, msg.finish_reason or "", error, now, self.request_ttl]
-        return args
-
-    @staticmethod
-    def _refusals(emissions, replies: list) -> list[Refusal]:
-        refused = []
-        for e, reply in zip(emissions, replies, strict=True):
-            if reply == 0:
-                continue
-            kind, _, detail = as_text(reply).partition(":")
-            if kind == "fenced":
-                refused.append(Refusal(e.request_id, e.entry_id, owner=detail))
-            else:
-                refused.append(
-                    Refusal(e.request_id, e.entry_id, recorded=int(detail), message=e.message)
-                )
-        return refused
+        """Record and publish one step's news for every request, one script a step
+        (``StepWriter``). The writes refused: the requests another worker owns now, and
+        those whose record lost its tail."""
+        return self.writer.emit(emissions) if emissions else []
 
     def fail(
-        self, request_id: str | None, entry_id: str, index: int, error: EngineError
+        self,
+        request_id: str | None,
+        entry_id: str,
+        index: int,
+        error: EngineError,
+        reply_to: str = "",
     ) -> list[Refusal]:
         """End a request with an error its client sees (or just drop an unparsable entry)."""
         if request_id is None:
@@ -274,14 +224,15 @@ class EngineTransport:
             pipe.execute()
             return []
         msg = OutputMessage(index=index, error=error, worker=self.worker)
-        return self.emit([Emission(request_id, entry_id, msg)])
+        return self.emit([Emission(request_id, entry_id, msg, reply_to)])
 
     def dead_letter(self, p: PulledRequest, reason: str) -> None:
         """Fail the request and set its entry aside in the dead letters (unless another worker
         owns it now)."""
         rid = p.request.id if p.request else None
         error = EngineError(reason, "server_error", "dead_letter")
-        if self.fail(rid, p.entry_id, len(p.prior_tokens), error):
+        reply_to = p.request.reply_to if p.request else ""
+        if self.fail(rid, p.entry_id, len(p.prior_tokens), error, reply_to):
             return
         fields = dict(p.raw or {})
         fields.update(reason=reason, deliveries=str(p.deliveries), entry=p.entry_id)
@@ -353,8 +304,9 @@ class EngineTransport:
                 pipe.xclaim(self.stream, GROUP, self.worker, idle_ms, [eid])
             else:
                 k = self.keys
-                keys = (self.stream, k.req(rid), k.tokens(rid))
-                pipe.evalsha(sha, 3, *keys, GROUP, self.worker, idle_ms, eid)
+                keys = (self.stream, k.req(rid), k.tokens(rid), k.logprobs(rid))
+                args = (GROUP, self.worker, idle_ms, eid, k.log_prefix, rid, self.request_ttl)
+                pipe.evalsha(sha, 4, *keys, *args)
         claimed: list[PulledRequest] = []
         for eid, rid, reply in zip(ids, rids, pipe.execute(), strict=True):
             if rid is None:  # entries deleted meanwhile come back as nil / empty

@@ -6,12 +6,20 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
 - ``{p}:requests:{model}``         stream per model, consumer group ``engines``: one entry per
                                    request (fields ``id``, ``kind``, ``payload`` = EngineRequest
                                    JSON)
-- ``{p}:out:{id}``                 pub/sub channel: OutputMessage JSON for one request
+- ``{p}:replies:{replica}``        pub/sub channel of one API process (or batch task process):
+                                   one message a step per worker, request id -> OutputMessage
+                                   (``protocol.encode_step``), for every request it enqueued
+- ``{p}:out:{id}``                 pub/sub channel of a request that names none (one written
+                                   with redis-cli): the same messages, for it alone
 - ``{p}:cancel``                   pub/sub channel: ids of requests to abort, and
                                    ``handback:{worker}`` from a worker leaving requests behind
 - ``{p}:req:{id}``                 hash (TTL): state, worker (its owner: see _FENCE), entry (its
                                    live stream entry), finish_reason, timings
-- ``{p}:req:{id}:tokens``          list (TTL): every token generated so far (recovery, gaps)
+- ``{p}:req:{id}:tokens``          list (TTL): the tokens generated, up to the last move of its
+                                   worker's log (see ``output_log``): recovery, gaps
+- ``{p}:log:{worker}``             stream (TTL): one entry a step, request id -> the tokens it
+                                   generated (``output_log.encode_value``); moved into the lists
+                                   and trimmed every 64 steps; a claimer marks it ``~claimed``
 - ``{p}:req:{id}:logprobs``        list (TTL): one JSON entry a token, when logprobs were asked
 - ``{p}:engines:{worker}``         hash (TTL = heartbeat): model, KV blocks, running, waiting, ...
 - ``{p}:engines``                  sorted set: worker -> time of its last heartbeat (the registry
@@ -57,6 +65,18 @@ class Keys:
 
     def out(self, request_id: str) -> str:
         return f"{self.prefix}:out:{request_id}"
+
+    def replies(self, replica: str) -> str:
+        """One API process's channel: the output of every request it enqueued."""
+        return f"{self.prefix}:replies:{replica}"
+
+    def log(self, worker: str) -> str:
+        """A worker's step log: the tail of its requests' output (``output_log``)."""
+        return f"{self.log_prefix}{worker}"
+
+    @property
+    def log_prefix(self) -> str:
+        return f"{self.prefix}:log:"
 
     @property
     def cancel(self) -> str:
@@ -160,13 +180,13 @@ if limit > 0 then
   if ok then waiting = waiting - pending[1] end
   if waiting + tonumber(ARGV[10]) > limit then return false end
 end
--- HSET first: a script's first write is where Redis refuses it under maxmemory (HDEL, never
--- refused, would let every write after it through).
-redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6])
-redis.call('HDEL', req, 'worker')
-redis.call('EXPIRE', req, ARGV[7])
+-- XADD first: a script's first write is where Redis refuses it under maxmemory (an HDEL, never
+-- refused, would let every write after it through). 'worker' goes only from a request sent
+-- again under its id (a fresh id has none): a command saved per request.
 local entry = redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2])
-redis.call('HSET', req, 'entry', entry)
+redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6], 'entry', entry)
+if ARGV[9] == '1' then redis.call('HDEL', req, 'worker') end
+redis.call('EXPIRE', req, ARGV[7])
 return entry
 """
 
@@ -175,100 +195,6 @@ CANCEL_SCRIPT = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'queued' or state == 'running' then redis.call('HSET', KEYS[1], 'state', 'cancelled') end
 return redis.call('PUBLISH', KEYS[2], ARGV[1])
-"""
-
-
-# Ownership fencing. A request's hash names its owner (field ``worker``) and its live stream
-# entry (field ``entry``); a claim moves both at once, so every write a worker makes for a
-# request first checks that it still owns it: a worker that froze past its heartbeat and woke
-# after another took its requests over publishes nothing more for them (and does not XACK the
-# entry the new owner now holds). A request re-enqueued (a batch line run again) has a new
-# entry: writes for the old one are refused too. No owner or entry recorded: no fence.
-_FENCE = f"""
-local own = redis.call('HMGET', KEYS[1], 'worker', 'entry')
-if own[2] and own[2] ~= ARGV[2] then
-  redis.call('XACK', KEYS[5], '{GROUP}', ARGV[2])
-  redis.call('XDEL', KEYS[5], ARGV[2])
-  return 'fenced:' .. (own[1] or '')
-end
-if own[1] and own[1] ~= ARGV[1] then return 'fenced:' .. own[1] end
-"""
-
-# One request's news from one engine step, in one atomic call. KEYS: req, tokens, logprobs,
-# out channel, stream. ARGV: worker, entry, index, token count n, message JSON, flags ('l':
-# logprob entries follow the tokens, 'p': the prompt logprobs (JSON) follow, recorded in the
-# request's hash, 'f': the final message), the n tokens, [n logprob entries], [prompt
-# logprobs], [final state, finish_reason, error, finished time, record TTL]. (Few arguments
-# while running: this runs for every request of every step.) Tokens are appended
-# idempotently (a write retried after a dropped connection records nothing twice), and the
-# record, the publish and the finish happen together: what a client saw is what a claimer
-# resumes from. A record shorter than the message's index lost its tail (Redis restarted
-# without it): nothing is appended out of place, and 'lost:<length>' tells the worker.
-WRITE_SCRIPT = (
-    _FENCE
-    + f"""
-local first, n, flags = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
-local at = 6 + n
-if n > 0 then
-  local have = redis.call('LLEN', KEYS[2])
-  if have < first then return 'lost:' .. have end
-  for i = have - first + 1, n do redis.call('RPUSH', KEYS[2], ARGV[6 + i]) end
-  if string.find(flags, 'l', 1, true) then
-    local lps = redis.call('LLEN', KEYS[3])
-    if lps < first then return 'lost:' .. lps end
-    for i = lps - first + 1, n do redis.call('RPUSH', KEYS[3], ARGV[at + i]) end
-    at = at + n
-  end
-end
-if string.find(flags, 'p', 1, true) then
-  redis.call('HSET', KEYS[1], 'prompt_logprobs', ARGV[at + 1])
-  at = at + 1
-end
-redis.call('PUBLISH', KEYS[4], ARGV[5])
-if string.find(flags, 'f', 1, true) then
-  redis.call('HSET', KEYS[1], 'state', ARGV[at + 1], 'finish_reason', ARGV[at + 2],
-    'finished', ARGV[at + 4])
-  if ARGV[at + 3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[at + 3]) end
-  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[at + 5]) end
-  redis.call('XACK', KEYS[5], '{GROUP}', ARGV[2])
-  redis.call('XDEL', KEYS[5], ARGV[2])
-end
-return 0
-"""
-)
-
-# A request taken into service (pulled, claimed or resumed): owned by this worker unless
-# another took it over meanwhile. KEYS: req, -, -, -, stream. ARGV: worker, entry, now.
-RUNNING_SCRIPT = (
-    _FENCE
-    + """
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'entry', ARGV[2],
-  'started', ARGV[3])
-return 0
-"""
-)
-
-# Take over one entry of a dead worker, with its request: XCLAIM (only if still idle for
-# ARGV[3] ms, so a second claimer loses the race), the new owner in the hash, and the tokens
-# recorded so far, atomically, so the claimer resumes from exactly what the old owner
-# recorded before the fence. KEYS: stream, req, tokens. ARGV: group, worker, min idle, entry.
-# Returns false (not claimed), 'stale' (an entry its request no longer runs under: dropped),
-# or {fields, state, tokens}.
-CLAIM_SCRIPT = """
-local got = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
-if #got == 0 or not got[1] or not got[1][2] then
-  if #got > 0 then redis.call('XACK', KEYS[1], ARGV[1], ARGV[4]) end
-  return false
-end
-local entry = redis.call('HGET', KEYS[2], 'entry')
-if entry and entry ~= ARGV[4] then
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[4])
-  redis.call('XDEL', KEYS[1], ARGV[4])
-  return 'stale'
-end
-redis.call('HSET', KEYS[2], 'worker', ARGV[2])
-local state = redis.call('HGET', KEYS[2], 'state') or ''
-return {got[1][2], state, redis.call('LRANGE', KEYS[3], 0, -1)}
 """
 
 

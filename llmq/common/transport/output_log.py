@@ -1,0 +1,83 @@
+"""A request's output record: a list of its tokens in Redis, written in bulk now and then, and
+the tail generated since, in its worker's step log.
+
+Redis work per step, not per token: a worker appends one entry a step to its own log stream
+(``{p}:log:{worker}``, one field per request: the tokens it generated that step), and moves the
+tails into the requests' lists only every ``CONSOLIDATE_EVERY`` steps (and when a request ends),
+so a step costs a few Redis commands whatever its batch (measured in ``bench/redis_cost.py``).
+Readers (a client filling a gap, a claimer, a worker taking its own requests back) read both:
+the list, then the owner's log values for the request, merged by position.
+
+A log value is ``index|t1,t2,...|lp1\\nlp2...`` (the logprob entries as compact JSON, one a line;
+JSON never holds a raw newline): Lua splits it without a JSON parser (``scripts.ABSORB``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+# Steps between two moves of every tail into its request's list (and a trim of the log). A
+# claimer or a reader scans at most this many log entries; 64 makes the moves cost about 0.03
+# Redis commands per token at 64 streams.
+CONSOLIDATE_EVERY = 64
+# The field a claimer adds to the old owner's log: its next step sees the log changed under it.
+CLAIM_MARK = "~claimed"
+
+
+def encode_value(index: int, tokens: list[int], logprobs: list[str] | None) -> str:
+    value = f"{index}|{','.join(map(str, tokens))}"
+    return value + "|" + "\n".join(logprobs) if logprobs else value
+
+
+def decode_value(value: str) -> tuple[int, list[int], list[dict] | None]:
+    index, _, rest = value.partition("|")
+    tokens, _, lps = rest.partition("|")
+    ids = [int(t) for t in tokens.split(",")] if tokens else []
+    return int(index), ids, [json.loads(x) for x in lps.split("\n")] if lps else None
+
+
+@dataclass(slots=True)
+class Tail:
+    """Tokens [first, first + len(tokens)) of a request: sent and logged, not yet in its list.
+    ``logprobs`` runs beside the tokens (compact JSON each) when the request asked for them."""
+
+    first: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[str] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.tokens)
+
+    def add(self, index: int, tokens: list[int], logprobs: list[str] | None) -> None:
+        """Place tokens sent at ``index``: a message sent again after an outage overwrites its
+        own positions; the part before ``first`` is in the list already."""
+        skip = max(0, self.first - index)
+        tokens, at = tokens[skip:], index + skip - self.first
+        if at > len(self.tokens) or not tokens:
+            return
+        self.tokens[at : at + len(tokens)] = tokens
+        if logprobs is not None and (self.logprobs is not None or at == 0):
+            self.logprobs = (self.logprobs or [])[:at] + logprobs[skip:]
+        else:  # a request's messages carry logprobs all or none
+            self.logprobs = None
+
+    def moved(self) -> None:
+        """The tail is in the list now."""
+        self.first, self.tokens, self.logprobs = self.end, [], None
+
+
+def merge(
+    tokens: list[int], logprobs: list[dict] | None, values: list[str]
+) -> tuple[list[int], list[dict] | None]:
+    """A request's list extended by its log values (in log order; repeats dropped)."""
+    tokens, lps = list(tokens), list(logprobs) if logprobs is not None else None
+    for value in values:
+        index, ids, value_lps = decode_value(value)
+        if index > len(tokens):
+            break  # a hole: nothing after it is in place
+        tokens.extend(ids[len(tokens) - index :])
+        if lps is not None and value_lps is not None and index <= len(lps):
+            lps.extend(value_lps[len(lps) - index :])
+    return tokens, lps

@@ -1,0 +1,261 @@
+"""A worker's output, written once a step: one STEP_SCRIPT call logs every request's new tokens
+in the worker's log, publishes one message per API process, and finishes the requests that
+ended; every ``CONSOLIDATE_EVERY`` steps it also moves the tails into the requests' lists.
+
+The log's last entry fences the whole step: a claimer marks the old owner's log, and Redis
+losing its tail changes it too; either way the step writes nothing and this worker writes
+every request it holds alone (WRITE_SCRIPT: owner checked, record mended), as before the log
+existed, then goes on from the log as it found it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import redis
+
+from llmq.common.protocol import OutputMessage, encode_step
+from llmq.common.transport.keys import Keys, as_text
+from llmq.common.transport.output_log import CONSOLIDATE_EVERY, Tail, encode_value
+from llmq.common.transport.scripts import STEP_SCRIPT, WRITE_SCRIPT
+
+
+@dataclass(slots=True)
+class Emission:
+    """One request's news from one engine step, for ``EngineTransport.emit``."""
+
+    request_id: str
+    entry_id: str
+    message: OutputMessage
+    reply_to: str = ""  # the channel its API process listens on ('': the request's own)
+
+
+@dataclass(slots=True)
+class Refusal:
+    """A write the transport refused for a request: another worker owns it now (``owner``, the
+    worker that claimed it), or its record lost its tail (``recorded``: the tokens it holds)."""
+
+    request_id: str
+    entry_id: str
+    owner: str | None = None
+    recorded: int | None = None
+    message: OutputMessage | None = None  # what was refused for a lost tail
+
+
+@dataclass(slots=True)
+class _Held:
+    """A request this worker writes for: its entry, its channel, its tail not yet moved."""
+
+    entry_id: str
+    channel: str
+    tail: Tail
+    logprobs: bool = False  # it records logprobs (their list expires with it)
+
+
+@dataclass(slots=True)
+class _Op:
+    """One request's per-request work in a step: a move, a final, prompt logprobs."""
+
+    request_id: str
+    held: _Held
+    final: OutputMessage | None = None
+    prompt_logprobs: str | None = None
+    lps: list[str] | None = field(default=None)
+
+
+class StepWriter:
+    def __init__(self, client: redis.Redis, keys: Keys, worker: str, stream: str, ttl: int):
+        self.r = client
+        self.keys = keys
+        self.worker = worker
+        self.stream = stream
+        self.ttl = ttl
+        self.log = keys.log(worker)
+        self.held: dict[str, _Held] = {}
+        self._last: str | None = None  # the log's last entry as this worker left it
+        self._steps = 0
+        self._shas: dict[str, str] = {}
+
+    def reset(self) -> None:
+        """After an outage: scripts to load again, and the log to check."""
+        self._shas.clear()
+        self._last = None
+
+    def hold(self, request_id: str, entry_id: str, reply_to: str, recorded: int) -> None:
+        channel = reply_to or self.keys.out(request_id)
+        self.held[request_id] = _Held(entry_id, channel, Tail(recorded))
+
+    def forget(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
+
+    def _sha(self, script: str) -> str:
+        """EVALSHA, not EVAL: the body is not sent with every step."""
+        sha = self._shas.get(script)
+        if sha is None:
+            sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()
+            self.r.script_load(script)
+        return sha
+
+    # ---- one step ------------------------------------------------------------------------
+    def emit(self, emissions: list[Emission]) -> list[Refusal]:
+        ops = self._apply(emissions)
+        move = self._steps + 1 >= CONSOLIDATE_EVERY and any(
+            h.tail.tokens for h in self.held.values()
+        )
+        if move:
+            finals = {op.request_id for op in ops}
+            ops += [
+                _Op(rid, h) for rid, h in self.held.items() if h.tail.tokens and rid not in finals
+            ]
+        if self._last is None:
+            return self._write_alone(emissions, ops)
+        reply = self._step(emissions, ops, move)
+        if as_text(reply[0]) == "check":
+            return self._write_alone(emissions, ops)
+        self._last = as_text(reply[0])
+        self._steps = 0 if move else self._steps + 1
+        refused = {int(reply[i]) - 1: as_text(reply[i + 1]) for i in range(1, len(reply), 2)}
+        return self._settle(ops, refused)
+
+    def _apply(self, emissions: list[Emission]) -> list[_Op]:
+        """Add the emissions' tokens to their tails; the per-request work they need."""
+        ops = []
+        for e in emissions:
+            msg = e.message
+            held = self.held.get(e.request_id)
+            if held is None:  # failed before it was taken into service
+                channel = e.reply_to or self.keys.out(e.request_id)
+                held = _Held(e.entry_id, channel, Tail(msg.index))
+            lps = _logprobs(msg)
+            held.logprobs = held.logprobs or lps is not None
+            held.tail.add(msg.index, msg.tokens, lps)
+            prompt = msg.prompt_logprobs
+            if msg.done or prompt is not None:
+                encoded = None if prompt is None else json.dumps(prompt, separators=(",", ":"))
+                ops.append(_Op(e.request_id, held, msg if msg.done else None, encoded))
+        return ops
+
+    def _step(self, emissions: list[Emission], ops: list[_Op], move: bool) -> list:
+        pairs: list[str] = []
+        channels: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for e in emissions:
+            msg = e.message
+            channel = self.held[e.request_id].channel if e.request_id in self.held else None
+            channels[channel or e.reply_to or self.keys.out(e.request_id)].append(
+                (e.request_id, msg.to_json())
+            )
+            if msg.tokens and not msg.done and not move:
+                pairs += [e.request_id, encode_value(msg.index, msg.tokens, _logprobs(msg))]
+        keys = [self.log, self.stream]
+        args: list = [self._last, self.worker, time.time(), self.ttl, "1" if move else "0"]
+        args += [len(pairs) // 2, *pairs, len(channels)]
+        for channel, messages in channels.items():
+            args += [channel, encode_step(messages)]
+        for op in ops:
+            k = self.keys
+            keys += [k.req(op.request_id), k.tokens(op.request_id), k.logprobs(op.request_id)]
+            args += _op_args(op)
+        return self.r.evalsha(self._sha(STEP_SCRIPT), len(keys), *keys, *args)
+
+    def _settle(self, ops: list[_Op], refused: dict[int, str]) -> list[Refusal]:
+        """Bookkeeping after a step: tails moved, requests ended, refusals for the loop."""
+        refusals = []
+        for i, op in enumerate(ops):
+            why = refused.get(i)
+            if why is None:
+                if op.final is not None:
+                    self.forget(op.request_id)
+                else:  # a move (or prompt logprobs, which carry the tail with them)
+                    op.held.tail.moved()
+                continue
+            refusals.append(self._refusal(op.request_id, op.held, why, op.final))
+        return refusals
+
+    def _refusal(self, rid: str, held: _Held, why: str, final: OutputMessage | None) -> Refusal:
+        kind, _, detail = why.partition(":")
+        if kind == "fenced":
+            self.forget(rid)
+            return Refusal(rid, held.entry_id, owner=detail)
+        tail = held.tail
+        message = OutputMessage(
+            index=tail.first,
+            tokens=list(tail.tokens),
+            logprobs=[json.loads(x) for x in tail.logprobs] if tail.logprobs else None,
+            finish_reason=final.finish_reason if final else None,
+            error=final.error if final else None,
+        )
+        held.tail = Tail(int(detail))
+        return Refusal(rid, held.entry_id, recorded=int(detail), message=message)
+
+    # ---- the log changed under this worker -----------------------------------------------
+    def _write_alone(self, emissions: list[Emission], ops: list[_Op]) -> list[Refusal]:
+        """Every request this worker holds (and this step's others) written alone, its owner
+        checked and its record mended; then on from the log's last entry, read first, so
+        that a claim after these checks changes it again."""
+        last = self.r.xrevrange(self.log, count=1)
+        finals = {op.request_id: op for op in ops}
+        published = {e.request_id: e.message for e in emissions}
+        rids = list(dict.fromkeys([*self.held, *finals]))
+        pipe = self.r.pipeline(transaction=False)
+        sha = self._sha(WRITE_SCRIPT)
+        for rid in rids:
+            op = finals.get(rid) or _Op(rid, self.held[rid])
+            k = self.keys
+            keys = (k.req(rid), k.tokens(rid), k.logprobs(rid), op.held.channel, self.stream)
+            msg = published.get(rid)
+            payload = encode_step([(rid, msg.to_json())]) if msg is not None else ""
+            pipe.evalsha(sha, 5, *keys, *self._write_args(op, payload))
+        replies = pipe.execute()
+        refusals = []
+        for rid, reply in zip(rids, replies, strict=True):
+            op = finals.get(rid) or _Op(rid, self.held[rid])
+            if reply != 0:
+                refusals.append(self._refusal(rid, op.held, as_text(reply), op.final))
+            elif op.final is not None:
+                self.forget(rid)
+            else:
+                op.held.tail.moved()
+        self._last = as_text(last[0][0]) if last else ""
+        self._steps = 0
+        return refusals
+
+    def _write_args(self, op: _Op, payload: str) -> list:
+        """WRITE_SCRIPT's arguments (scripts.py)."""
+        tail, final = op.held.tail, op.final
+        flags = "l" if tail.logprobs else ""
+        flags += ("p" if op.prompt_logprobs else "") + ("f" if final else "")
+        flags += "" if payload else "q"
+        args = [self.worker, op.held.entry_id, tail.first, len(tail.tokens), payload, flags]
+        args += tail.tokens + (tail.logprobs or [])
+        if op.prompt_logprobs:
+            args.append(op.prompt_logprobs)
+        if final is not None:
+            state = "failed" if final.error else "finished"
+            error = final.error.message if final.error else ""
+            args += [state, final.finish_reason or "", error, time.time(), self.ttl]
+        return args
+
+
+def _op_args(op: _Op) -> list:
+    """One op of STEP_SCRIPT (scripts.py)."""
+    tail, final = op.held.tail, op.final
+    lps = tail.logprobs or []
+    flags = "a" + ("l" if op.held.logprobs else "") + ("p" if op.prompt_logprobs else "")
+    flags += "f" if final is not None else ""
+    args = [flags, op.held.entry_id, tail.first, len(tail.tokens), len(lps), *tail.tokens, *lps]
+    if op.prompt_logprobs:
+        args.append(op.prompt_logprobs)
+    if final is not None:
+        state = "failed" if final.error else "finished"
+        args += [state, final.finish_reason or "", final.error.message if final.error else ""]
+    return args
+
+
+def _logprobs(msg: OutputMessage) -> list[str] | None:
+    """A message's logprob entries as compact JSON (a record stores them so)."""
+    if not msg.tokens or not msg.logprobs:
+        return None
+    return [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
