@@ -63,7 +63,9 @@ class TokenGeneratorPipeline:
         self.inactivity_timeout = inactivity_timeout
         self.record_ttl = record_ttl
         self._engines_cache: tuple[float, list[EngineStatus]] = (0.0, [])
-        self.output = OutputReader(transport, self.engines, inactivity_timeout, no_worker_grace)
+        self.output = OutputReader(
+            transport, self.engines, inactivity_timeout, no_worker_grace, record_ttl
+        )
 
     # ---- tokenizing ------------------------------------------------------------------
     async def encode(

@@ -132,14 +132,3 @@ class OutputMessage:
             embeddings=data.get("embeddings"),
             prompt_logprobs=data.get("prompt_logprobs"),
         )
-
-
-def encode_step(messages: list[tuple[str, str]]) -> str:
-    """One step's messages for one API process: a JSON object of request id -> OutputMessage
-    (each already JSON: a worker encodes a message once, for the channel and the record)."""
-    return "{" + ",".join(f"{json.dumps(rid)}:{msg}" for rid, msg in messages) + "}"
-
-
-def decode_step(raw: str | bytes) -> dict[str, OutputMessage]:
-    """The messages of ``encode_step``, by request id."""
-    return {rid: OutputMessage.from_dict(msg) for rid, msg in json.loads(raw).items()}

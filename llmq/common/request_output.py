@@ -29,6 +29,10 @@ _POLL = 1.0  # seconds between checks of a silent request's state
 # silent request, fresh enough that a dead model is seen within a poll of its last heartbeat.
 _LIVENESS_AGE = 0.25
 _UNAVAILABLE = "unavailable"  # recover() could not read Redis
+# A request Redis lost before any output (a failover to a replica that had not received its
+# enqueue, a restart without persistence) is sent again by the process that holds it, this
+# many times at most.
+_MAX_RESENDS = 3
 
 
 @dataclass(slots=True)
@@ -38,6 +42,7 @@ class _Watch:
 
     last_activity: float
     unserved_since: float | None = None
+    resent: int = 0  # times the request was sent again after Redis lost it
 
 
 class OutputReader:
@@ -47,11 +52,13 @@ class OutputReader:
         engines: Callable[[float], Awaitable[list[EngineStatus]]],
         inactivity_timeout: float,
         no_worker_grace: float = 1.0,
+        record_ttl: int = 3600,
     ):
         self.transport = transport
         self.engines = engines  # live engines, read at most the given seconds ago
         self.inactivity_timeout = inactivity_timeout
         self.no_worker_grace = no_worker_grace
+        self.record_ttl = record_ttl
 
     async def messages(
         self, request: EngineRequest, queue: asyncio.Queue
@@ -67,6 +74,9 @@ class OutputReader:
             if msg is None:
                 msg, state = await self.recover(request, expected)
                 if msg is None:
+                    if state is None and expected == 0 and watch.resent < _MAX_RESENDS:
+                        await self._resend(request, watch)
+                        continue
                     await self._still_waiting(request, state, watch)
                     continue
             if isinstance(msg, LLMQError):  # put there by RequestStream.fail
@@ -140,6 +150,23 @@ class OutputReader:
                 f"no output for {_seconds(self.inactivity_timeout)}s; the request was cancelled",
                 code="inactivity_timeout",
             )
+
+    async def _resend(self, request: EngineRequest, watch: _Watch) -> None:
+        """Enqueue again a request Redis lost before any output (attached to, should another
+        process have sent it again first)."""
+        watch.resent += 1
+        ttl = int(max(1.0, request.deadline - time.time())) + self.record_ttl
+        try:
+            await self.transport.enqueue(request, 0, ttl, attach=True)
+        except Exception as exc:  # Redis still away: the next poll tries again
+            log.debug("request %s: sending it again failed: %s", request.id, exc)
+            return
+        watch.last_activity = time.monotonic()
+        log.warning(
+            "request %s: Redis lost it before any output (a failover or a restart without "
+            "persistence); sent again",
+            request.id,
+        )
 
     async def _served(self, request: EngineRequest, state: str | None, max_age: float) -> bool:
         """Whether a live worker serves the request's model (engines read at most ``max_age``

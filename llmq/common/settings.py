@@ -118,6 +118,13 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(
         3, description="Times a request may be delivered to workers before it is dead-lettered."
     )
+    stream_interval_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Least milliseconds between two output messages of a worker: tokens wait, "
+        "merged, until then (first tokens, final messages and errors go at once); fewer Redis "
+        "calls for fast workers. 0: one message a step.",
+    )
     request_ttl: int = Field(
         120, description="Seconds a finished request's record and tokens stay in Redis."
     )

@@ -20,6 +20,7 @@ from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, EngineRequest, OutputMessage
 from llmq.common.transport import Emission, PulledRequest, Refusal
 from llmq.worker.backends import Backend
+from llmq.worker.coalescer import Coalescer
 from llmq.worker.engine_queue import EngineQueue
 from llmq.worker.failed_step import step_one_by_one
 from llmq.worker.heartbeat import Heartbeat
@@ -56,6 +57,7 @@ class EngineLoop:
         idle_block_ms: int = 100,
         clock: Callable[[], float] = time.time,
         stall_timeout: float = 0.0,
+        stream_interval_s: float = 0.0,
     ):
         self.backend = backend
         self.transport = transport
@@ -77,6 +79,7 @@ class EngineLoop:
         self._last_deadline_check = 0.0
         self.grace_period = 5.0
         self._unsent: list[Emission] = []  # emissions a Redis outage kept from going out
+        self.coalescer = Coalescer(stream_interval_s, clock)
         self._set_up = False  # the transport is set up (false at start and after an outage)
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -196,13 +199,15 @@ class EngineLoop:
             log.exception("engine step failed; stepping its requests one by one")
             news = self._step_one_by_one()
         emissions = [e for rid, msg in news if (e := self._emission(rid, msg)) is not None]
-        if emissions or self._unsent:
+        if emissions or self._unsent or self.coalescer.due():
             self._publish(emissions)
 
     def _publish(self, emissions: list[Emission]) -> None:
         """Send emissions, after any an outage held back; on failure keep them all for the
         next try (writes are idempotent and clients drop repeats)."""
-        self._unsent.extend(emissions)
+        self._unsent.extend(self.coalescer.take(emissions))
+        if not self._unsent:
+            return
         refused = self.transport.emit(self._unsent)
         self._unsent = []
         for r in refused:
@@ -213,6 +218,7 @@ class EngineLoop:
         lost its tail (mended from this worker's own tokens where it can, else failed: the
         next tokens would land at the wrong positions)."""
         if r.owner is not None:
+            self.coalescer.drop(r.request_id)
             if self.active.pop(r.request_id, None) is not None:
                 self.backend.abort(r.request_id)
             log.warning(

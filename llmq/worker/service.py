@@ -100,4 +100,5 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
         heartbeat_ttl=settings.heartbeat_ttl,
         max_deliveries=settings.max_deliveries,
         stall_timeout=settings.stall_timeout,
+        stream_interval_s=settings.stream_interval_ms / 1000,
     )

@@ -6,7 +6,6 @@ stream interleaved tokens of two continuations."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -16,8 +15,10 @@ from collections import defaultdict
 import redis
 
 from llmq.common.model_loader import load_tokenizer
+from llmq.common.protocol import OutputMessage
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
+from llmq.common.transport.output_log import decode_frame
 from tests.harness import heartbeat, start_worker, wait_for, wait_worker
 from tests.pipeline_client import open_pipeline, prompts, stream_of
 
@@ -33,7 +34,7 @@ class Published:
     def __init__(self, url: str):
         self.pubsub = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
         self.pubsub.psubscribe("llmq:replies:*")
-        self.messages: list[tuple[str, dict]] = []
+        self.messages: list[tuple[str, OutputMessage]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -42,7 +43,7 @@ class Published:
         while not self._stop.is_set():
             msg = self.pubsub.get_message(timeout=0.1)
             if msg and msg["type"] == "pmessage":
-                self.messages.extend(json.loads(msg["data"]).items())
+                self.messages.extend(decode_frame(msg["data"]).items())
 
     def close(self) -> None:
         self._stop.set()
@@ -139,9 +140,9 @@ def test_a_frozen_worker_publishes_nothing_for_requests_claimed_from_it(llama_di
     by_index: dict[tuple[str, int], set[int]] = defaultdict(set)
     finals: dict[str, int] = defaultdict(int)
     for rid, msg in published.messages:
-        for j, t in enumerate(msg["tokens"]):
-            by_index[(rid, msg["index"] + j)].add(t)
-        finals[rid] += "finish_reason" in msg or "error" in msg
+        for j, t in enumerate(msg.tokens):
+            by_index[(rid, msg.index + j)].add(t)
+        finals[rid] += msg.done
     twice = {k: v for k, v in by_index.items() if len(v) > 1}
     assert not twice, f"indexes published with different tokens: {sorted(twice)[:5]}"
     assert finals == {f"f{i}": 1 for i in range(N_REQUESTS)}

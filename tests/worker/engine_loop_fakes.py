@@ -261,6 +261,7 @@ def make_loop(
     max_deliveries: int = 3,
     heartbeat_ttl: float = 5.0,
     stall_timeout: float = 0.0,
+    stream_interval_s: float = 0.0,
 ) -> tuple[EngineLoop, MemoryQueue, ScriptedBackend, Clock]:
     queue, clock = MemoryQueue(), Clock()
     backend = backend or ScriptedBackend()
@@ -272,6 +273,7 @@ def make_loop(
         max_deliveries=max_deliveries,
         clock=clock,
         stall_timeout=stall_timeout,
+        stream_interval_s=stream_interval_s,
     )
     return loop, queue, backend, clock
 

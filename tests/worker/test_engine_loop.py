@@ -208,3 +208,37 @@ def test_a_stop_with_grace_finishes_what_fits_and_hands_nothing_back():
     assert [m.finish_reason for m in queue.messages("r2")] == [None] * 7 + ["length"]
     assert queue.held == {} and sorted(queue.acked) == ["e1", "e2"]
     assert queue.heartbeat_removed and not queue.handback_announced
+
+
+# ---- coalescing (LLMQ_STREAM_INTERVAL_MS) ------------------------------------------------
+def test_an_interval_merges_tokens_but_sends_first_tokens_and_ends_at_once():
+    loop, queue, _, clock = make_loop(stream_interval_s=0.05)
+    queue.waiting = [pulled(1, max_tokens=9)]
+    sent = []  # (turn, index, tokens, final) of every message, as it leaves the loop
+    for t in range(10):
+        before = len(queue.emitted)
+        turn(loop)
+        clock.now += 0.02  # a step of 20 ms: a message at most every third step
+        for e in queue.emitted[before:]:
+            m = e.message
+            sent.append((t, m.index, [x % 1000 for x in m.tokens], m.finish_reason))
+    assert sent == [
+        (0, 0, [0], None),  # the first token at once
+        (3, 1, [1, 2, 3], None),  # then what 60 ms gathered, merged
+        (6, 4, [4, 5, 6], None),
+        (8, 7, [7, 8], "length"),  # the end at once, with what waited
+    ]
+    assert queue.records["r1"] == [token("r1", i) for i in range(9)]
+
+
+def test_no_interval_sends_every_step():
+    loop, queue, _, _ = make_loop()
+    queue.waiting = [pulled(1, max_tokens=3)]
+    for _ in range(5):
+        turn(loop)
+    messages = queue.messages("r1")
+    assert [(m.index, len(m.tokens), m.finish_reason) for m in messages] == [
+        (0, 1, None),
+        (1, 1, None),
+        (2, 1, "length"),
+    ]

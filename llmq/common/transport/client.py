@@ -4,7 +4,7 @@ their output messages, and read requests', queues' and engines' state.
 Each process listens on one channel of its own (``{p}:replies:{replica}``), named in every
 request it enqueues: a worker sends it one message a step with the news of all its requests
 (a SUBSCRIBE and an UNSUBSCRIBE per request, and a PUBLISH per request and step, were most of
-Redis's work per token)."""
+Redis's work per token). A message is a frame of ``output_log.encode_frame``.."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import redis
 import redis.asyncio as aioredis
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.protocol import EngineRequest, decode_step
+from llmq.common.protocol import EngineRequest
 from llmq.common.transport.keys import CANCEL_SCRIPT, ENQUEUE_SCRIPT, GROUP, Keys, as_text
-from llmq.common.transport.output_log import merge
+from llmq.common.transport.output_log import decode_frame, merge
 from llmq.common.transport.scripts import READ_SCRIPT
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class AsyncTransport:
 
     def _route(self, data: bytes) -> None:
         try:
-            messages = decode_step(data)
+            messages = decode_frame(data)
         except (ValueError, TypeError, AttributeError) as exc:
             log.warning("unreadable output message dropped: %r (%s)", data[:200], exc)
             return

@@ -164,14 +164,11 @@ class EngineTransport:
         pulled = [p for p in pulled if p.request is not None]
         if not pulled:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        sha = self._sha(RUNNING_SCRIPT)
-        now = time.time()
-        for p in pulled:
-            keys = (self.keys.req(p.request.id), "", "", "", self.stream)
-            pipe.evalsha(sha, 5, *keys, self.worker, p.entry_id, now)
+        keys = [self.stream, *(self.keys.req(p.request.id) for p in pulled)]
+        args = [self.worker, time.time(), *(p.entry_id for p in pulled)]
+        replies = self.r.evalsha(self._sha(RUNNING_SCRIPT), len(keys), *keys, *args)
         refused = []
-        for p, reply in zip(pulled, pipe.execute(), strict=True):
+        for p, reply in zip(pulled, replies, strict=True):
             rid = p.request.id
             if reply == 0:
                 self.writer.hold(rid, p.entry_id, p.request.reply_to, len(p.prior_tokens))

@@ -8,8 +8,10 @@ so a step costs a few Redis commands whatever its batch (measured in ``bench/red
 Readers (a client filling a gap, a claimer, a worker taking its own requests back) read both:
 the list, then the owner's log values for the request, merged by position.
 
-A log value is ``index|t1,t2,...|lp1\\nlp2...`` (the logprob entries as compact JSON, one a line;
-JSON never holds a raw newline): Lua splits it without a JSON parser (``scripts.ABSORB``).
+A step's log entry holds what the step published, a field per API process's channel (its
+frame, ``encode_frame``). A request's value in it is ``index|t1,t2,...|lp1\\nlp2...`` (the
+logprob entries as compact JSON, one a line; JSON never holds a raw newline): Lua splits it
+without a JSON parser (``scripts._ABSORB``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,46 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from llmq.common.protocol import OutputMessage
+
 # Steps between two moves of every tail into its request's list (and a trim of the log). A
 # claimer or a reader scans at most this many log entries; 64 makes the moves cost about 0.03
 # Redis commands per token at 64 streams.
 CONSOLIDATE_EVERY = 64
 # The field a claimer adds to the old owner's log: its next step sees the log changed under it.
 CLAIM_MARK = "~claimed"
+
+
+def encode_frame(messages: list[tuple[str, OutputMessage]]) -> str:
+    """One step's messages for one API process, published and logged as they are (one copy
+    into Redis, not two: a 4 KB argument measured 4.5 us of Redis CPU inside a script):
+    ``\\x1e<request id>\\x1f<value>`` each, the value compact (``encode_value``) for a message
+    of tokens only, else the message's JSON (a final, an error, prompt logprobs; their tokens
+    reach the list with the step's per-request work)."""
+    return "".join(f"\x1e{rid}\x1f{_frame_value(msg)}" for rid, msg in messages)
+
+
+def _frame_value(msg: OutputMessage) -> str:
+    plain = msg.finish_reason is None and msg.error is None and msg.usage is None
+    plain = plain and msg.worker is None and msg.embeddings is None
+    if not plain or msg.prompt_logprobs is not None:
+        return msg.to_json()
+    lps = [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs] if msg.logprobs else None
+    return encode_value(msg.index, msg.tokens, lps)
+
+
+def decode_frame(raw: str | bytes) -> dict[str, OutputMessage]:
+    """The messages of ``encode_frame``, by request id."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    messages = {}
+    for record in text.split("\x1e")[1:]:
+        rid, _, value = record.partition("\x1f")
+        if value.startswith("{"):
+            messages[rid] = OutputMessage.from_json(value)
+        else:
+            index, tokens, lps = decode_value(value)
+            messages[rid] = OutputMessage(index=index, tokens=tokens, logprobs=lps)
+    return messages
 
 
 def encode_value(index: int, tokens: list[int], logprobs: list[str] | None) -> str:

@@ -23,6 +23,18 @@ end
 if own[1] and own[1] ~= ARGV[1] then return 'fenced:' .. own[1] end
 """
 
+# Lua: RPUSH ARGV[from..to] onto a list, a thousand at a time (one command, not one a token;
+# Lua's unpack has a stack limit).
+_PUSH = """
+local function push(key, from, to)
+  while from <= to do
+    local last = math.min(to, from + 999)
+    redis.call('RPUSH', key, unpack(ARGV, from, last))
+    from = last + 1
+  end
+end
+"""
+
 # One request's news written alone (a worker's first writes, and every write after its log
 # changed under it: a claim, or Redis lost its tail). KEYS: req, tokens, logprobs, channel,
 # stream. ARGV: worker, entry, index, token count n, payload (published unless flag 'q'),
@@ -32,17 +44,18 @@ if own[1] and own[1] ~= ARGV[1] then return 'fenced:' .. own[1] end
 # sent again records nothing twice); a record shorter than ``index`` lost its tail (Redis
 # restarted without it): nothing is appended out of place, and 'lost:<length>' says so.
 WRITE_SCRIPT = (
-    _FENCE
+    _PUSH
+    + _FENCE
     + f"""
 local first, n, flags = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
 local at = 6 + n
 local have = redis.call('LLEN', KEYS[2])
 if have < first then return 'lost:' .. have end
-for i = have - first + 1, n do redis.call('RPUSH', KEYS[2], ARGV[6 + i]) end
+push(KEYS[2], 7 + have - first, 6 + n)
 if string.find(flags, 'l', 1, true) then
   local lps = redis.call('LLEN', KEYS[3])
   if lps < first then return 'lost:' .. lps end
-  for i = lps - first + 1, n do redis.call('RPUSH', KEYS[3], ARGV[at + i]) end
+  push(KEYS[3], at + 1 + lps - first, at + n)
   at = at + n
 end
 if string.find(flags, 'p', 1, true) then
@@ -64,29 +77,27 @@ return 0
 
 # One step of a worker, every request's news in one call, a few commands whatever the batch.
 # KEYS: the worker's log, its stream, then req, tokens, logprobs of each op. ARGV: the log's
-# last entry as the worker left it, worker, now, record TTL, '1' to move (trim the log to its
-# last entry), then the count and the (request id, log value) pairs to log, the count and the
-# (channel, payload) pairs to publish, then the ops: flags ('a' append, 'l' logprobs, 'p'
+# length as the worker left it, worker, now, record TTL, '1' to move (trim the log to its
+# last entry), the count and the (channel, frame) pairs to publish and log (the entry's
+# fields: ``output_log.encode_frame``), then the ops: flags ('a' append, 'l' logprobs, 'p'
 # prompt logprobs follow, 'f' final: state, finish_reason, error follow), entry, first index,
 # token count n, logprob count, the tokens, the logprob entries, [prompt], [final].
-# A log whose last entry is not the worker's (a claimer marked it, or Redis lost its tail)
-# writes nothing: {'check', last entry}; else {last entry, op number, refusal, ...}.
-STEP_SCRIPT = f"""
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local lid = ''
-if last[1] then lid = last[1][1] end
-if lid ~= ARGV[1] then return {{'check', lid}} end
-local np, at = tonumber(ARGV[6]), 7
-if np > 0 then
-  local fields = {{}}
-  for i = 1, 2 * np do fields[i] = ARGV[at + i - 1] end
-  lid = redis.call('XADD', KEYS[1], '*', unpack(fields))
-  at = at + 2 * np
+# A log whose length is not the worker's (a claimer added its mark, or Redis lost its tail)
+# writes nothing: {'check', length}; else {length, op number, refusal, ...}. (XLEN, not the
+# last entry's id: XREVRANGE returns the whole entry, 15 us at 64 requests a step.)
+STEP_SCRIPT = (
+    _PUSH
+    + f"""
+local length = redis.call('XLEN', KEYS[1])
+if length ~= tonumber(ARGV[1]) then return {{'check', length}} end
+local nc, channels = tonumber(ARGV[6]), 7
+local at = channels + 2 * nc
+if nc > 0 then
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, channels, at - 1))
+  if length == 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+  length = length + 1
 end
-local nc = tonumber(ARGV[at])
-local channels = at + 1
-at = channels + 2 * nc
-local result, op = {{lid}}, 0
+local result, op = {{length}}, 0
 while at <= #ARGV do
   local req, tk, lk = KEYS[3 + 3 * op], KEYS[4 + 3 * op], KEYS[5 + 3 * op]
   op = op + 1
@@ -105,15 +116,11 @@ while at <= #ARGV do
   if not why then
     local have = redis.call('LLEN', tk)
     if have < first then why = 'lost:' .. have end
-    if not why then
-      for i = have - first + 1, n do redis.call('RPUSH', tk, ARGV[t0 + i - 1]) end
-    end
+    if not why then push(tk, t0 + have - first, t0 + n - 1) end
     if not why and nl > 0 then
       local lps = redis.call('LLEN', lk)
       if lps < first then why = 'lost:' .. lps end
-      if not why then
-        for i = lps - first + 1, nl do redis.call('RPUSH', lk, ARGV[t0 + n + i - 1]) end
-      end
+      if not why then push(lk, t0 + n + lps - first, t0 + n + nl - 1) end
     end
   end
   if string.find(flags, 'p', 1, true) then
@@ -140,11 +147,31 @@ end
 for c = 0, nc - 1 do
   redis.call('PUBLISH', ARGV[channels + 2 * c], ARGV[channels + 2 * c + 1])
 end
-if ARGV[5] == '1' then
+if ARGV[5] == '1' and length > 1 then
   redis.call('XTRIM', KEYS[1], 'MAXLEN', 1)
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  result[1] = 1
 end
+if ARGV[5] == '1' then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
 return result
+"""
+)
+
+# Lua: a request's value in a log entry's fields (frames, ``output_log.encode_frame``), or nil
+# (none, or a JSON message: its tokens went to the list).
+_VALUE_OF = """
+local function value_of(fields, rid)
+  for i = 2, #fields, 2 do
+    local s = fields[i]
+    local _, stop = string.find(s, '\\30' .. rid .. '\\31', 1, true)
+    if stop then
+      local next_one = string.find(s, '\\30', stop + 1, true)
+      local v = string.sub(s, stop + 1, (next_one or 0) - 1)
+      if string.sub(v, 1, 1) == '{' then return nil end
+      return v
+    end
+  end
+  return nil
+end
 """
 
 # Lua: move into a request's list (tk, lk: its tokens and logprobs) what the log ``log`` holds
@@ -153,31 +180,28 @@ _ABSORB = """
 local function absorb(log, rid, tk, lk)
   local have, lps = redis.call('LLEN', tk), redis.call('LLEN', lk)
   for _, e in ipairs(redis.call('XRANGE', log, '-', '+')) do
-    local f = e[2]
-    for i = 1, #f - 1, 2 do
-      if f[i] == rid then
-        local v = f[i + 1]
-        local a = string.find(v, '|', 1, true)
-        local b = string.find(v, '|', a + 1, true)
-        local first = tonumber(string.sub(v, 1, a - 1))
-        if first > have then return have end
-        local j = first
-        for t in string.gmatch(string.sub(v, a + 1, (b or 0) - 1), '[^,]+') do
-          if j == have then
-            redis.call('RPUSH', tk, t)
-            have = have + 1
+    local v = value_of(e[2], rid)
+    if v then
+      local a = string.find(v, '|', 1, true)
+      local b = string.find(v, '|', a + 1, true)
+      local first = tonumber(string.sub(v, 1, a - 1))
+      if first > have then return have end
+      local j = first
+      for t in string.gmatch(string.sub(v, a + 1, (b or 0) - 1), '[^,]+') do
+        if j == have then
+          redis.call('RPUSH', tk, t)
+          have = have + 1
+        end
+        j = j + 1
+      end
+      if b then
+        j = first
+        for l in string.gmatch(string.sub(v, b + 1), '[^\\n]+') do
+          if j == lps then
+            redis.call('RPUSH', lk, l)
+            lps = lps + 1
           end
           j = j + 1
-        end
-        if b then
-          j = first
-          for l in string.gmatch(string.sub(v, b + 1), '[^\\n]+') do
-            if j == lps then
-              redis.call('RPUSH', lk, l)
-              lps = lps + 1
-            end
-            j = j + 1
-          end
         end
       end
     end
@@ -186,16 +210,29 @@ local function absorb(log, rid, tk, lk)
 end
 """
 
-# A request taken into service (pulled, claimed or resumed): owned by this worker unless
-# another took it over meanwhile. KEYS: req, -, -, -, stream. ARGV: worker, entry, now.
-RUNNING_SCRIPT = (
-    _FENCE
-    + """
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'entry', ARGV[2],
-  'started', ARGV[3])
-return 0
+# Requests taken into service (pulled, claimed or resumed), in one call: each owned by this
+# worker unless another took it over meanwhile (or it runs under another entry now). KEYS: the
+# stream, each request's hash. ARGV: worker, now, each request's entry. Returns one reply a
+# request: 0, or 'fenced:<owner>'.
+RUNNING_SCRIPT = f"""
+local replies = {{}}
+for i = 2, #KEYS do
+  local entry = ARGV[i + 1]
+  local own = redis.call('HMGET', KEYS[i], 'worker', 'entry')
+  if own[2] and own[2] ~= entry then
+    redis.call('XACK', KEYS[1], '{GROUP}', entry)
+    redis.call('XDEL', KEYS[1], entry)
+    replies[i - 1] = 'fenced:' .. (own[1] or '')
+  elseif own[1] and own[1] ~= ARGV[1] then
+    replies[i - 1] = 'fenced:' .. own[1]
+  else
+    redis.call('HSET', KEYS[i], 'state', 'running', 'worker', ARGV[1], 'entry', entry,
+      'started', ARGV[2])
+    replies[i - 1] = 0
+  end
+end
+return replies
 """
-)
 
 # Take over one entry of a dead worker, with its request: XCLAIM (only if still idle for
 # ARGV[3] ms, so a second claimer loses the race), the old owner's log tail moved into the
@@ -205,7 +242,8 @@ return 0
 # worker, min idle, entry, log key prefix, request id, log TTL. Returns false (not claimed),
 # 'stale' (an entry its request no longer runs under: dropped), or {fields, state, tokens}.
 CLAIM_SCRIPT = (
-    _ABSORB
+    _VALUE_OF
+    + _ABSORB
     + f"""
 local got = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 if #got == 0 or not got[1] or not got[1][2] then
@@ -233,7 +271,8 @@ return {{got[1][2], own[3] or '', redis.call('LRANGE', KEYS[3], 0, -1)}}
 # into their lists first. KEYS: req, tokens, logprobs. ARGV: log key, request id. Returns
 # {state, tokens}.
 TAKE_SCRIPT = (
-    _ABSORB
+    _VALUE_OF
+    + _ABSORB
     + """
 absorb(ARGV[1], ARGV[2], KEYS[2], KEYS[3])
 return {redis.call('HGET', KEYS[1], 'state') or '', redis.call('LRANGE', KEYS[2], 0, -1)}
@@ -243,7 +282,9 @@ return {redis.call('HGET', KEYS[1], 'state') or '', redis.call('LRANGE', KEYS[2]
 # A reader's view of a request, in one atomic read: its hash, its list of tokens (and
 # logprobs, with ARGV[3] = '1'), and the values its owner's log holds for it. KEYS: req,
 # tokens, logprobs. ARGV: log key prefix, request id, '1' for logprobs.
-READ_SCRIPT = """
+READ_SCRIPT = (
+    _VALUE_OF
+    + """
 local h = redis.call('HGETALL', KEYS[1])
 local worker
 for i = 1, #h - 1, 2 do
@@ -254,11 +295,10 @@ if ARGV[3] == '1' then lps = redis.call('LRANGE', KEYS[3], 0, -1) end
 local values = {}
 if worker then
   for _, e in ipairs(redis.call('XRANGE', ARGV[1] .. worker, '-', '+')) do
-    local f = e[2]
-    for i = 1, #f - 1, 2 do
-      if f[i] == ARGV[2] then values[#values + 1] = f[i + 1] end
-    end
+    local v = value_of(e[2], ARGV[2])
+    if v then values[#values + 1] = v end
   end
 end
 return {h, redis.call('LRANGE', KEYS[2], 0, -1), lps, values}
 """
+)

@@ -2,10 +2,11 @@
 in the worker's log, publishes one message per API process, and finishes the requests that
 ended; every ``CONSOLIDATE_EVERY`` steps it also moves the tails into the requests' lists.
 
-The log's last entry fences the whole step: a claimer marks the old owner's log, and Redis
-losing its tail changes it too; either way the step writes nothing and this worker writes
-every request it holds alone (WRITE_SCRIPT: owner checked, record mended), as before the log
-existed, then goes on from the log as it found it."""
+The log's length fences the whole step: a claimer adds a mark to the old owner's log, and
+Redis losing its tail shortens it (and breaks this worker's connection, after which it checks
+again anyway); either way the step writes nothing and this worker writes every request it
+holds alone (WRITE_SCRIPT: owner checked, record mended), then goes on from the log's length
+as it found it."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from llmq.common.protocol import OutputMessage, encode_step
+from llmq.common.protocol import OutputMessage
 from llmq.common.transport.keys import Keys, as_text
-from llmq.common.transport.output_log import CONSOLIDATE_EVERY, Tail, encode_value
+from llmq.common.transport.output_log import CONSOLIDATE_EVERY, Tail, encode_frame
 from llmq.common.transport.scripts import STEP_SCRIPT, WRITE_SCRIPT
 
 
@@ -75,14 +76,14 @@ class StepWriter:
         self.ttl = ttl
         self.log = keys.log(worker)
         self.held: dict[str, _Held] = {}
-        self._last: str | None = None  # the log's last entry as this worker left it
+        self._length: int | None = None  # the log's length as this worker left it
         self._steps = 0
         self._shas: dict[str, str] = {}
 
     def reset(self) -> None:
         """After an outage: scripts to load again, and the log to check."""
         self._shas.clear()
-        self._last = None
+        self._length = None
 
     def hold(self, request_id: str, entry_id: str, reply_to: str, recorded: int) -> None:
         channel = reply_to or self.keys.out(request_id)
@@ -101,7 +102,10 @@ class StepWriter:
 
     # ---- one step ------------------------------------------------------------------------
     def emit(self, emissions: list[Emission]) -> list[Refusal]:
+        emissions = list(emissions)
         ops = self._apply(emissions)
+        if not emissions and not ops:
+            return []
         move = self._steps + 1 >= CONSOLIDATE_EVERY and any(
             h.tail.tokens for h in self.held.values()
         )
@@ -110,12 +114,12 @@ class StepWriter:
             ops += [
                 _Op(rid, h) for rid, h in self.held.items() if h.tail.tokens and rid not in finals
             ]
-        if self._last is None:
+        if self._length is None:
             return self._write_alone(emissions, ops)
         reply = self._step(emissions, ops, move)
         if as_text(reply[0]) == "check":
             return self._write_alone(emissions, ops)
-        self._last = as_text(reply[0])
+        self._length = int(reply[0])
         self._steps = 0 if move else self._steps + 1
         refused = {int(reply[i]) - 1: as_text(reply[i + 1]) for i in range(1, len(reply), 2)}
         return self._settle(ops, refused)
@@ -123,9 +127,12 @@ class StepWriter:
     def _apply(self, emissions: list[Emission]) -> list[_Op]:
         """Add the emissions' tokens to their tails; the per-request work they need."""
         ops = []
-        for e in emissions:
+        for e in list(emissions):
             msg = e.message
             held = self.held.get(e.request_id)
+            if held is None and not msg.done:  # not this worker's (any more): not sent
+                emissions.remove(e)
+                continue
             if held is None:  # failed before it was taken into service
                 channel = e.reply_to or self.keys.out(e.request_id)
                 held = _Held(e.entry_id, channel, Tail(msg.index))
@@ -139,21 +146,16 @@ class StepWriter:
         return ops
 
     def _step(self, emissions: list[Emission], ops: list[_Op], move: bool) -> list:
-        pairs: list[str] = []
-        channels: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        channels: dict[str, list[tuple[str, OutputMessage]]] = defaultdict(list)
         for e in emissions:
-            msg = e.message
-            channel = self.held[e.request_id].channel if e.request_id in self.held else None
-            channels[channel or e.reply_to or self.keys.out(e.request_id)].append(
-                (e.request_id, msg.to_json())
-            )
-            if msg.tokens and not msg.done and not move:
-                pairs += [e.request_id, encode_value(msg.index, msg.tokens, _logprobs(msg))]
+            held = self.held.get(e.request_id)
+            channel = held.channel if held else e.reply_to or self.keys.out(e.request_id)
+            channels[channel].append((e.request_id, e.message))
         keys = [self.log, self.stream]
-        args: list = [self._last, self.worker, time.time(), self.ttl, "1" if move else "0"]
-        args += [len(pairs) // 2, *pairs, len(channels)]
+        args: list = [self._length, self.worker, time.time(), self.ttl, "1" if move else "0"]
+        args.append(len(channels))
         for channel, messages in channels.items():
-            args += [channel, encode_step(messages)]
+            args += [channel, encode_frame(messages)]
         for op in ops:
             k = self.keys
             keys += [k.req(op.request_id), k.tokens(op.request_id), k.logprobs(op.request_id)]
@@ -193,9 +195,9 @@ class StepWriter:
     # ---- the log changed under this worker -----------------------------------------------
     def _write_alone(self, emissions: list[Emission], ops: list[_Op]) -> list[Refusal]:
         """Every request this worker holds (and this step's others) written alone, its owner
-        checked and its record mended; then on from the log's last entry, read first, so
-        that a claim after these checks changes it again."""
-        last = self.r.xrevrange(self.log, count=1)
+        checked and its record mended; then on from the log's length, read first, so that a
+        claim after these checks changes it again."""
+        length = self.r.xlen(self.log)
         finals = {op.request_id: op for op in ops}
         published = {e.request_id: e.message for e in emissions}
         rids = list(dict.fromkeys([*self.held, *finals]))
@@ -206,7 +208,7 @@ class StepWriter:
             k = self.keys
             keys = (k.req(rid), k.tokens(rid), k.logprobs(rid), op.held.channel, self.stream)
             msg = published.get(rid)
-            payload = encode_step([(rid, msg.to_json())]) if msg is not None else ""
+            payload = encode_frame([(rid, msg)]) if msg is not None else ""
             pipe.evalsha(sha, 5, *keys, *self._write_args(op, payload))
         replies = pipe.execute()
         refusals = []
@@ -218,7 +220,7 @@ class StepWriter:
                 self.forget(rid)
             else:
                 op.held.tail.moved()
-        self._last = as_text(last[0][0]) if last else ""
+        self._length = int(length)
         self._steps = 0
         return refusals
 
