@@ -245,7 +245,7 @@ class ThroughWorker:
                     first, first_wall = time.perf_counter() - t, time.time()
         finally:
             await stream.aclose()
-        state, _ = await self.transport.request_state(stream.id)
+        state, _, _ = await self.transport.request_state(stream.id, stream.request.model)
         started = float(state.get("started") or "nan")
         return {
             "ttft": first,

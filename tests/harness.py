@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from llmq.common.redis_clients import tool_client
+from llmq.common.redis_cluster import is_cluster_url
+from llmq.common.transport import Keys
 
 LLMQ = str(Path(sys.executable).parent / "llmq")
 
@@ -100,19 +102,25 @@ def start_worker(
     return proc
 
 
+def engine_key(redis_url: str, name: str, prefix: str = "llmq") -> str:
+    """The key of a worker's heartbeat (hash-tagged on a Redis Cluster)."""
+    return Keys(prefix, cluster=is_cluster_url(redis_url)).engine(name)
+
+
 def wait_worker(redis_url: str, name: str, proc: Proc, prefix: str = "llmq", timeout=90.0) -> None:
-    client = tool_client(redis_url)  # a sentinel:// URL too
+    client = tool_client(redis_url)  # a sentinel:// or redis+cluster:// URL too
+    key = engine_key(redis_url, name, prefix)
 
     def ready():
         if not proc.alive():
             raise RuntimeError(f"worker {name} exited:\n{proc.log()}")
-        return client.exists(f"{prefix}:engines:{name}")
+        return client.exists(key)
 
     wait_for(ready, timeout, f"worker {name}")
 
 
 def heartbeat(redis_url: str, name: str, prefix: str = "llmq") -> dict[str, str]:
-    raw = tool_client(redis_url).hgetall(f"{prefix}:engines:{name}")
+    raw = tool_client(redis_url).hgetall(engine_key(redis_url, name, prefix))
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 

@@ -17,12 +17,12 @@ from llmq.api.streaming import watch_shutdown
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
 from llmq.common.generation import GenerationService
 from llmq.common.model_registry import ModelRegistry
-from llmq.common.redis_clients import async_client
+from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.responses_store import ResponsesStore
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import Store
 from llmq.common.tenants import ANONYMOUS, owner_id
-from llmq.common.transport import AsyncTransport, Keys
+from llmq.common.transport import AsyncTransport
 
 log = logging.getLogger("llmq.api")
 
@@ -113,7 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.redis_max_connections,
             settings.redis_sentinel_master,
         )
-        transport = AsyncTransport(client, Keys(settings.key_prefix))
+        transport = AsyncTransport(client, keys_for(settings))
         app.state.redis = client
         app.state.transport = transport
         app.state.registry = ModelRegistry(transport, settings)

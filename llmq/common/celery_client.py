@@ -11,6 +11,7 @@ import threading
 
 from celery import Celery
 
+from llmq.common.redis_cluster import is_cluster_url
 from llmq.common.redis_sentinel import is_sentinel_url
 from llmq.common.settings import Settings
 
@@ -22,7 +23,12 @@ def broker_url(settings: Settings) -> str:
     """Celery refuses a rediss:// URL without ssl_cert_reqs; default it to verifying the
     server's certificate (redis-py reads the same query parameter), so TLS is configured by the
     URL alone."""
-    url = settings.redis_url_or_default()
+    url = settings.celery_broker_url or settings.redis_url_or_default()
+    if is_cluster_url(url):
+        raise ValueError(
+            "Celery's broker cannot be a Redis Cluster: set LLMQ_CELERY_BROKER_URL to one Redis "
+            "node (or a sentinel:// set) for batch tasks"
+        )
     if url.startswith("rediss://") and "ssl_cert_reqs" not in url:
         url += ("&" if "?" in url else "?") + "ssl_cert_reqs=required"
     return url
@@ -58,7 +64,7 @@ _senders_lock = threading.Lock()
 def _sender(settings: Settings) -> Celery:
     """One sending app per broker, key prefix and sentinel master, built on first use (dispatch runs in
     threads)."""
-    key = (settings.redis_url_or_default(), settings.key_prefix, settings.redis_sentinel_master)
+    key = (broker_url(settings), settings.key_prefix, settings.redis_sentinel_master)
     with _senders_lock:
         app = _senders.get(key)
         if app is None:

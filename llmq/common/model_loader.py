@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,9 +62,20 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+_TOKENIZER_LOAD = threading.Lock()
+
+
 def load_tokenizer(model: str):
     """The model's tokenizer. A fast tokenizer (tokenizer.json) loads without the model
-    classes, so the API never imports torch; others go through AutoTokenizer."""
+    classes, so the API never imports torch; others go through AutoTokenizer. One load at a
+    time: transformers imports its classes lazily, and two threads importing at once (the
+    default model's preload and a first request for another model) made one of them fail
+    with "cannot import name 'PreTrainedTokenizerFast'"."""
+    with _TOKENIZER_LOAD:
+        return _load_tokenizer(model)
+
+
+def _load_tokenizer(model: str):
     from transformers import PreTrainedTokenizerFast
 
     _quiet_transformers()

@@ -165,16 +165,16 @@ class TokenGeneratorPipeline:
             priority=priority,
             deadline=started + timeout,
             created=started,
-            reply_to=self.transport.reply_channel,
+            reply_to=self.transport.reply_to(model or self.model),
         )
-        queue = await self.transport.subscribe(request_id)
+        queue = await self.transport.subscribe(request_id, request.model)
         try:
             entry = await self._enqueue(request, timeout, attach, queue_slots)
         except BaseException:
-            self.transport.release(request_id, cancel=True)  # it may have been enqueued
+            self.transport.release(request_id, request.model, cancel=True)  # it may be enqueued
             raise
         if entry is None:
-            self.transport.release(request_id, cancel=False)
+            self.transport.release(request_id, request.model, cancel=False)
             raise QueueFull(f"the queue holds {self.max_queue} requests; retry shortly")
         return RequestStream(self, request, queue, stop or [], include_stop)
 
@@ -224,9 +224,9 @@ class TokenGeneratorPipeline:
             priority=priority,
             deadline=started + timeout,
             created=started,
-            reply_to=self.transport.reply_channel,
+            reply_to=self.transport.reply_to(model or self.model),
         )
-        queue = await self.transport.subscribe(request_id)
+        queue = await self.transport.subscribe(request_id, request.model)
         finished = False
         try:
             entry = await self._enqueue(request, timeout, attach, 1)
@@ -244,7 +244,7 @@ class TokenGeneratorPipeline:
                 )
             raise EngineFailure("the embedding request ended without a result")
         finally:
-            self.transport.release(request_id, cancel=not finished)
+            self.transport.release(request_id, request.model, cancel=not finished)
 
     async def all_tokens(
         self, prompt_token_ids: list[int], params: SamplingParams, **kwargs

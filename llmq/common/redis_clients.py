@@ -10,7 +10,9 @@ import redis.asyncio as aioredis
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
 
+from llmq.common.redis_cluster import is_cluster_url, parse_cluster_url
 from llmq.common.redis_sentinel import is_sentinel_url, parse_sentinel_url
+from llmq.common.transport.keys import Keys
 
 DEFAULT_SENTINEL_MASTER = "mymaster"
 
@@ -72,6 +74,8 @@ def async_client(
     """An asyncio client (the API, batch tasks). With ``max_connections``, a blocking pool: a
     burst waits for a free connection instead of failing with "Too many connections" (redis-py's
     default pool raises past 100)."""
+    if is_cluster_url(url):
+        return _async_cluster(url, max_connections)
     if is_sentinel_url(url):
         address = parse_sentinel_url(url)
         manager = aiosentinel.Sentinel(
@@ -97,7 +101,27 @@ def async_client(
     return aioredis.Redis(connection_pool=pool)
 
 
+def _async_cluster(url: str, max_connections: int | None):
+    """A Redis Cluster's asyncio client: it learns the nodes from the URL's and follows
+    MOVED and failovers itself."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    address = parse_cluster_url(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+        max_connections=max_connections or 2**31,
+        socket_connect_timeout=5,
+        **address.kwargs(),
+    )
+
+
 def _sync_client(url: str, sentinel_master: str, **options) -> redis.Redis:
+    if is_cluster_url(url):
+        from redis.cluster import ClusterNode, RedisCluster
+
+        address = parse_cluster_url(url)
+        nodes = [ClusterNode(host, port) for host, port in address.nodes]
+        return RedisCluster(startup_nodes=nodes, **options, **address.kwargs())
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **options)
     address = parse_sentinel_url(url)
@@ -126,3 +150,8 @@ def engine_client(url: str, sentinel_master: str = DEFAULT_SENTINEL_MASTER) -> r
 def tool_client(url: str, sentinel_master: str = DEFAULT_SENTINEL_MASTER) -> redis.Redis:
     """A command-line tool's synchronous client: fails fast when Redis is not there."""
     return _sync_client(url, sentinel_master, socket_connect_timeout=5, driver_info=None)
+
+
+def keys_for(settings) -> Keys:
+    """The key names of the configured Redis (hash-tagged in a cluster)."""
+    return Keys(settings.key_prefix, cluster=is_cluster_url(settings.redis_url_or_default()))

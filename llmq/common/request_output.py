@@ -202,7 +202,9 @@ class OutputReader:
         Redis could not be read)."""
         try:
             wants_logprobs = request.params.logprobs is not None
-            state, tokens, logprobs = await self.transport.request_state(request.id, wants_logprobs)
+            state, tokens, logprobs = await self.transport.request_state(
+                request.id, request.model, wants_logprobs
+            )
         except Exception as exc:
             log.debug("request state unavailable: %s", exc)
             return None, _UNAVAILABLE

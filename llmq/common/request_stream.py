@@ -72,7 +72,9 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        self.pipeline.transport.release(self.request.id, cancel=not self.finished)
+        self.pipeline.transport.release(
+            self.request.id, self.request.model, cancel=not self.finished
+        )
 
     async def _run(self) -> AsyncIterator[GenerationChunk]:
         request = self.request

@@ -96,7 +96,14 @@ class Settings(BaseSettings):
         None,
         description="Redis URL (redis:// or rediss://), or Redis Sentinel's as kombu takes it: "
         "`sentinel://[:PASSWORD@]HOST:26379;sentinel://HOST2:26379` (the password is the "
-        "master's); unset: `llmq up` starts an embedded Redis.",
+        "master's), or a Redis Cluster's: `redis+cluster://[:PASSWORD@]HOST:PORT,HOST2:PORT` "
+        "(with LLMQ_CELERY_BROKER_URL); unset: `llmq up` starts an embedded Redis.",
+    )
+    celery_broker_url: str | None = Field(
+        None,
+        description="Redis URL of Celery's broker and result backend (batch tasks), when not "
+        "LLMQ_REDIS_URL; required with a Redis Cluster, which Celery cannot use: one node, or "
+        "a sentinel:// set, beside it.",
     )
     redis_sentinel_master: str = Field(
         "mymaster",

@@ -9,7 +9,7 @@ import time
 import redis
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.redis_clients import tool_client
+from llmq.common.redis_clients import keys_for, tool_client
 from llmq.common.settings import Settings
 from llmq.common.transport import GROUP, Keys
 
@@ -43,7 +43,10 @@ def _typed(fields: dict) -> dict:
 
 def snapshot(client: redis.Redis, keys: Keys) -> dict:
     now = time.time()
-    streams = sorted({_s(k) for k in client.scan_iter(match=keys.requests_pattern, count=100)})
+    if keys.cluster:  # no SCAN across the nodes: the models workers have served
+        streams = sorted(keys.requests(_s(m)) for m in client.hkeys(keys.models))
+    else:
+        streams = sorted({_s(k) for k in client.scan_iter(match=keys.requests_pattern, count=100)})
     queues = []
     for stream in streams:
         if client.type(stream) != b"stream":
@@ -115,6 +118,6 @@ def show(settings: Settings, as_json: bool = False) -> int:
     import json
 
     client = tool_client(settings.redis_url_or_default(), settings.redis_sentinel_master)
-    snap = snapshot(client, Keys(settings.key_prefix))
+    snap = snapshot(client, keys_for(settings))
     print(json.dumps(snap, indent=2) if as_json else render(snap))
     return 0

@@ -8,9 +8,9 @@ import socket
 import time
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.redis_clients import engine_client
+from llmq.common.redis_clients import engine_client, keys_for
 from llmq.common.settings import Settings
-from llmq.common.transport import EngineTransport, Keys
+from llmq.common.transport import EngineTransport
 from llmq.worker.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
     name = served_name(settings)
     transport = EngineTransport(
         engine_client(settings.redis_url_or_default(), settings.redis_sentinel_master),
-        Keys(settings.key_prefix),
+        keys_for(settings),
         worker_name,
         name,
         settings.request_ttl,

@@ -51,7 +51,7 @@ class Answers:
             {"ok": True} if status == 200 else {"error": {"code": code, "message": code}}
         )
 
-    async def attachable(self, request_id_prefix: str) -> bool:
+    async def attachable(self, request_id_prefix: str, model: str | None) -> bool:
         return not request_id_prefix.endswith("-2")  # line 2's first request was cancelled
 
 

@@ -1,10 +1,5 @@
 """The API's side of the Redis transport (redis.asyncio): enqueue and cancel requests, route
-their output messages, and read requests', queues' and engines' state.
-
-Each process listens on one channel of its own (``{p}:replies:{replica}``), named in every
-request it enqueues: a worker sends it one message a step with the news of all its requests
-(a SUBSCRIBE and an UNSUBSCRIBE per request, and a PUBLISH per request and step, were most of
-Redis's work per token). A message is a frame of ``output_log.encode_frame``.."""
+their output messages (``replies``), and read requests', queues' and engines' state."""
 
 from __future__ import annotations
 
@@ -12,77 +7,39 @@ import asyncio
 import contextlib
 import json
 import logging
-import uuid
 
-import redis
 import redis.asyncio as aioredis
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineRequest
 from llmq.common.transport.keys import CANCEL_SCRIPT, ENQUEUE_SCRIPT, GROUP, Keys, as_text
-from llmq.common.transport.output_log import decode_frame, merge
+from llmq.common.transport.output_log import merge
+from llmq.common.transport.replies import ReplyRouter
 from llmq.common.transport.scripts import READ_SCRIPT
 
 log = logging.getLogger(__name__)
 
 
 class AsyncTransport:
-    """The API's side (redis.asyncio): enqueue, cancel, and one pub/sub connection on this
-    process's channel that routes output messages to per-request queues."""
+    """The API's side (redis.asyncio): enqueue, cancel, read state, and this process's output
+    channel (``ReplyRouter``) routing output messages to per-request queues."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys):
         self.r = client
         self.keys = keys
-        self.replica = uuid.uuid4().hex[:12]
-        self.reply_channel = keys.replies(self.replica)
+        self.replies = ReplyRouter(client, keys)
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._cancel = client.register_script(CANCEL_SCRIPT)
         self._read = client.register_script(READ_SCRIPT)
-        self._pubsub: aioredis.client.PubSub | None = None
-        self._listener: asyncio.Task | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._ready = asyncio.Event()  # Redis confirmed the subscription to the channel
-        self._lock = asyncio.Lock()
-        self._closing = False
         self._releasing: set[asyncio.Task] = set()
 
-    async def start(self, timeout: float = 5.0) -> None:
-        """Listen on this process's channel (confirmed by Redis: pub/sub keeps nothing, so
-        this happens before any request is enqueued)."""
-        async with self._lock:
-            if self._listener is None:
-                self._closing = False
-                self._ready.clear()
-                self._pubsub = self.r.pubsub()
-                await self._subscribe_channel()
-                self._listener = asyncio.create_task(self._listen(), name="llmq-output-router")
-        await asyncio.wait_for(self._ready.wait(), timeout)
-
-    async def _subscribe_channel(self) -> None:
-        for attempt in range(5):
-            try:
-                await self._pubsub.subscribe(self.reply_channel)
-                return
-            except (redis.ConnectionError, redis.TimeoutError, RuntimeError):
-                # Redis restarting: the listener's reconnect resubscribes; try again shortly.
-                if attempt == 4:
-                    raise
-                await asyncio.sleep(0.1 * 2**attempt)
+    def reply_to(self, model: str) -> str:
+        """The channel a request for ``model`` names for its output."""
+        return self.replies.channel(model)
 
     async def close(self) -> None:
         await self.settle()
-        if self._listener is not None:
-            # The flag as well as the cancel: redis-py's read timeout can swallow a
-            # cancellation (Python 3.11), and the loop then ends on its next turn instead.
-            self._closing = True
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._listener, 5)
-            self._listener = None
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
-            self._pubsub = None
+        await self.replies.close()
 
     async def ensure_group(self, model: str) -> None:
         try:
@@ -91,65 +48,31 @@ class AsyncTransport:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def subscribe(self, request_id: str, timeout: float = 5.0) -> asyncio.Queue:
-        """A queue for a request's output messages, routed from this process's channel (on
-        which Redis has confirmed the subscription before this returns)."""
-        await self.start(timeout)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
+    async def subscribe(self, request_id: str, model: str, timeout: float = 5.0) -> asyncio.Queue:
+        """A queue for a request's output messages, routed from this process's channel for
+        its model (on which Redis has confirmed the subscription before this returns)."""
+        await self.replies.listen(model, timeout)
+        return self.replies.route(request_id)
 
-    def release(self, request_id: str, cancel: bool) -> None:
+    def release(self, request_id: str, model: str, cancel: bool) -> None:
         """Stop routing a request's output and (``cancel``) cancel it on its engine. Not
         awaited: the cancel runs in a task of its own, since the caller may sit in a cancelled
         scope (the client disconnected) where any await raises at once."""
-        self._queues.pop(request_id, None)
+        self.replies.unroute(request_id)
         if not cancel:
             return
-        task = asyncio.get_running_loop().create_task(self._cancel_quietly(request_id))
+        task = asyncio.get_running_loop().create_task(self._cancel_quietly(request_id, model))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-    async def _cancel_quietly(self, request_id: str) -> None:
+    async def _cancel_quietly(self, request_id: str, model: str) -> None:
         with contextlib.suppress(Exception):
-            await self.cancel(request_id)
+            await self.cancel(request_id, model)
 
     async def settle(self) -> None:
         """Wait for the releases under way (tests, shutdown)."""
         while self._releasing:
             await asyncio.gather(*list(self._releasing), return_exceptions=True)
-
-    async def _listen(self) -> None:
-        backoff = 0.1
-        while not self._closing:
-            try:
-                msg = await self._pubsub.get_message(timeout=1.0)
-                backoff = 0.1
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis gone: redis-py reconnects and resubscribes
-                log.warning("output listener: %s; retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            if msg is None:
-                continue
-            kind = msg.get("type")
-            if kind == "subscribe":
-                self._ready.set()
-            elif kind == "message":
-                self._route(msg["data"])
-
-    def _route(self, data: bytes) -> None:
-        try:
-            messages = decode_frame(data)
-        except (ValueError, TypeError, AttributeError) as exc:
-            log.warning("unreadable output message dropped: %r (%s)", data[:200], exc)
-            return
-        for request_id, message in messages.items():
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(message)
 
     async def enqueue(
         self,
@@ -162,8 +85,9 @@ class AsyncTransport:
         """Add the request to its model's stream; None when the queue has no room for
         ``slots`` more (0 ``max_queue``: no limit); "attached" when ``attach`` and a request
         with this id already exists."""
+        keys = self.keys.for_model(request.model)
         entry = await self._enqueue(
-            keys=[self.keys.requests(request.model), self.keys.req(request.id)],
+            keys=[keys.requests(request.model), keys.req(request.id)],
             args=[
                 request.id,
                 request.to_json(),
@@ -179,15 +103,16 @@ class AsyncTransport:
         )
         return as_text(entry) if entry else None
 
-    async def cancel(self, request_id: str) -> None:
-        await self._cancel(keys=[self.keys.req(request_id), self.keys.cancel], args=[request_id])
+    async def cancel(self, request_id: str, model: str) -> None:
+        keys = self.keys.for_model(model)
+        await self._cancel(keys=[keys.req(request_id)], args=[request_id, self.keys.cancel])
 
     async def request_state(
-        self, request_id: str, logprobs: bool = False
+        self, request_id: str, model: str, logprobs: bool = False
     ) -> tuple[dict[str, str], list[int], list[dict]]:
         """The request's state, its recorded tokens and (``logprobs``) their logprobs: its
         list and what its owner's log holds past it, read in one atomic script."""
-        k = self.keys
+        k = self.keys.for_model(model)
         keys = [k.req(request_id), k.tokens(request_id), k.logprobs(request_id)]
         args = [k.log_prefix, request_id, "1" if logprobs else "0"]
         raw, tokens, lps, values = await self._read(keys=keys, args=args)

@@ -17,6 +17,7 @@ import redis
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
 from llmq.common.transport.keys import GROUP, HANDBACK_PREFIX, Keys, as_text
+from llmq.common.transport.script_pipeline import script_pipeline
 from llmq.common.transport.scripts import CLAIM_SCRIPT, RUNNING_SCRIPT, TAKE_SCRIPT
 from llmq.common.transport.step_writer import Emission, Refusal, StepWriter
 
@@ -55,11 +56,12 @@ class EngineTransport:
         redis.ConnectionError,
         redis.TimeoutError,
         redis.ResponseError,
+        redis.exceptions.RedisClusterException,  # no node of a cluster reachable, for now
     )
 
     def __init__(self, client: redis.Redis, keys: Keys, worker: str, model: str, request_ttl: int):
         self.r = client
-        self.keys = keys
+        self.keys = keys.for_model(model)
         self.worker = worker
         self.model = model
         self.stream = keys.requests(model)
@@ -67,7 +69,7 @@ class EngineTransport:
         self._pubsub = None
         self.handed_back: set[str] = set()  # workers that announced a hand-back
         self._loaded: set[str] = set()  # scripts this Redis has cached (EVALSHA'd, not EVAL'd)
-        self.writer = StepWriter(client, keys, worker, self.stream, request_ttl)
+        self.writer = StepWriter(client, self.keys, worker, self.stream, request_ttl)
 
     def setup(self, status: EngineStatus | None = None) -> None:
         ensure_group(self.r, self.stream)
@@ -140,7 +142,7 @@ class EngineTransport:
         pulled = [self._parse(eid, f, counts.get(as_text(eid), 1)) for eid, f in entries]
         live = [p for p in pulled if p.request is not None]
         if live:
-            pipe = self.r.pipeline(transaction=False)
+            pipe = script_pipeline(self.r)
             take = self._sha(TAKE_SCRIPT) if deliveries is not None else None
             for p in live:
                 rid = p.request.id
@@ -291,7 +293,7 @@ class EngineTransport:
         """Claim entries with their requests, one atomic CLAIM_SCRIPT each (an entry whose
         request cannot be named, one deleted meanwhile or unparsable, by a plain XCLAIM)."""
         ids = list(deliveries)
-        pipe = self.r.pipeline(transaction=False)
+        pipe = script_pipeline(self.r)
         for eid in ids:  # each entry's request id (an entry never changes), to name its keys
             pipe.xrange(self.stream, eid, eid)
         rids = [_request_id(hits) for hits in pipe.execute()]

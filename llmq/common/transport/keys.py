@@ -52,23 +52,50 @@ HANDBACK_PREFIX = "handback:"
 
 
 class Keys:
-    def __init__(self, prefix: str = "llmq"):
+    """Key names. In a Redis Cluster (``cluster``) keys carry hash tags: everything of one
+    model (its stream, its requests' records, its workers' logs, its reply channels) in the
+    slot of ``{model}``, so that one script can touch all one step needs; every other key
+    (engines, files, batches, tenants, responses) in the slot of ``{prefix}``. A model's keys
+    need the model: ``for_model``."""
+
+    def __init__(self, prefix: str = "llmq", cluster: bool = False, model: str | None = None):
         self.prefix = prefix
+        self.cluster = cluster
+        self.model = model
+        self._g = "{" + prefix + "}" if cluster else prefix
+
+    def for_model(self, model: str) -> Keys:
+        """The keys of one model's requests."""
+        if self.cluster and ("{" in model or "}" in model):
+            raise ValueError(f"a model served on a Redis Cluster cannot have braces: {model!r}")
+        return Keys(self.prefix, self.cluster, model)
+
+    def _m(self, model: str | None = None) -> str:
+        """The prefix of a model's keys (tagged with it in a cluster)."""
+        model = model if model is not None else self.model
+        if not self.cluster:
+            return self.prefix
+        if model is None:
+            raise ValueError("in a Redis Cluster a request's keys need its model (for_model)")
+        return f"{self.prefix}:{{{model}}}"
 
     def requests(self, model: str) -> str:
         """One stream per served model: a worker joins the stream of the model it serves."""
+        if self.cluster:
+            return f"{self._m(model)}:requests"
         return f"{self.prefix}:requests:{model}"
 
     @property
     def requests_pattern(self) -> str:
-        return f"{self.prefix}:requests:*"
+        return f"{self.prefix}:{{*}}:requests" if self.cluster else f"{self.prefix}:requests:*"
 
     def out(self, request_id: str) -> str:
-        return f"{self.prefix}:out:{request_id}"
+        return f"{self._m()}:out:{request_id}"
 
     def replies(self, replica: str) -> str:
-        """One API process's channel: the output of every request it enqueued."""
-        return f"{self.prefix}:replies:{replica}"
+        """One API process's channel: the output of every request it enqueued (a model's, in
+        a cluster: a sharded channel in the model's slot)."""
+        return f"{self._m()}:replies:{replica}"
 
     def log(self, worker: str) -> str:
         """A worker's step log: the tail of its requests' output (``output_log``)."""
@@ -76,90 +103,90 @@ class Keys:
 
     @property
     def log_prefix(self) -> str:
-        return f"{self.prefix}:log:"
+        return f"{self._m()}:log:"
 
     @property
     def cancel(self) -> str:
-        return f"{self.prefix}:cancel"
+        return f"{self._g}:cancel"
 
     def req(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{request_id}"
+        return f"{self._m()}:req:{request_id}"
 
     def tokens(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{request_id}:tokens"
+        return f"{self._m()}:req:{request_id}:tokens"
 
     def logprobs(self, request_id: str) -> str:
         """Beside the tokens, for requests that asked for logprobs: one JSON entry a token."""
-        return f"{self.prefix}:req:{request_id}:logprobs"
+        return f"{self._m()}:req:{request_id}:logprobs"
 
     def engine(self, worker: str) -> str:
-        return f"{self.prefix}:engines:{worker}"
+        return f"{self._g}:engines:{worker}"
 
     @property
     def engines_index(self) -> str:
         """Sorted set: every worker that wrote a heartbeat -> the time of its last one."""
-        return f"{self.prefix}:engines"
+        return f"{self._g}:engines"
 
     @property
     def dead(self) -> str:
-        return f"{self.prefix}:dead"
+        return f"{self._g}:dead"
 
     # OpenAI Batch API objects (common/store.py)
     def file(self, file_id: str) -> str:
-        return f"{self.prefix}:files:{file_id}"
+        return f"{self._g}:files:{file_id}"
 
     def file_content(self, file_id: str) -> str:
         """List: the file's content in pieces (common/file_chunks.py)."""
-        return f"{self.prefix}:files:{file_id}:content"
+        return f"{self._g}:files:{file_id}:content"
 
     @property
     def files_expiry(self) -> str:
         """Sorted set: every file -> the time its retention ends."""
-        return f"{self.prefix}:files:expiry"
+        return f"{self._g}:files:expiry"
 
     def batch(self, batch_id: str) -> str:
-        return f"{self.prefix}:batches:{batch_id}"
+        return f"{self._g}:batches:{batch_id}"
 
     def batch_results(self, batch_id: str) -> str:
         """Hash: line number -> output line (checkpoint: a line is run at most once)."""
-        return f"{self.prefix}:batches:{batch_id}:results"
+        return f"{self._g}:batches:{batch_id}:results"
 
     def batch_attempts(self, batch_id: str) -> str:
         """Hash: line number -> its current attempt, for lines retried after a temporary
         error (each attempt has its own request ids)."""
-        return f"{self.prefix}:batches:{batch_id}:attempts"
+        return f"{self._g}:batches:{batch_id}:attempts"
 
     def batch_lease(self, batch_id: str) -> str:
-        return f"{self.prefix}:batches:{batch_id}:lease"
+        return f"{self._g}:batches:{batch_id}:lease"
 
     def batch_dispatch(self, batch_id: str) -> str:
         """Short-lived marker: a worker has just re-dispatched this batch's task."""
-        return f"{self.prefix}:batches:{batch_id}:dispatch"
+        return f"{self._g}:batches:{batch_id}:dispatch"
 
     @property
     def batches_active(self) -> str:
         """Set of batches not yet in a final state (for re-dispatch when a lease expires)."""
-        return f"{self.prefix}:batches:active"
+        return f"{self._g}:batches:active"
 
     # Stored responses of the Responses API (common/responses_store.py)
     def response(self, response_id: str) -> str:
-        return f"{self.prefix}:responses:{response_id}"
+        return f"{self._g}:responses:{response_id}"
 
     # Per tenant: an index each (a tenant's list pages through its own objects only) and the
     # bytes its files hold.
     def tenant_files(self, owner: str) -> str:
-        return f"{self.prefix}:tenants:{owner}:files"
+        return f"{self._g}:tenants:{owner}:files"
 
     def tenant_batches(self, owner: str) -> str:
-        return f"{self.prefix}:tenants:{owner}:batches"
+        return f"{self._g}:tenants:{owner}:batches"
 
     def tenant_bytes(self, owner: str) -> str:
-        return f"{self.prefix}:tenants:{owner}:bytes"
+        return f"{self._g}:tenants:{owner}:bytes"
 
     @property
     def models(self) -> str:
         """Hash: every model a worker has served -> JSON {source, kind, max_model_len}."""
-        return f"{self.prefix}:models"
+        return f"{self._g}:models"
 
 
 # Enqueue only while the ARGV[10] slots a request needs (its prompts x n, counted at its first
@@ -190,11 +217,12 @@ redis.call('EXPIRE', req, ARGV[7])
 return entry
 """
 
-# Mark a live request cancelled (a worker that pulls it later drops it) and tell the engines.
+# Mark a live request cancelled (a worker that pulls it later drops it) and tell the engines
+# (on the cancel channel ARGV[2]: a channel, not a key, in a cluster's other slot).
 CANCEL_SCRIPT = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'queued' or state == 'running' then redis.call('HSET', KEYS[1], 'state', 'cancelled') end
-return redis.call('PUBLISH', KEYS[2], ARGV[1])
+return redis.call('PUBLISH', ARGV[2], ARGV[1])
 """
 
 

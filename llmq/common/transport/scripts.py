@@ -302,3 +302,8 @@ end
 return {h, redis.call('LRANGE', KEYS[2], 0, -1), lps, values}
 """
 )
+
+
+def sharded(script: str) -> str:
+    """The script publishing on sharded channels (a Redis Cluster's SPUBLISH)."""
+    return script.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")

@@ -21,7 +21,8 @@ import redis
 from llmq.common.protocol import OutputMessage
 from llmq.common.transport.keys import Keys, as_text
 from llmq.common.transport.output_log import CONSOLIDATE_EVERY, Tail, encode_frame
-from llmq.common.transport.scripts import STEP_SCRIPT, WRITE_SCRIPT
+from llmq.common.transport.script_pipeline import script_pipeline
+from llmq.common.transport.scripts import STEP_SCRIPT, WRITE_SCRIPT, sharded
 
 
 @dataclass(slots=True)
@@ -75,6 +76,10 @@ class StepWriter:
         self.stream = stream
         self.ttl = ttl
         self.log = keys.log(worker)
+        # In a cluster, a frame goes out on a sharded channel in its model's slot (SPUBLISH:
+        # only the node that owns the slot carries it, not every node of the cluster).
+        self._step_script = sharded(STEP_SCRIPT) if keys.cluster else STEP_SCRIPT
+        self._write_script = sharded(WRITE_SCRIPT) if keys.cluster else WRITE_SCRIPT
         self.held: dict[str, _Held] = {}
         self._length: int | None = None  # the log's length as this worker left it
         self._steps = 0
@@ -160,7 +165,7 @@ class StepWriter:
             k = self.keys
             keys += [k.req(op.request_id), k.tokens(op.request_id), k.logprobs(op.request_id)]
             args += _op_args(op)
-        return self.r.evalsha(self._sha(STEP_SCRIPT), len(keys), *keys, *args)
+        return self.r.evalsha(self._sha(self._step_script), len(keys), *keys, *args)
 
     def _settle(self, ops: list[_Op], refused: dict[int, str]) -> list[Refusal]:
         """Bookkeeping after a step: tails moved, requests ended, refusals for the loop."""
@@ -201,8 +206,8 @@ class StepWriter:
         finals = {op.request_id: op for op in ops}
         published = {e.request_id: e.message for e in emissions}
         rids = list(dict.fromkeys([*self.held, *finals]))
-        pipe = self.r.pipeline(transaction=False)
-        sha = self._sha(WRITE_SCRIPT)
+        pipe = script_pipeline(self.r)
+        sha = self._sha(self._write_script)
         for rid in rids:
             op = finals.get(rid) or _Op(rid, self.held[rid])
             k = self.keys

@@ -16,9 +16,9 @@ from llmq.common.errors import BodyTooLarge
 from llmq.common.generation import GenerationService, SubmitOptions
 from llmq.common.model_registry import ModelRegistry
 from llmq.common.protocol import PRIORITY_BATCH
-from llmq.common.redis_clients import async_client
+from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import Settings
-from llmq.common.transport import AsyncTransport, Keys
+from llmq.common.transport import AsyncTransport
 
 
 class LineExecutor(Protocol):
@@ -26,7 +26,7 @@ class LineExecutor(Protocol):
         self, endpoint: str, body: dict, request_id_prefix: str
     ) -> tuple[int, dict[str, Any]]: ...
 
-    async def attachable(self, request_id_prefix: str) -> bool: ...
+    async def attachable(self, request_id_prefix: str, model: str | None) -> bool: ...
 
 
 class AnsweringService(Protocol):
@@ -54,13 +54,14 @@ class ServiceExecutor:
         self.max_body_bytes = max_body_bytes
         self.transport = transport
 
-    async def attachable(self, request_id_prefix: str) -> bool:
+    async def attachable(self, request_id_prefix: str, model: str | None) -> bool:
         """Whether the requests of these ids, if any, can be followed to their end: never
         started, or queued, running or finished. One cancelled or failed may hold tokens that
         a new request of the same id would be confused with."""
         if self.transport is None:
             return True
-        state, _, _ = await self.transport.request_state(f"{request_id_prefix}-0")
+        model = model or await self.service.registry.default_model()
+        state, _, _ = await self.transport.request_state(f"{request_id_prefix}-0", model)
         return state.get("state") in (None, "queued", "running", "finished")
 
     async def answer(
@@ -83,7 +84,7 @@ async def open_executor(settings: Settings) -> AsyncIterator[LineExecutor]:
         settings.redis_max_connections,
         settings.redis_sentinel_master,
     )
-    transport = AsyncTransport(client, Keys(settings.key_prefix))
+    transport = AsyncTransport(client, keys_for(settings))
     try:
         service = GenerationService(ModelRegistry(transport, settings))
         yield ServiceExecutor(service, settings.max_body_bytes, transport)

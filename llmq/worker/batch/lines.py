@@ -77,7 +77,7 @@ class LineRunner:
             )
             return
         n = line.number
-        attempt = await self._first_attempt(n)
+        attempt = await self._first_attempt(n, request.body.get("model"))
         while True:
             rid = self.request_id(n, attempt)
             status, body = await self._answer(n, request, rid)
@@ -101,12 +101,13 @@ class LineRunner:
             attempt += 1
             await self._with_retries(lambda a=attempt: self.checkpoint.set_attempt(n, a), n)
 
-    async def _first_attempt(self, n: int) -> int:
+    async def _first_attempt(self, n: int, model: str | None) -> int:
         """The attempt to run (or attach to): an earlier run's, unless its request was
         cancelled or failed (a run that lost its lease cancels its lines), which gets the
         next attempt and fresh ids."""
         attempt = self.attempts.get(n, 0)
-        if self.rerun and not await self.executor.attachable(self.request_id(n, attempt)):
+        rid = self.request_id(n, attempt)
+        if self.rerun and not await self.executor.attachable(rid, model):
             attempt += 1
             await self._with_retries(lambda: self.checkpoint.set_attempt(n, attempt), n)
         return attempt

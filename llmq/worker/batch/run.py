@@ -16,10 +16,9 @@ import uuid
 from celery import Task
 
 from llmq.common.batch_checkpoint import LineCheckpoint
-from llmq.common.redis_clients import async_client
+from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import get_settings
 from llmq.common.store import FINAL_STATES, Store
-from llmq.common.transport import Keys
 from llmq.worker.batch.executor import open_executor
 from llmq.worker.batch.feed import run_lines
 from llmq.worker.batch.finalize import finalize
@@ -55,7 +54,7 @@ class BatchRun:
         client = async_client(
             settings.redis_url_or_default(), sentinel_master=settings.redis_sentinel_master
         )
-        self.use(Store(client, Keys(settings.key_prefix), settings.file_retention))
+        self.use(Store(client, keys_for(settings), settings.file_retention))
         try:
             if not await self.store.acquire_lease(self.batch_id, self.owner, LEASE_TTL):
                 log.info("batch %s is already running elsewhere", self.batch_id)

@@ -12,10 +12,9 @@ import threading
 import time
 
 from llmq.common.celery_client import dispatch_batch
-from llmq.common.redis_clients import async_client
+from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import FINAL_STATES, Store
-from llmq.common.transport import Keys
 
 log = logging.getLogger("llmq.batch")
 
@@ -53,7 +52,7 @@ def supervise(stop: threading.Event, interval: float = 5.0) -> None:
         client = async_client(
             settings.redis_url_or_default(), sentinel_master=settings.redis_sentinel_master
         )
-        store = Store(client, Keys(settings.key_prefix), settings.file_retention)
+        store = Store(client, keys_for(settings), settings.file_retention)
         try:
             while not stop.is_set():
                 try:
