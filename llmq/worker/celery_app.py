@@ -129,4 +129,26 @@ def _exit_worker() -> None:
     timer.start()
 
 
+def _survive_lost_broker_on_close() -> None:
+    """kombu's Redis QoS puts unacknowledged messages back when its channel closes; after the
+    broker's connection was lost (a Sentinel failover while a batch task ran) the channel has
+    no connection left, the restore raises AttributeError ('NoneType' has no 'hostname'), and
+    Celery takes that for an unrecoverable error: the whole worker stopped, engine included.
+    The messages stay in kombu's unacked hash, which puts them back after the visibility
+    timeout (and the batch supervisor re-dispatches a run whose lease lapsed)."""
+    from kombu.transport import redis as kombu_redis
+
+    restore = kombu_redis.QoS.restore_unacked_once
+
+    def restore_unacked_once(self, stderr=None):
+        try:
+            return restore(self, stderr)
+        except AttributeError as exc:
+            log.warning("unacknowledged batch messages left for redelivery (%s)", exc)
+            return None
+
+    kombu_redis.QoS.restore_unacked_once = restore_unacked_once
+
+
+_survive_lost_broker_on_close()
 app = create_app()
