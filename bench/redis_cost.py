@@ -3,12 +3,15 @@
     python bench/redis_cost.py [--streams 1,8,64,256] [--output-tokens 128]
                                [--baseline REV] [--worker-tok-s 9872] [--model DIR]
 
-For each of the two trees (the baseline checked out in a temporary git worktree), starts a real
+For each of the two trees (the baseline checked out in a temporary git worktree; this tree a
+second time with LLMQ_STREAM_INTERVAL_MS, --stream-interval-ms), starts a real
 redis-server and one `llmq worker` of that tree, and drives it with N concurrent requests (128
 random prompt tokens, --output-tokens each, ignore_eos, greedy) through that tree's own
 pipeline (the API's side), for each N of --streams. Redis's commands (``total_commands_processed``,
 which counts the commands a script runs too) and CPU (``used_cpu_user + used_cpu_sys``) are read
-from INFO before and after each load. Prints both per generated token, the ratio, and how many
+from INFO before and after each load, and Redis's idle CPU rate (its cron, the worker's polls)
+over 3 s before them, which is subtracted for the net figure. Prints them per generated token,
+the ratio of the net CPU, and how many
 workers of --worker-tok-s output tokens per second (default: the README's H100 figure) one
 Redis core feeds. The model is tiny by default: Redis's work per token depends on how many
 sequences a step carries, not on the model.
@@ -30,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BASELINE = "b4428b2"  # the last revision that wrote and published per request a step
 GOAL_COMMANDS, GOAL_CPU_US = 0.3, 4.0  # per token at 64 streams
+IDLE_S = 3.0
 
 
 def child(args: argparse.Namespace) -> None:
@@ -41,12 +45,23 @@ def child(args: argparse.Namespace) -> None:
 
     logs = Path(tempfile.mkdtemp(prefix="llmq-redis-cost-"))
     streams = [int(s) for s in args.streams.split(",")]
+    extra = {"stream_interval_ms": args.stream_interval_ms} if args.stream_interval_ms else {}
     with RedisServer() as server:
         worker = start_worker(
-            server.url, args.model, "w0", logs, max_batch_size=max(streams), torch_threads=1
+            server.url,
+            args.model,
+            "w0",
+            logs,
+            max_batch_size=max(streams),
+            torch_threads=1,
+            **extra,
         )
         try:
             client = redis.Redis.from_url(server.url)
+            cpu0, _ = _cost(client)
+            time.sleep(IDLE_S)  # Redis's own idle work (its cron, the worker's polls)
+            idle = (_cost(client)[0] - cpu0) / IDLE_S
+            print(json.dumps({"idle_cpu_per_s": idle}), flush=True)
             for n in streams:
                 cpu0, cmds0 = _cost(client)
                 elapsed, tokens = asyncio.run(_drive(server.url, args.model, n, args.output_tokens))
@@ -85,11 +100,11 @@ async def _drive(url: str, model: str, n: int, out_tokens: int) -> tuple[float, 
     return elapsed, sum(r.completion_tokens for r in results)
 
 
-def run_tree(tree: Path, args: argparse.Namespace) -> dict[int, dict]:
+def run_tree(tree: Path, args: argparse.Namespace, interval: float = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, str(tree / "bench" / "redis_cost.py"), "--child"]
     cmd += ["--streams", args.streams, "--output-tokens", str(args.output_tokens)]
-    cmd += ["--model", args.model]
+    cmd += ["--model", args.model, "--stream-interval-ms", str(interval)]
     # The baseline tree may lack this script: run this one with the tree's code first on the
     # path (the child imports llmq from it).
     cmd[1] = str(Path(__file__).resolve())
@@ -97,31 +112,43 @@ def run_tree(tree: Path, args: argparse.Namespace) -> dict[int, dict]:
     if out.returncode != 0:
         raise SystemExit(f"{tree}: failed\n{out.stdout}\n{out.stderr[-3000:]}")
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return {r["streams"]: r for r in rows}
+    idle = next(r["idle_cpu_per_s"] for r in rows if "idle_cpu_per_s" in r)
+    for r in rows:  # Redis's CPU net of what it spends idle over the same time
+        r["net_cpu_s"] = r.get("cpu_s", 0) - idle * r.get("seconds", 0)
+    return {r["streams"]: r for r in rows if "streams" in r} | {"idle": idle}
 
 
-def report(before: dict[int, dict], after: dict[int, dict], worker_tok_s: float) -> None:
-    print(f"{'streams':>7} | {'commands/token':>22} | {'Redis CPU us/token':>22} | workers/core")
+def _per_token(row: dict) -> tuple[float, float, float]:
+    """Commands, Redis CPU (us) and Redis CPU net of its idle work (us) per generated token."""
+    t = row["tokens"]
+    return row["commands"] / t, 1e6 * row["cpu_s"] / t, 1e6 * row["net_cpu_s"] / t
+
+
+def report(runs: dict[str, dict], worker_tok_s: float) -> None:
+    names = list(runs)
     print(
-        f"{'':>7} | {'before':>7} {'after':>6} {'ratio':>7} | {'before':>7} {'after':>6} "
-        f"{'ratio':>7} | before after"
+        "Redis per generated token: commands | CPU us | CPU us net of idle (idle: "
+        + ", ".join(f"{n} {1e3 * runs[n]['idle']:.1f} ms/s" for n in names)
+        + ")"
     )
-    for n in sorted(after):
-        b, a = before[n], after[n]
-        cb, ca = b["commands"] / b["tokens"], a["commands"] / a["tokens"]
-        ub, ua = 1e6 * b["cpu_s"] / b["tokens"], 1e6 * a["cpu_s"] / a["tokens"]
-        wb, wa = 1e6 / ub / worker_tok_s, 1e6 / ua / worker_tok_s
-        print(
-            f"{n:>7} | {cb:7.2f} {ca:6.3f} {cb / ca:6.1f}x | {ub:7.1f} {ua:6.2f} "
-            f"{ub / ua:6.1f}x | {wb:6.1f} {wa:5.1f}"
-        )
+    print(f"{'streams':>7} | " + " | ".join(f"{n:>26}" for n in names) + " | net CPU ratio")
+    for streams in sorted(k for k in runs[names[-1]] if k != "idle"):
+        cells, nets = [], []
+        for n in names:
+            c, u, net = _per_token(runs[n][streams])
+            cells.append(f"{c:8.3f} {u:8.2f} {net:8.2f}")
+            nets.append(net)
+        ratio = nets[0] / nets[1] if len(nets) > 1 and nets[1] > 0 else float("nan")
+        print(f"{streams:>7} | " + " | ".join(cells) + f" | {ratio:6.1f}x")
+    after = runs[names[1] if len(names) > 1 else names[0]]
     if 64 in after:
-        a = after[64]
-        cmds, cpu = a["commands"] / a["tokens"], 1e6 * a["cpu_s"] / a["tokens"]
+        c, u, net = _per_token(after[64])
         print(
-            f"\nat 64 streams: {cmds:.3f} commands and {cpu:.2f} us of Redis CPU per token "
-            f"(goal: <= {GOAL_COMMANDS} and <= {GOAL_CPU_US}); one Redis core carries about "
-            f"{1e6 / cpu:,.0f} tokens/s"
+            f"\nat 64 streams ({names[1] if len(names) > 1 else names[0]}): {c:.3f} commands, "
+            f"{u:.2f} us of Redis CPU ({net:.2f} us net of idle) per token; goal <= "
+            f"{GOAL_COMMANDS} and <= {GOAL_CPU_US}. One Redis core carries about "
+            f"{1e6 / net:,.0f} tokens/s: {1e6 / net / worker_tok_s:.0f} workers of "
+            f"{worker_tok_s:,.0f} tok/s"
         )
 
 
@@ -132,6 +159,12 @@ def main() -> int:
     ap.add_argument("--baseline", default=DEFAULT_BASELINE)
     ap.add_argument("--worker-tok-s", type=float, default=9872.0)
     ap.add_argument("--model", help="model folder (default: a tiny random llama, built once)")
+    ap.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=20.0,
+        help="also run this tree with LLMQ_STREAM_INTERVAL_MS set so (0: not)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -148,16 +181,22 @@ def main() -> int:
         ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), args.baseline],
         check=True,
     )
+    runs: dict[str, dict] = {}
     try:
         print(f"baseline {args.baseline} ...", flush=True)
-        before = run_tree(base, args)
+        runs["before"] = run_tree(base, args)
         print("this tree ...", flush=True)
-        after = run_tree(ROOT, args)
+        runs["after"] = run_tree(ROOT, args)
+        if args.stream_interval_ms:
+            print(f"this tree, LLMQ_STREAM_INTERVAL_MS={args.stream_interval_ms:g} ...")
+            runs[f"after, {args.stream_interval_ms:g} ms"] = run_tree(
+                ROOT, args, args.stream_interval_ms
+            )
     finally:
         subprocess.run(
             ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False
         )
-    report(before, after, args.worker_tok_s)
+    report(runs, args.worker_tok_s)
     return 0
 
 

@@ -189,8 +189,9 @@ def test_llmq_inspect_shows_the_worker_serving_a_request(served, llama_dir):
 
 
 def test_nothing_left_behind(served, llama_dir):
-    """Runs after the others in this module: no pending entries, no subscriptions, and the
-    request records expire after their TTL (2 s here)."""
+    """Runs after the others in this module: no pending entries, no subscriptions once the
+    API's side closed, and the request records and the worker's log expire after their TTL
+    (2 s here)."""
     server, _ = served
 
     async def run():
@@ -203,15 +204,19 @@ def test_nothing_left_behind(served, llama_dir):
     client = redis.Redis.from_url(server.url)
     assert client.xpending(stream_of(llama_dir), "engines")["pending"] == 0
     assert client.xlen(stream_of(llama_dir)) == 0
+    assert client.pubsub_channels("llmq:replies:*") == []
     assert client.pubsub_channels("llmq:out:*") == []
     wait_for(lambda: not client.keys("llmq:req:*"), 8, "request records to expire")
+    wait_for(lambda: not client.exists("llmq:log:w-main"), 8, "the worker's log to expire")
 
 
 def test_killed_worker_requests_resume_exactly(llama_dir, reference, tmp_path):
     batch = prompts(12, seed=5)
     expected = reference(batch, 150)
     with RedisServer() as server:
-        settings = dict(heartbeat_ttl=2, torch_threads=1)
+        # Coalescing on (LLMQ_STREAM_INTERVAL_MS): tokens that waited unsent die with w1 and
+        # are generated again by w2; what was sent is what w2 resumes from.
+        settings = dict(heartbeat_ttl=2, torch_threads=1, stream_interval_ms=50)
         w1 = start_worker(server.url, llama_dir, "w1", tmp_path, **settings)
         client = redis.Redis.from_url(server.url)
 

@@ -1,14 +1,17 @@
-"""Every Redis key name and every Lua script: the one module that knows how keys are spelled.
+"""Every Redis key name (and the API's Lua scripts; the output's are in ``scripts``): the one
+module that knows how keys are spelled.
 
 Everything stored is JSON or plain text, so redis-cli shows a person what is happening
-(``{p}`` is the key prefix, ``llmq`` unless set):
+(``{p}`` is the key prefix, ``llmq`` unless set; on a Redis Cluster a model's keys read
+``{p}:{<model>}:requests``, ``{p}:{<model>}:req:{id}``, ... and the others ``{<p>}:...``: see
+``Keys``):
 
 - ``{p}:requests:{model}``         stream per model, consumer group ``engines``: one entry per
                                    request (fields ``id``, ``kind``, ``payload`` = EngineRequest
                                    JSON)
 - ``{p}:replies:{replica}``        pub/sub channel of one API process (or batch task process):
-                                   one message a step per worker, request id -> OutputMessage
-                                   (``protocol.encode_step``), for every request it enqueued
+                                   one message a step per worker, a frame of every request it
+                                   enqueued (``output_log.encode_frame``)
 - ``{p}:out:{id}``                 pub/sub channel of a request that names none (one written
                                    with redis-cli): the same messages, for it alone
 - ``{p}:cancel``                   pub/sub channel: ids of requests to abort, and
@@ -17,9 +20,9 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
                                    live stream entry), finish_reason, timings
 - ``{p}:req:{id}:tokens``          list (TTL): the tokens generated, up to the last move of its
                                    worker's log (see ``output_log``): recovery, gaps
-- ``{p}:log:{worker}``             stream (TTL): one entry a step, request id -> the tokens it
-                                   generated (``output_log.encode_value``); moved into the lists
-                                   and trimmed every 64 steps; a claimer marks it ``~claimed``
+- ``{p}:log:{worker}``             stream (TTL): one entry a step, the frames it published (a
+                                   field per channel); moved into the lists and trimmed every 64
+                                   steps; a claimer marks it ``~claimed``
 - ``{p}:req:{id}:logprobs``        list (TTL): one JSON entry a token, when logprobs were asked
 - ``{p}:engines:{worker}``         hash (TTL = heartbeat): model, KV blocks, running, waiting, ...
 - ``{p}:engines``                  sorted set: worker -> time of its last heartbeat (the registry

@@ -2,8 +2,7 @@
 the tail generated since, in its worker's step log.
 
 Redis work per step, not per token: a worker appends one entry a step to its own log stream
-(``{p}:log:{worker}``, one field per request: the tokens it generated that step), and moves the
-tails into the requests' lists only every ``CONSOLIDATE_EVERY`` steps (and when a request ends),
+(``{p}:log:{worker}``: the frames it published that step), and moves the tails into the requests' lists only every ``CONSOLIDATE_EVERY`` steps (and when a request ends),
 so a step costs a few Redis commands whatever its batch (measured in ``bench/redis_cost.py``).
 Readers (a client filling a gap, a claimer, a worker taking its own requests back) read both:
 the list, then the owner's log values for the request, merged by position.

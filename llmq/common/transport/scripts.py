@@ -78,7 +78,7 @@ return 0
 # One step of a worker, every request's news in one call, a few commands whatever the batch.
 # KEYS: the worker's log, its stream, then req, tokens, logprobs of each op. ARGV: the log's
 # length as the worker left it, worker, now, record TTL, '1' to move (trim the log to its
-# last entry), the count and the (channel, frame) pairs to publish and log (the entry's
+# last entry; and refresh its TTL, which 'e' alone does), the count and the (channel, frame) pairs to publish and log (the entry's
 # fields: ``output_log.encode_frame``), then the ops: flags ('a' append, 'l' logprobs, 'p'
 # prompt logprobs follow, 'f' final: state, finish_reason, error follow), entry, first index,
 # token count n, logprob count, the tokens, the logprob entries, [prompt], [final].
@@ -151,7 +151,7 @@ if ARGV[5] == '1' and length > 1 then
   redis.call('XTRIM', KEYS[1], 'MAXLEN', 1)
   result[1] = 1
 end
-if ARGV[5] == '1' then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+if ARGV[5] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
 return result
 """
 )

@@ -83,6 +83,7 @@ class StepWriter:
         self.held: dict[str, _Held] = {}
         self._length: int | None = None  # the log's length as this worker left it
         self._steps = 0
+        self._refreshed = 0.0  # when the log's TTL was last set
         self._shas: dict[str, str] = {}
 
     def reset(self) -> None:
@@ -157,7 +158,14 @@ class StepWriter:
             channel = held.channel if held else e.reply_to or self.keys.out(e.request_id)
             channels[channel].append((e.request_id, e.message))
         keys = [self.log, self.stream]
-        args: list = [self._length, self.worker, time.time(), self.ttl, "1" if move else "0"]
+        now = time.time()
+        # The log lives while its worker writes (a claimer reads it after the worker died):
+        # its TTL is refreshed a few times a TTL, not every step.
+        refresh = now - self._refreshed > self.ttl / 3
+        if move or refresh:
+            self._refreshed = now
+        flag = "1" if move else "e" if refresh else "0"
+        args: list = [self._length, self.worker, now, self.ttl, flag]
         args.append(len(channels))
         for channel, messages in channels.items():
             args += [channel, encode_frame(messages)]
