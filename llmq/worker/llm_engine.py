@@ -129,8 +129,8 @@ class LLMEngine:
         self.model = model
         self.vocab_size = model.config.get_text_config().vocab_size
         pool = _kv_pool_size(model, config)
-        num_blocks, self.max_model_len = pool.num_blocks, pool.max_model_len
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks = pool.num_blocks
+        self.max_model_len = pool.max_model_len
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -164,13 +164,17 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated = 0
         self.num_requests_total = 0
+        self._log_config(pool.reason)
+
+    def _log_config(self, pool_reason: str) -> None:
+        config = self.config
         log.info(
             "engine: %d KV blocks of %d tokens (%.2f GiB), sized by %s; "
             "max_model_len %d, batch %d seqs / %d tokens",
-            num_blocks,
+            self.num_blocks,
             config.block_size,
             self.runner.pool.kv.nbytes / 2**30,
-            pool.reason,
+            pool_reason,
             self.max_model_len,
             config.max_batch_size,
             config.max_batch_tokens,
