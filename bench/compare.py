@@ -1,27 +1,37 @@
-"""llmq against vLLM's CPU build and `transformers serve`, one model folder, the same load.
+"""llmq against its peers (vLLM's CPU build, llama.cpp's server, `transformers serve`), one
+model folder, the same loads.
 
 Serves the model folder (default bench/out/models/smollm2-135m, bfloat16) with each server in
 turn on the same cores:
 
 * llmq: ``llmq up`` with LLMQ_MODEL=folder, LLMQ_DTYPE=bfloat16 and its embedded Redis;
 * vllm: ../shared/peers/vllm-cpu.sh (vLLM's CPU build in its own venv);
+* llamacpp: ../shared/peers/llama-cpp.sh (llama-server on a bf16 GGUF of the folder, one slot
+  per stream of the busiest load; its first run builds llama-server, about 10 minutes on 2 cores).
+  It runs one thread per core unless THREADS is set: its threads meet at a barrier every op, so
+  a neighbour on one core stalls them all: in consecutive runs on 2 busy shared cores, THREADS=1
+  gave it 6.1x the output of 2 threads on one stream and 4.8x at 32 streams (34.9 against 5.7,
+  82.6 against 17.1 tok/s);
 * transformers: ../shared/peers/transformers-serve.sh (``transformers serve --continuous-batching``);
 
 warms each up, drives it with the same ``llmq bench`` loads (the bench module's own argument
-parser and code, in this process), samples the server's resident memory (VmRSS summed over its
-process tree, every 0.5 s), stops it cleanly and starts the next. Loads:
+parser and code, in this process), each load in rounds of the same prompts (round 1: prompts the
+server has not seen; round 2 on: the same again, which prefix caches serve), samples the server's
+resident memory (VmRSS summed over its process tree, every 0.5 s), stops it cleanly and starts
+the next. Loads:
 
 * a: 32 streams of 128 prompt / 64 output tokens
 * b: 64 streams of 128 / 128
 * c: one stream of 128 / 64
 
-It prints one table (output tok/s, TTFT p50/p99, ITL p50/p99, peak RSS) with llmq's ratio to
-each peer, and writes bench/out/compare.json and bench/out/compare.png (with matplotlib:
-``pip install -e '.[bench]'``).
+It prints one table (output tok/s, TTFT p50/p99, ITL p50/p99, peak RSS per load and round) with
+llmq's ratio to each peer, and writes bench/out/compare.json and bench/out/compare.png (first
+rounds; with matplotlib: ``pip install -e '.[bench]'``).
 
-    .venv/bin/python bench/compare.py                          # all servers, all loads
+    .venv/bin/python bench/compare.py                          # llmq, vllm, llamacpp; all loads
     .venv/bin/python bench/compare.py --servers llmq --scale 0.5
-    .venv/bin/python bench/compare.py --loads a,c --servers llmq,vllm
+    .venv/bin/python bench/compare.py --loads a,c --servers llmq,llamacpp --rounds 2
+    .venv/bin/python bench/compare.py --servers llmq,vllm,llamacpp,transformers
     .venv/bin/python bench/compare.py --chart-from bench/out/compare.json --png docs/compare.png
 
 The machine is shared: the table also shows how many cores the server used and how busy the
@@ -39,7 +49,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -47,6 +56,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from compare_procs import Sampler, cores, proc_stat  # noqa: E402  (bench/, beside this file)
+from compare_report import chart, ms, table  # noqa: E402
 
 from llmq.common.redis_server import free_port  # noqa: E402
 from llmq.tools import bench_cli  # noqa: E402
@@ -57,138 +69,19 @@ LOADS = {
     "b": {"concurrency": 64, "prompt": 128, "output": 128, "requests": 128},
     "c": {"concurrency": 1, "prompt": 128, "output": 64, "requests": 8},
 }
-SERVERS = ("llmq", "vllm", "transformers")
-CLK = os.sysconf("SC_CLK_TCK")
+SERVERS = ("llmq", "vllm", "llamacpp", "transformers")
+DEFAULT_SERVERS = "llmq,vllm,llamacpp"
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-# ---- process tree: memory and CPU ------------------------------------------------------------
-def _stat(pid: int) -> tuple[int, int, int] | None:
-    """(ppid, pgid, utime+stime ticks) of a process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw[raw.rindex(")") + 2 :].split()
-    return int(rest[1]), int(rest[2]), int(rest[11]) + int(rest[12])
-
-
-def tree(root: int) -> dict[int, int]:
-    """Every live process in the root's process group or below it: pid -> CPU ticks."""
-    info = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            st = _stat(int(d))
-            if st:
-                info[int(d)] = st
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in info.items():
-        children.setdefault(ppid, []).append(pid)
-    found = {pid for pid, (_, pgid, _) in info.items() if pgid == root}
-    if root in info:
-        found.add(root)
-    stack = list(found)
-    while stack:
-        for c in children.get(stack.pop(), []):
-            if c not in found:
-                found.add(c)
-                stack.append(c)
-    return {pid: info[pid][2] for pid in found if pid in info}
-
-
-def rss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def machine_busy_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs since boot."""
-    parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = parts[3] + parts[4]
-    return sum(parts) - idle, sum(parts)
-
-
-class Sampler:
-    """Samples the server tree every ``interval`` s: peak RSS (overall and since ``mark``), the
-    pids seen (so they can be stopped by id), and the CPU ticks each has used."""
-
-    def __init__(self, root: int, interval: float = 0.5):
-        self.root = root
-        self.interval = interval
-        self.peak_kib = 0
-        self.window_peak_kib = 0
-        self.pids: set[int] = set()
-        self.ticks: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
-
-    def start(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def sample(self) -> None:
-        procs = tree(self.root)
-        total = sum(rss_kib(p) for p in procs)
-        with self._lock:
-            self.pids |= set(procs)
-            self.ticks.update(procs)
-            self.peak_kib = max(self.peak_kib, total)
-            self.window_peak_kib = max(self.window_peak_kib, total)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def mark(self) -> tuple[int, tuple[int, int]]:
-        """Start a window: reset the window's peak; returns (server ticks, machine ticks)."""
-        self.sample()
-        with self._lock:
-            self.window_peak_kib = 0
-            return sum(self.ticks.values()), machine_busy_ticks()
-
-    def window(self, start) -> dict:
-        self.sample()
-        ticks0, (busy0, tot0) = start
-        with self._lock:
-            ticks = sum(self.ticks.values()) - ticks0
-            peak = self.window_peak_kib
-        busy1, tot1 = machine_busy_ticks()
-        ncpu = cores()
-        wall_ticks = (tot1 - tot0) / max(1, os.cpu_count() or 1)
-        return {
-            "peak_rss_gib": peak / 2**20,
-            "server_cpu_s": ticks / CLK,
-            "server_cores": ticks / wall_ticks if wall_ticks else None,
-            "machine_busy_cores": (busy1 - busy0) / wall_ticks if wall_ticks else None,
-            "cores": ncpu,
-        }
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-# ---- servers ---------------------------------------------------------------------------------
 def server_command(
-    name: str, model: Path, port: int, llmq_env: dict[str, str] | None = None
+    name: str, model: Path, port: int, llmq_env: dict[str, str] | None = None, slots: int = 64
 ) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that serve ``model`` on ``port``; ``slots``: the most
+    concurrent streams (llama-server splits its context into that many fixed slots)."""
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
@@ -208,6 +101,9 @@ def server_command(
     if name == "vllm":
         env.setdefault("OMP_NUM_THREADS", n)
         return ["bash", str(PEERS / "vllm-cpu.sh"), str(model), str(port)], env
+    if name == "llamacpp":
+        env.setdefault("THREADS", n)
+        return ["bash", str(PEERS / "llama-cpp.sh"), str(model), str(port), str(slots)], env
     if name == "transformers":
         env.setdefault("OMP_NUM_THREADS", n)
         return ["bash", str(PEERS / "transformers-serve.sh"), str(model), str(port)], env
@@ -232,9 +128,11 @@ class Server:
         log_dir: Path,
         start_timeout: float,
         llmq_env: dict[str, str] | None = None,
+        slots: int = 64,
     ):
         self.name = name
         self.llmq_env = llmq_env
+        self.slots = slots
         self.model = model
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -245,7 +143,7 @@ class Server:
         self.startup_s = None
 
     def start(self) -> None:
-        args, env = server_command(self.name, self.model, self.port, self.llmq_env)
+        args, env = server_command(self.name, self.model, self.port, self.llmq_env, self.slots)
         self._log = open(self.log_path, "w")  # noqa: SIM115
         t = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -266,8 +164,9 @@ class Server:
         try:
             if self.name == "llmq":
                 return httpx.get(f"{self.base}/ready", timeout=2).status_code == 200
-            # vLLM and transformers serve both answer /health once the model is loaded
-            # (transformers serve's /v1/models fails without a hub cache folder)
+            # vLLM, llama-server (503 while it loads) and transformers serve answer /health
+            # once the model is loaded (transformers serve's /v1/models fails without a hub
+            # cache folder)
             return httpx.get(f"{self.base}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
@@ -305,10 +204,10 @@ class Server:
         if self.sampler:
             self.sampler.stop()
             deadline = time.monotonic() + 15
-            left = [p for p in self.sampler.pids if _stat(p) is not None]
+            left = [p for p in self.sampler.pids if proc_stat(p) is not None]
             while left and time.monotonic() < deadline:
                 time.sleep(0.5)
-                left = [p for p in left if _stat(p) is not None]
+                left = [p for p in left if proc_stat(p) is not None]
             for pid in left:  # children that outlived the leader (only those we saw start)
                 log(f"{self.name}: killing leftover process {pid}")
                 with contextlib.suppress(ProcessLookupError):
@@ -342,43 +241,55 @@ def run_bench(argv: list[str], progress: bool) -> dict:
     return res
 
 
+def measure_load(server: Server, key: str, load: dict, rnd: int, progress: bool) -> dict:
+    """One round of one load; every round of a load sends the same prompts (one seed per load,
+    so no load reuses another's)."""
+    label = f"{server.name} {key} r{rnd}"
+    argv = bench_argv(server.base, server.model, load, label, 1 + list(LOADS).index(key))
+    log(f"{label}: llmq bench {' '.join(argv)}")
+    mark = server.sampler.mark()
+    res = run_bench(argv, progress)
+    res["resources"] = r = server.sampler.window(mark)
+    res["command"] = "llmq bench " + " ".join(argv)
+    res["round"] = rnd
+    s = res["summary"]
+    log(
+        f"{label}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {ms(s['ttft_s']['p50'])} ms, "
+        f"ITL p50 {ms(s['itl_s']['p50'])} ms, errors {s['errors']}, peak RSS "
+        f"{r['peak_rss_gib']:.2f} GiB, server {r['server_cores']:.2f} cores, machine "
+        f"{r['machine_busy_cores']:.2f} cores busy"
+    )
+    return res
+
+
 def measure_server(name: str, args, loads: dict[str, dict], log_dir: Path) -> dict:
     model = Path(args.model_dir).resolve()
-    server = Server(name, model, log_dir, args.start_timeout, llmq_env(args.llmq_env))
+    warm_conc = max(ld["concurrency"] for ld in loads.values())
+    server = Server(
+        name, model, log_dir, args.start_timeout, llmq_env(args.llmq_env), slots=warm_conc
+    )
     out: dict = {"loads": {}}
     log(f"{name}: starting (log {server.log_path})")
     try:
         server.start()
         out["startup_s"] = server.startup_s
         log(f"{name}: ready in {server.startup_s:.0f}s; warming up")
-        warm_conc = max(ld["concurrency"] for ld in loads.values())
         warm = {"concurrency": warm_conc, "prompt": 128, "output": 16, "requests": warm_conc}
         wres = run_bench(bench_argv(server.base, model, warm, f"{name} warm-up", 100), False)
         out["warmup"] = wres["summary"]
         out["idle_rss_gib"] = server.sampler.peak_kib / 2**20
         for key, load in loads.items():
-            label = f"{name} {key}"
-            # a seed per load: no load reuses another's prompts (no prefix-cache hits)
-            argv = bench_argv(server.base, model, load, label, 1 + list(LOADS).index(key))
-            log(f"{label}: llmq bench {' '.join(argv)}")
-            mark = server.sampler.mark()
-            res = run_bench(argv, args.progress)
-            res["resources"] = server.sampler.window(mark)
-            res["command"] = "llmq bench " + " ".join(argv)
-            out["loads"][key] = res
-            s = res["summary"]
-            log(
-                f"{label}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {ms(s['ttft_s']['p50'])} ms, "
-                f"ITL p50 {ms(s['itl_s']['p50'])} ms, errors {s['errors']}, peak RSS "
-                f"{res['resources']['peak_rss_gib']:.2f} GiB, server "
-                f"{res['resources']['server_cores']:.2f} cores, machine "
-                f"{res['resources']['machine_busy_cores']:.2f} cores busy"
-            )
-        out["peak_rss_gib"] = server.sampler.peak_kib / 2**20
+            out["loads"][key] = [
+                measure_load(server, key, load, rnd, args.progress)
+                for rnd in range(1, args.rounds + 1)
+            ]
     except Exception as exc:
         log(f"{name}: failed: {exc!r}\n{server.tail()}")
         out["error"] = repr(exc)
     finally:
+        if server.sampler:
+            server.sampler.sample()
+            out["peak_rss_gib"] = server.sampler.peak_kib / 2**20
         log(f"{name}: stopping")
         t = time.perf_counter()
         server.stop()
@@ -387,122 +298,10 @@ def measure_server(name: str, args, loads: dict[str, dict], log_dir: Path) -> di
     return out
 
 
-# ---- the table -------------------------------------------------------------------------------
-def ms(v) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-COLUMNS = [
-    ("output tok/s", lambda s, r: s["output_tok_s"], "{:.1f}"),
-    ("TTFT p50 ms", lambda s, r: s["ttft_s"]["p50"], "ms"),
-    ("TTFT p99 ms", lambda s, r: s["ttft_s"]["p99"], "ms"),
-    ("ITL p50 ms", lambda s, r: s["itl_s"]["p50"], "ms"),
-    ("ITL p99 ms", lambda s, r: s["itl_s"]["p99"], "ms"),
-    ("peak RSS GiB", lambda s, r: r["peak_rss_gib"], "{:.2f}"),
-]
-
-
-def _cell(v, fmt) -> str:
-    if v is None:
-        return "-"
-    return ms(v) if fmt == "ms" else fmt.format(v)
-
-
-def table(results: dict, loads: dict) -> str:
-    servers = [s for s in SERVERS if s in results]
-    w = 14
-    head = f"{'load':<26}{'server':<22}" + "".join(f"{c[0]:>{w}}" for c in COLUMNS)
-    head += f"{'errors':>8}{'srv cores':>10}{'busy':>6}"
-    lines = [head, "-" * len(head)]
-    for key, load in loads.items():
-        desc = (
-            f"({key}) {load['concurrency']} x {load['prompt']}/{load['output']}"
-            f", {load['requests']} req"
-        )
-        rows = {}
-        for name in servers:
-            res = results[name].get("loads", {}).get(key)
-            if not res:
-                lines.append(f"{desc:<26}{name:<22}{'failed: ' + results[name].get('error', '?')}")
-                desc = ""
-                continue
-            s, r = res["summary"], res["resources"]
-            vals = [f(s, r) for _, f, _ in COLUMNS]
-            rows[name] = vals
-            cells = "".join(
-                f"{_cell(v, fmt):>{w}}" for v, (_, _, fmt) in zip(vals, COLUMNS, strict=True)
-            )
-            lines.append(
-                f"{desc:<26}{name:<22}{cells}{s['errors']:>8}"
-                f"{r['server_cores']:>10.2f}{r['machine_busy_cores']:>6.1f}"
-            )
-            desc = ""
-        if "llmq" in rows:
-            for peer in servers:
-                if peer == "llmq" or peer not in rows:
-                    continue
-                cells = ""
-                for a, b in zip(rows["llmq"], rows[peer], strict=True):
-                    cells += f"{(a / b if a is not None and b else float('nan')):>{w - 1}.2f}x"
-                lines.append(f"{'':<26}{'llmq / ' + peer:<22}{cells}")
-    lines.append(
-        "ratios are llmq / peer: above 1 is better for output tok/s, below 1 is better for "
-        "latency and memory"
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="llmq vs vLLM (CPU), llama.cpp's server and transformers serve, one table."
     )
-    lines.append(
-        "srv cores: CPU the server's process tree used per wall second during the load; busy: "
-        "all cores busy per wall second on the machine (client and other tenants included)"
-    )
-    return "\n".join(lines)
-
-
-def chart(results: dict, loads: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed; no chart (pip install matplotlib)"
-    servers = [s for s in SERVERS if s in results and results[s].get("loads")]
-    keys = list(loads)
-    metrics = [
-        ("output tok/s", lambda s, r: s["output_tok_s"]),
-        ("TTFT p50 (s)", lambda s, r: s["ttft_s"]["p50"]),
-        ("ITL p50 (ms)", lambda s, r: (s["itl_s"]["p50"] or 0) * 1000),
-        ("peak RSS (GiB)", lambda s, r: r["peak_rss_gib"]),
-    ]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8))
-    width = 0.8 / max(1, len(servers))
-    colors = {"llmq": "tab:blue", "vllm": "tab:orange", "transformers": "tab:green"}
-    for ax, (title, f) in zip(axes, metrics, strict=True):
-        for i, name in enumerate(servers):
-            vals = []
-            for k in keys:
-                res = results[name]["loads"].get(k)
-                vals.append(f(res["summary"], res["resources"]) if res else 0)
-            xs = [j + (i - (len(servers) - 1) / 2) * width for j in range(len(keys))]
-            ax.bar(xs, vals, width, label=name, color=colors.get(name))
-        ax.set_xticks(range(len(keys)))
-        ax.set_xticklabels(
-            [
-                f"({k}) {loads[k]['concurrency']}x{loads[k]['prompt']}/{loads[k]['output']}"
-                for k in keys
-            ],
-            fontsize=8,
-        )
-        ax.set_title(title)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("llmq vs peers, same model folder and cores (bfloat16)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="llmq vs vLLM (CPU) vs transformers serve, one table.")
     p.add_argument(
         "--model-dir",
         default=str(ROOT / "bench/out/models/smollm2-135m"),
@@ -510,8 +309,9 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--servers",
-        default=",".join(SERVERS),
-        help="comma-separated: llmq,vllm,transformers (default all, in that order)",
+        default=DEFAULT_SERVERS,
+        help=f"comma-separated, run in this order, from {', '.join(SERVERS)} "
+        f"(default {DEFAULT_SERVERS})",
     )
     p.add_argument(
         "--loads",
@@ -528,11 +328,18 @@ def main(argv=None) -> int:
         "--requests", default="", help="request counts per load, e.g. a=32,b=64,c=4 (after --scale)"
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of each load, the same prompts each time; round 1 is the first sight of "
+        "them, later rounds meet the prefix caches (2)",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=900.0,
-        help="seconds a server may take to become ready (first start of a peer "
-        "builds its venv) (900)",
+        help="seconds a server may take to become ready (the first start of a peer builds "
+        "its venv, or llama-server) (900)",
     )
     p.add_argument(
         "--llmq-env",
@@ -549,20 +356,10 @@ def main(argv=None) -> int:
         metavar="JSON",
         help="only draw the chart (--png) from an earlier run's JSON, measuring nothing",
     )
-    args = p.parse_args(argv)
-    if args.chart_from:
-        report = json.loads(Path(args.chart_from).read_text())
-        msg = chart(report["results"], report["config"]["loads"], Path(args.png))
-        print(msg or f"wrote {args.png}")
-        return 1 if msg else 0
-    logging.basicConfig(level=logging.WARNING)
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    return p
 
-    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    for s in servers:
-        if s not in SERVERS:
-            p.error(f"unknown server {s!r}; choose from {', '.join(SERVERS)}")
+
+def pick_loads(p: argparse.ArgumentParser, args) -> dict[str, dict]:
     loads = {}
     for k in [k.strip() for k in args.loads.split(",") if k.strip()]:
         if k not in LOADS:
@@ -577,6 +374,28 @@ def main(argv=None) -> int:
         k, _, n = item.partition("=")
         if k.strip() in loads:
             loads[k.strip()]["requests"] = int(n)
+    return loads
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.chart_from:
+        report = json.loads(Path(args.chart_from).read_text())
+        msg = chart(report["results"], report["config"]["loads"], Path(args.png), SERVERS)
+        print(msg or f"wrote {args.png}")
+        return 1 if msg else 0
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    for s in servers:
+        if s not in SERVERS:
+            p.error(f"unknown server {s!r}; choose from {', '.join(SERVERS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    loads = pick_loads(p, args)
 
     model = Path(args.model_dir)
     if not (model / "config.json").exists():
@@ -592,13 +411,14 @@ def main(argv=None) -> int:
             f"{k}={v['concurrency']}x{v['prompt']}/{v['output']}*{v['requests']}"
             for k, v in loads.items()
         )
+        + f", {args.rounds} round(s) each"
     )
 
     results: dict = {}
     started = time.time()
     for name in servers:
         results[name] = measure_server(name, args, loads, log_dir)
-    text = table(results, loads)
+    text = table(results, loads, tuple(servers))
     print("\n" + text, flush=True)
     report = {
         "config": {
@@ -607,6 +427,7 @@ def main(argv=None) -> int:
             "cores": cores(),
             "servers": servers,
             "loads": loads,
+            "rounds": args.rounds,
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "started": started,
         },
@@ -616,7 +437,7 @@ def main(argv=None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {args.json}")
-    msg = chart(results, loads, Path(args.png))
+    msg = chart(results, loads, Path(args.png), tuple(servers))
     log(msg or f"wrote {args.png}")
     return 0 if all("error" not in r for r in results.values()) else 1
 

@@ -424,6 +424,7 @@ class EngineDecode:
 
         from llmq.common.sampling_params import SamplingParams
         from llmq.worker.engine.block_manager import BlockManager
+        from llmq.worker.engine.kv_sizing import DEFAULT_KV_BUDGET_GB
         from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
         from llmq.worker.engine.sequence import Sequence
         from llmq.worker.llm_engine import EngineConfig
@@ -435,7 +436,7 @@ class EngineDecode:
         bs = cfg.block_size
         per_block = KVPool.bytes_per_block(*model_dims(model.config), bs, model.dtype)
         needed = batch * (-(-context // bs))
-        num_blocks = max(needed + 1, int(cfg.kv_cache_memory_gb * 2**30) // per_block)
+        num_blocks = max(needed + 1, int(DEFAULT_KV_BUDGET_GB * 2**30) // per_block)
         self.runner = ModelRunner(model, num_blocks, bs)
         # The block manager hands out blocks from the pool's front: random KV there.
         g = torch.Generator().manual_seed(0)

@@ -43,10 +43,14 @@ class Settings(BaseSettings):
     # Engine budgets
     block_size: int = Field(16, description="Tokens per KV cache block.")
     kv_blocks: int | None = Field(
-        None, description="Number of KV cache blocks; unset: derived from kv_cache_memory_gb."
+        None, ge=1, description="Number of KV cache blocks; wins over kv_cache_memory_gb."
     )
-    kv_cache_memory_gb: float = Field(
-        2.0, description="Memory budget for the KV cache (GiB) when kv_blocks is unset."
+    kv_cache_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="KV cache size (GiB) when kv_blocks is unset; unset: sized to the batch, "
+        "max_batch_size sequences of min(max_model_len, 1024) tokens (and at least one of "
+        "max_model_len), within 2 GiB. The pool is zeroed at start, so all of it is resident.",
     )
     max_batch_size: int = Field(64, description="Most sequences in one engine step.")
     max_batch_tokens: int = Field(

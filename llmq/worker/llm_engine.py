@@ -11,6 +11,7 @@ from llmq.common.model_loader import resolve_device
 from llmq.common.protocol import EngineError
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.block_manager import BlockManager
+from llmq.worker.engine.kv_sizing import KVPoolSize, kv_pool_size
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmq.worker.request_error import RequestError
@@ -37,7 +38,7 @@ GRAMMAR_WAIT_S = 0.05
 class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float | None = None  # None: sized to the batch (engine/kv_sizing.py)
     max_batch_size: int = 64
     max_batch_tokens: int = 512
     max_prefill_tokens_with_decodes: int | None = None  # None: max_batch_tokens
@@ -71,26 +72,22 @@ class EngineConfig:
         )
 
 
-def _kv_pool_size(model, config: EngineConfig) -> tuple[int, int]:
-    """(KV blocks, longest sequence in tokens) for ``model`` under ``config``."""
+def _kv_pool_size(model, config: EngineConfig) -> KVPoolSize:
+    """The KV pool for ``model`` under ``config`` (see ``engine/kv_sizing.py``)."""
     from llmq.worker.runner.attention import KVPool
     from llmq.worker.runner.model_runner import model_dims
 
     text_config = model.config.get_text_config()
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        dtype = next(model.parameters()).dtype
-        per_block = KVPool.bytes_per_block(*model_dims(model.config), config.block_size, dtype)
-        num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
-    model_limit = getattr(text_config, "max_position_embeddings", None) or 2048
-    max_len = min(config.max_model_len or model_limit, model_limit)
-    if config.num_blocks is None:
-        # Past twice what a full batch of full-length sequences needs, blocks only feed
-        # the prefix cache; don't spend the whole budget on a small model.
-        full = config.max_batch_size * -(-max_len // config.block_size)
-        num_blocks = min(num_blocks, 2 * full)
-    # One sequence alone must always fit, or it could preempt itself forever.
-    return num_blocks, min(max_len, num_blocks * config.block_size)
+    dtype = next(model.parameters()).dtype
+    return kv_pool_size(
+        bytes_per_block=KVPool.bytes_per_block(*model_dims(model.config), config.block_size, dtype),
+        block_size=config.block_size,
+        model_limit=getattr(text_config, "max_position_embeddings", None) or 2048,
+        max_model_len=config.max_model_len,
+        max_batch_size=config.max_batch_size,
+        num_blocks=config.num_blocks,
+        kv_cache_memory_gb=config.kv_cache_memory_gb,
+    )
 
 
 @dataclass(slots=True)
@@ -131,8 +128,9 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.vocab_size = model.config.get_text_config().vocab_size
-        num_blocks, self.max_model_len = _kv_pool_size(model, config)
-        self.num_blocks = num_blocks
+        pool = _kv_pool_size(model, config)
+        self.num_blocks = num_blocks = pool.num_blocks
+        self.max_model_len = pool.max_model_len
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -166,10 +164,17 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated = 0
         self.num_requests_total = 0
+        self._log_config(pool.reason)
+
+    def _log_config(self, pool_reason: str) -> None:
+        config = self.config
         log.info(
-            "engine: %d KV blocks of %d tokens, max_model_len %d, batch %d seqs / %d tokens",
-            num_blocks,
+            "engine: %d KV blocks of %d tokens (%.2f GiB), sized by %s; "
+            "max_model_len %d, batch %d seqs / %d tokens",
+            self.num_blocks,
             config.block_size,
+            self.runner.pool.kv.nbytes / 2**30,
+            pool_reason,
             self.max_model_len,
             config.max_batch_size,
             config.max_batch_tokens,
