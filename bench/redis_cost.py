@@ -79,14 +79,13 @@ def _cost(client) -> tuple[float, int]:
 
 
 async def _drive(url: str, model: str, n: int, out_tokens: int) -> tuple[float, int]:
-    import redis.asyncio as aioredis
-
     from llmq.common.model_loader import load_tokenizer
     from llmq.common.pipeline import TokenGeneratorPipeline
+    from llmq.common.redis_clients import async_client
     from llmq.common.sampling_params import SamplingParams
     from llmq.common.transport import AsyncTransport, Keys
 
-    client = aioredis.Redis.from_url(url)
+    client = async_client(url, 64)  # a blocking pool, as the API's: 256 streams share it
     transport = AsyncTransport(client, Keys())
     pipeline = TokenGeneratorPipeline(transport, load_tokenizer(model), model)
     rng = random.Random(n)
