@@ -148,3 +148,24 @@ def start_api(
 
     wait_for(healthy, 60, f"api {name}", 0.1)
     return proc, base
+
+
+def recorded_tokens(client, request_id: str, prefix: str = "llmq") -> list[int]:
+    """The tokens a request's record holds as a reader sees them: its list's values, then what
+    its owner's log holds past them (the API's own read)."""
+    from llmq.common.transport.output_log import merge
+    from llmq.common.transport.scripts import READ_SCRIPT
+
+    keys = Keys(prefix)
+    read = client.register_script(READ_SCRIPT)
+    _, listed, logged = read(
+        keys=[keys.req(request_id), keys.tokens(request_id)], args=[keys.log_prefix, request_id]
+    )
+    return merge([v.decode() if isinstance(v, bytes) else v for v in listed + logged])[0]
+
+
+def request_ids(client, prefix: str = "llmq") -> list[str]:
+    """The ids of the requests whose records Redis holds."""
+    head = f"{prefix}:req:"
+    names = (k.decode() for k in client.scan_iter(match=f"{head}*"))
+    return [n[len(head) :] for n in names if not n.endswith(":tokens")]

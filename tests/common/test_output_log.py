@@ -56,10 +56,12 @@ def test_a_tail_keeps_logprobs_beside_its_tokens():
     assert (tail.tokens, tail.logprobs) == ([1, 2, 3], ["a", "b", "c"])
 
 
-def test_merge_extends_the_list_with_the_log_in_order():
-    values = [encode_value(2, [3], None), encode_value(3, [4, 5], None), encode_value(1, [2], None)]
-    assert merge([1, 2], None, values) == ([1, 2, 3, 4, 5], None)
-    assert merge([1], None, [encode_value(3, [4], None)]) == ([1], None)  # a hole stops it
-    lps = [{"token_id": 1}]
-    merged = merge([1], lps, [encode_value(1, [2], ['{"token_id":2}'])])
-    assert merged == ([1, 2], [{"token_id": 1}, {"token_id": 2}])
+def test_merge_reads_values_in_order_dropping_overlaps_and_stopping_at_a_hole():
+    values = [encode_value(0, [1, 2], None), encode_value(2, [3], None)]
+    values += [encode_value(3, [4, 5], None), encode_value(1, [2], None)]
+    assert merge(values) == ([1, 2, 3, 4, 5], None)
+    assert merge([encode_value(0, [1], None), encode_value(3, [4], None)]) == ([1], None)
+    lps = [encode_value(0, [1], ['{"token_id":1}']), encode_value(1, [2], ['{"token_id":2}'])]
+    assert merge(lps, logprobs=True) == ([1, 2], [{"token_id": 1}, {"token_id": 2}])
+    with pytest.raises(ValueError):
+        merge(["x"])  # a record written by hand: its request fails alone

@@ -15,8 +15,8 @@ from llmq.common.redis_server import RedisServer
 from llmq.common.transport import Emission, EngineTransport, Keys
 from llmq.common.transport import step_writer as step_writer_module
 from llmq.common.transport.keys import ENQUEUE_SCRIPT, GROUP
-from llmq.common.transport.output_log import decode_frame, merge
-from llmq.common.transport.scripts import READ_SCRIPT
+from llmq.common.transport.output_log import decode_frame
+from tests.harness import recorded_tokens
 
 CHANNEL = "llmq:replies:test"
 KEYS = Keys()
@@ -38,11 +38,7 @@ def enqueue(r: redis.Redis, n: int) -> None:
 
 
 def recorded(r: redis.Redis, rid: str) -> list[int]:
-    read = r.register_script(READ_SCRIPT)
-    _, tokens, _, values = read(
-        keys=[KEYS.req(rid), KEYS.tokens(rid), KEYS.logprobs(rid)], args=[KEYS.log_prefix, rid, "0"]
-    )
-    return merge([int(t) for t in tokens], None, [v.decode() for v in values])[0]
+    return recorded_tokens(r, rid)
 
 
 def step(t: EngineTransport, sent: dict[str, int], rng: random.Random, final: bool = False):

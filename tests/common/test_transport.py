@@ -16,7 +16,7 @@ from llmq.common.model_loader import load_tokenizer
 from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
-from tests.harness import LLMQ, heartbeat, start_worker, wait_for
+from tests.harness import LLMQ, heartbeat, recorded_tokens, start_worker, wait_for
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 
 
@@ -94,7 +94,7 @@ def test_cancel_and_stop_string_free_kv_blocks(served, llama_dir, reference):
     )
     # The worker stopped generating: far fewer tokens were recorded than asked for.
     for rid, asked in (("gone", 2000), ("stopped", 1000)):
-        recorded = client.llen(f"llmq:req:{rid}:tokens")
+        recorded = len(recorded_tokens(client, rid))
         assert recorded < asked / 4, (rid, recorded)
 
 
@@ -237,14 +237,14 @@ def test_killed_worker_requests_resume_exactly(llama_dir, reference, tmp_path):
                 await asyncio.to_thread(
                     wait_for,
                     lambda: all(
-                        client.llen(f"llmq:req:r{i}:tokens") >= 3 for i in range(len(batch))
+                        len(recorded_tokens(client, f"r{i}")) >= 3 for i in range(len(batch))
                     ),
                     30,
                     "first tokens",
                     0.01,
                 )
                 w1.kill()
-                done_before = [client.llen(f"llmq:req:r{i}:tokens") for i in range(len(batch))]
+                done_before = [len(recorded_tokens(client, f"r{i}")) for i in range(len(batch))]
                 w2 = await asyncio.to_thread(
                     start_worker, server.url, llama_dir, "w2", tmp_path, **settings
                 )
@@ -339,7 +339,11 @@ def test_a_worker_stopped_warm_hands_its_request_over_at_once(llama_dir, referen
 
                 task = asyncio.create_task(consume())
                 await asyncio.to_thread(
-                    wait_for, lambda: client.llen("llmq:req:hb:tokens") >= 20, 30, "tokens", 0.01
+                    wait_for,
+                    lambda: len(recorded_tokens(client, "hb")) >= 20,
+                    30,
+                    "tokens",
+                    0.01,
                 )
                 holder = client.hget("llmq:req:hb", "worker").decode()
                 await asyncio.to_thread(workers[holder].terminate)

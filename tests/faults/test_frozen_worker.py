@@ -19,7 +19,7 @@ from llmq.common.protocol import OutputMessage
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport.output_log import decode_frame
-from tests.harness import heartbeat, start_worker, wait_for, wait_worker
+from tests.harness import heartbeat, recorded_tokens, start_worker, wait_for, wait_worker
 from tests.pipeline_client import open_pipeline, prompts, stream_of
 
 TTL = 1.5
@@ -89,7 +89,7 @@ async def serve(url: str, llama_dir, r: redis.Redis, workers: dict) -> list:
         ]
 
         def running_on_a() -> bool:
-            started = all(r.llen(f"llmq:req:f{i}:tokens") >= 5 for i in range(N_REQUESTS))
+            started = all(len(recorded_tokens(r, f"f{i}")) >= 5 for i in range(N_REQUESTS))
             return started and owners(r) == {b"wa"}
 
         await asyncio.to_thread(wait_for, running_on_a, 60, "the requests running on A", 0.01)
@@ -125,10 +125,7 @@ def test_a_frozen_worker_publishes_nothing_for_requests_claimed_from_it(llama_di
             freeze(workers["wb"], r, "wb")  # so that A takes every request
             published = Published(server.url)
             results = asyncio.run(serve(server.url, llama_dir, r, workers))
-            records = [
-                [int(t) for t in r.lrange(f"llmq:req:f{i}:tokens", 0, -1)]
-                for i in range(N_REQUESTS)
-            ]
+            records = [recorded_tokens(r, f"f{i}") for i in range(N_REQUESTS)]
             assert r.xpending(stream_of(llama_dir), "engines")["pending"] == 0
         finally:
             if published is not None:

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 
 from tests.faults.stack import complete, completion, greedy_texts, served
-from tests.harness import wait_for
+from tests.harness import recorded_tokens, request_ids, wait_for
 
 PROMPT = [7, 21, 3, 99, 14]
 MAX_TOKENS = 64
@@ -34,7 +34,7 @@ def test_redis_out_of_memory_is_a_clear_error_and_the_worker_survives(llama_dir,
                     complete(http, s.base, completion(PROMPT, LONG, stream=True))
                 )
                 generating = lambda: any(  # noqa: E731
-                    r.llen(k) >= 3 for k in r.scan_iter(match="llmq:req:*:tokens")
+                    len(recorded_tokens(r, i)) >= 3 for i in request_ids(r)
                 )
                 await asyncio.to_thread(wait_for, generating, 30, "the first tokens", 0.02)
                 r.config_set("maxmemory", 1)  # below what it holds already: every write fails

@@ -18,7 +18,7 @@ import redis
 
 from llmq.common.redis_server import RedisServer
 from llmq.common.transport import GROUP, Keys
-from tests.harness import heartbeat, start_api, start_worker, wait_for
+from tests.harness import heartbeat, recorded_tokens, start_api, start_worker, wait_for
 
 TTL = 2.0  # the worker's heartbeat TTL: how long a dead worker still looks alive
 BOUND = TTL + 3.0  # every request of the dead worker's model ends within this of the kill
@@ -113,7 +113,7 @@ async def load_then_kill(http: httpx.AsyncClient, s: Setup, worker, r: redis.Red
 
     def generating() -> bool:
         ids = live_ids(r, s.stream)
-        tokens = [r.llen(Keys().tokens(i)) for i in ids]
+        tokens = [len(recorded_tokens(r, i)) for i in ids]
         return len(ids) == 2 and min(tokens) >= 3
 
     await asyncio.to_thread(wait_for, generating, 30, "two requests generating", 0.02)

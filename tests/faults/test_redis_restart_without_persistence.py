@@ -13,7 +13,7 @@ import time
 import httpx
 
 from tests.faults.stack import Answer, complete, completion, greedy_texts, served
-from tests.harness import wait_for
+from tests.harness import recorded_tokens, request_ids, wait_for
 
 PROMPTS = [[5 + i, 17, 33, 2 + 3 * i, 40 + i] for i in range(8)]
 MAX_TOKENS = 200
@@ -44,7 +44,7 @@ async def load_and_restart(s) -> tuple[list[Answer], float]:
         ]
 
         def under_way() -> bool:  # all enqueued, four of them generating
-            tokens = [k for k in r.scan_iter(match="llmq:req:*:tokens") if r.llen(k) >= 3]
+            tokens = [i for i in request_ids(r) if len(recorded_tokens(r, i)) >= 3]
             return r.xlen(s.stream) == len(PROMPTS) and len(tokens) >= 4
 
         await asyncio.to_thread(wait_for, under_way, 30, "the load under way", 0.02)

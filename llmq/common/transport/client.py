@@ -113,12 +113,11 @@ class AsyncTransport:
         """The request's state, its recorded tokens and (``logprobs``) their logprobs: its
         list and what its owner's log holds past it, read in one atomic script."""
         k = self.keys.for_model(model)
-        keys = [k.req(request_id), k.tokens(request_id), k.logprobs(request_id)]
-        args = [k.log_prefix, request_id, "1" if logprobs else "0"]
-        raw, tokens, lps, values = await self._read(keys=keys, args=args)
+        keys = [k.req(request_id), k.tokens(request_id)]
+        raw, recorded, logged = await self._read(keys=keys, args=[k.log_prefix, request_id])
         state = {as_text(raw[i]): as_text(raw[i + 1]) for i in range(0, len(raw) - 1, 2)}
-        listed = [json.loads(x) for x in lps] if logprobs else None
-        ids, merged_lps = merge([int(t) for t in tokens], listed, [as_text(v) for v in values])
+        values = [as_text(v) for v in recorded + logged]
+        ids, merged_lps = merge(values, logprobs)
         return state, ids, merged_lps or []
 
     async def queue_stats(self, model: str) -> tuple[int, int]:

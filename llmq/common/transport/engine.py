@@ -17,6 +17,7 @@ import redis
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
 from llmq.common.transport.keys import GROUP, HANDBACK_PREFIX, Keys, as_text
+from llmq.common.transport.output_log import merge
 from llmq.common.transport.script_pipeline import script_pipeline
 from llmq.common.transport.scripts import CLAIM_SCRIPT, RUNNING_SCRIPT, TAKE_SCRIPT
 from llmq.common.transport.step_writer import Emission, Refusal, StepWriter
@@ -147,8 +148,8 @@ class EngineTransport:
             for p in live:
                 rid = p.request.id
                 if take is not None:
-                    keys = (self.keys.req(rid), self.keys.tokens(rid), self.keys.logprobs(rid))
-                    pipe.evalsha(take, 3, *keys, self.keys.log(self.worker), rid)
+                    keys = (self.keys.req(rid), self.keys.tokens(rid))
+                    pipe.evalsha(take, 2, *keys, self.keys.log(self.worker), rid)
                 else:
                     pipe.hget(self.keys.req(rid), "state")
                     pipe.lrange(self.keys.tokens(rid), 0, -1)
@@ -303,9 +304,9 @@ class EngineTransport:
                 pipe.xclaim(self.stream, GROUP, self.worker, idle_ms, [eid])
             else:
                 k = self.keys
-                keys = (self.stream, k.req(rid), k.tokens(rid), k.logprobs(rid))
+                keys = (self.stream, k.req(rid), k.tokens(rid))
                 args = (GROUP, self.worker, idle_ms, eid, k.log_prefix, rid, self.request_ttl)
-                pipe.evalsha(sha, 4, *keys, *args)
+                pipe.evalsha(sha, 3, *keys, *args)
         claimed: list[PulledRequest] = []
         for eid, rid, reply in zip(ids, rids, pipe.execute(), strict=True):
             if rid is None:  # entries deleted meanwhile come back as nil / empty
@@ -324,10 +325,10 @@ class EngineTransport:
 
 
 def _set_prior_tokens(p: PulledRequest, values: list) -> None:
-    """The tokens a request's record holds; a record that is not a list of token ids (written
-    by hand) makes the request malformed: it fails, instead of raising on every restart."""
+    """The tokens a request's record holds; a record that is not a list of values (written by
+    hand) makes the request malformed: it fails, instead of raising on every restart."""
     try:
-        p.prior_tokens = [int(t) for t in values]
+        p.prior_tokens = merge([as_text(v) for v in values])[0]
     except ValueError:
         log.warning("request %s: its token record is not token ids; failing it", p.request.id)
         p.request = None

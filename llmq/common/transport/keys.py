@@ -18,12 +18,12 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
                                    ``handback:{worker}`` from a worker leaving requests behind
 - ``{p}:req:{id}``                 hash (TTL): state, worker (its owner: see _FENCE), entry (its
                                    live stream entry), finish_reason, timings
-- ``{p}:req:{id}:tokens``          list (TTL): the tokens generated, up to the last move of its
-                                   worker's log (see ``output_log``): recovery, gaps
+- ``{p}:req:{id}:tokens``          list (TTL): the tokens generated (and their logprobs, when
+                                   asked), one value a move of its worker's log
+                                   (``output_log.encode_value``): recovery, gaps
 - ``{p}:log:{worker}``             stream (TTL): one entry a step, the frames it published (a
                                    field per channel); moved into the lists and trimmed every 64
                                    steps; a claimer marks it ``~claimed``
-- ``{p}:req:{id}:logprobs``        list (TTL): one JSON entry a token, when logprobs were asked
 - ``{p}:engines:{worker}``         hash (TTL = heartbeat): model, KV blocks, running, waiting, ...
 - ``{p}:engines``                  sorted set: worker -> time of its last heartbeat (the registry
                                    the API reads live engines from, instead of a SCAN)
@@ -117,10 +117,6 @@ class Keys:
 
     def tokens(self, request_id: str) -> str:
         return f"{self._m()}:req:{request_id}:tokens"
-
-    def logprobs(self, request_id: str) -> str:
-        """Beside the tokens, for requests that asked for logprobs: one JSON entry a token."""
-        return f"{self._m()}:req:{request_id}:logprobs"
 
     def engine(self, worker: str) -> str:
         return f"{self._g}:engines:{worker}"

@@ -1,5 +1,5 @@
-"""A request's output record: a list of its tokens in Redis, written in bulk now and then, and
-the tail generated since, in its worker's step log.
+"""A request's output record: a list of its tokens' values in Redis, written in bulk now and
+then, and the tail generated since, in its worker's step log.
 
 Redis work per step, not per token: a worker appends one entry a step to its own log stream
 (``{p}:log:{worker}``: the frames it published that step), and moves the tails into the requests' lists only every ``CONSOLIDATE_EVERY`` steps (and when a request ends),
@@ -8,9 +8,10 @@ Readers (a client filling a gap, a claimer, a worker taking its own requests bac
 the list, then the owner's log values for the request, merged by position.
 
 A step's log entry holds what the step published, a field per API process's channel (its
-frame, ``encode_frame``). A request's value in it is ``index|t1,t2,...|lp1\\nlp2...`` (the
-logprob entries as compact JSON, one a line; JSON never holds a raw newline): Lua splits it
-without a JSON parser (``scripts._ABSORB``).
+frame, ``encode_frame``). A request's value in it, and each element of its record (a list of
+values, one a move: Redis handles one string a request, not one a token), is
+``index|t1,t2,...|lp1\\nlp2...`` (the logprob entries as compact JSON, one a line; JSON never
+holds a raw newline): Lua finds where a value ends without a JSON parser (``scripts``).
 """
 
 from __future__ import annotations
@@ -65,11 +66,16 @@ def encode_value(index: int, tokens: list[int], logprobs: list[str] | None) -> s
     return value + "|" + "\n".join(logprobs) if logprobs else value
 
 
-def decode_value(value: str) -> tuple[int, list[int], list[dict] | None]:
-    index, _, rest = value.partition("|")
+def decode_value(value: str, logprobs: bool = True) -> tuple[int, list[int], list[dict] | None]:
+    """A value's first index, tokens and (when ``logprobs`` and it has them) logprob entries;
+    ValueError for a string that is not a value."""
+    index, bar, rest = value.partition("|")
+    if not bar:
+        raise ValueError(f"not a record value: {value[:40]!r}")
     tokens, _, lps = rest.partition("|")
     ids = [int(t) for t in tokens.split(",")] if tokens else []
-    return int(index), ids, [json.loads(x) for x in lps.split("\n")] if lps else None
+    entries = [json.loads(x) for x in lps.split("\n")] if lps and logprobs else None
+    return int(index), ids, entries
 
 
 @dataclass(slots=True)
@@ -103,16 +109,16 @@ class Tail:
         self.first, self.tokens, self.logprobs = self.end, [], None
 
 
-def merge(
-    tokens: list[int], logprobs: list[dict] | None, values: list[str]
-) -> tuple[list[int], list[dict] | None]:
-    """A request's list extended by its log values (in log order; repeats dropped)."""
-    tokens, lps = list(tokens), list(logprobs) if logprobs is not None else None
+def merge(values: list[str], logprobs: bool = False) -> tuple[list[int], list[dict] | None]:
+    """A request's tokens (and, with ``logprobs``, their entries) from its record's values and
+    then its log's, in order: overlaps dropped, a value past a hole ends it."""
+    tokens: list[int] = []
+    entries: list[dict] | None = [] if logprobs else None
     for value in values:
-        index, ids, value_lps = decode_value(value)
+        index, ids, value_lps = decode_value(value, logprobs)
         if index > len(tokens):
-            break  # a hole: nothing after it is in place
+            break
+        if entries is not None and len(entries) == len(tokens) and value_lps is not None:
+            entries.extend(value_lps[len(tokens) - index :])
         tokens.extend(ids[len(tokens) - index :])
-        if lps is not None and value_lps is not None and index <= len(lps):
-            lps.extend(value_lps[len(lps) - index :])
-    return tokens, lps
+    return tokens, entries

@@ -23,70 +23,71 @@ end
 if own[1] and own[1] ~= ARGV[1] then return 'fenced:' .. own[1] end
 """
 
-# Lua: RPUSH ARGV[from..to] onto a list, a thousand at a time (one command, not one a token;
-# Lua's unpack has a stack limit).
-_PUSH = """
-local function push(key, from, to)
-  while from <= to do
-    local last = math.min(to, from + 999)
-    redis.call('RPUSH', key, unpack(ARGV, from, last))
-    from = last + 1
-  end
+# Lua: where a request's record ends (the token after its last value's), from its last value
+# alone (LINDEX -1, O(1)); 0 for none, or for a last element that is not a value.
+_RECORDED = """
+local function recorded(tk)
+  local last = redis.call('LINDEX', tk, -1)
+  if not last then return 0 end
+  local a = string.find(last, '|', 1, true)
+  if not a then return 0 end
+  local b = string.find(last, '|', a + 1, true)
+  local first = tonumber(string.sub(last, 1, a - 1)) or 0
+  local tokens = string.sub(last, a + 1, (b or 0) - 1)
+  if tokens == '' then return first end
+  local _, commas = string.gsub(tokens, ',', '')
+  return first + commas + 1
 end
 """
 
 # One request's news written alone (a worker's first writes, and every write after its log
-# changed under it: a claim, or Redis lost its tail). KEYS: req, tokens, logprobs, channel,
-# stream. ARGV: worker, entry, index, token count n, payload (published unless flag 'q'),
-# flags ('l': logprob entries follow the tokens, 'p': the prompt logprobs follow, 'f': final,
-# 'q': record only), the n tokens, [n logprob entries], [prompt logprobs], [final state,
-# finish_reason, error, finished time, record TTL]. Tokens are appended idempotently (a write
-# sent again records nothing twice); a record shorter than ``index`` lost its tail (Redis
-# restarted without it): nothing is appended out of place, and 'lost:<length>' says so.
+# changed under it: a claim, or Redis lost its tail). KEYS: req, tokens, channel, stream.
+# ARGV: worker, entry, index, token count n, payload (published unless flag 'q'), flags ('p':
+# the prompt logprobs follow, 'f': final, 'q': record only), the record's value for the n
+# tokens from index (``output_log.encode_value``), [prompt logprobs], [final state,
+# finish_reason, error, finished time, record TTL]. A value already recorded is not recorded
+# again (a write sent again after a dropped connection); a record that ends before ``index``
+# lost its tail (Redis restarted without it): nothing is recorded out of place, and
+# 'lost:<length>' says so.
 WRITE_SCRIPT = (
-    _PUSH
+    _RECORDED
     + _FENCE
     + f"""
 local first, n, flags = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
-local at = 6 + n
-local have = redis.call('LLEN', KEYS[2])
+local at = 7
+local have = recorded(KEYS[2])
 if have < first then return 'lost:' .. have end
-push(KEYS[2], 7 + have - first, 6 + n)
-if string.find(flags, 'l', 1, true) then
-  local lps = redis.call('LLEN', KEYS[3])
-  if lps < first then return 'lost:' .. lps end
-  push(KEYS[3], at + 1 + lps - first, at + n)
-  at = at + n
-end
+if n > 0 and have < first + n then redis.call('RPUSH', KEYS[2], ARGV[7]) end
 if string.find(flags, 'p', 1, true) then
   redis.call('HSET', KEYS[1], 'prompt_logprobs', ARGV[at + 1])
   at = at + 1
 end
-if not string.find(flags, 'q', 1, true) then redis.call('PUBLISH', KEYS[4], ARGV[5]) end
+if not string.find(flags, 'q', 1, true) then redis.call('PUBLISH', KEYS[3], ARGV[5]) end
 if string.find(flags, 'f', 1, true) then
   redis.call('HSET', KEYS[1], 'state', ARGV[at + 1], 'finish_reason', ARGV[at + 2],
-    'finished', ARGV[at + 4])
-  if ARGV[at + 3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[at + 3]) end
-  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[at + 5]) end
-  redis.call('XACK', KEYS[5], '{GROUP}', ARGV[2])
-  redis.call('XDEL', KEYS[5], ARGV[2])
+    'finished', ARGV[at + 4], 'error', ARGV[at + 3])
+  redis.call('EXPIRE', KEYS[1], ARGV[at + 5])
+  redis.call('EXPIRE', KEYS[2], ARGV[at + 5])
+  redis.call('XACK', KEYS[4], '{GROUP}', ARGV[2])
+  redis.call('XDEL', KEYS[4], ARGV[2])
 end
 return 0
 """
 )
 
 # One step of a worker, every request's news in one call, a few commands whatever the batch.
-# KEYS: the worker's log, its stream, then req, tokens, logprobs of each op. ARGV: the log's
-# length as the worker left it, worker, now, record TTL, '1' to move (trim the log to its
-# last entry; and refresh its TTL, which 'e' alone does), the count and the (channel, frame) pairs to publish and log (the entry's
-# fields: ``output_log.encode_frame``), then the ops: flags ('a' append, 'l' logprobs, 'p'
-# prompt logprobs follow, 'f' final: state, finish_reason, error follow), entry, first index,
-# token count n, logprob count, the tokens, the logprob entries, [prompt], [final].
-# A log whose length is not the worker's (a claimer added its mark, or Redis lost its tail)
-# writes nothing: {'check', length}; else {length, op number, refusal, ...}. (XLEN, not the
-# last entry's id: XREVRANGE returns the whole entry, 15 us at 64 requests a step.)
+# KEYS: the worker's log, its stream, then req and tokens of each op. ARGV: the log's length
+# as the worker left it, worker, now, record TTL, '1' to move (trim the log to its last entry;
+# and refresh its TTL, which 'e' alone does), the count and the (channel, frame) pairs to
+# publish and log (the entry's fields: ``output_log.encode_frame``), then the ops: flags ('a'
+# a move, 'p' prompt logprobs follow, 'f' final: state, finish_reason, error follow), entry,
+# first index, token count n, the record's value for them, [prompt], [final]. One value a
+# request, not a token an argument: passing tokens one by one into Lua was a third of Redis's
+# instructions (callgrind). A log whose length is not the worker's (a claimer added its mark,
+# or Redis lost its tail) writes nothing: {'check', length}; else {length, op number, refusal,
+# ...}. (XLEN, not the last entry's id: XREVRANGE returns the whole entry.)
 STEP_SCRIPT = (
-    _PUSH
+    _RECORDED
     + f"""
 local length = redis.call('XLEN', KEYS[1])
 if length ~= tonumber(ARGV[1]) then return {{'check', length}} end
@@ -99,11 +100,11 @@ if nc > 0 then
 end
 local result, op = {{length}}, 0
 while at <= #ARGV do
-  local req, tk, lk = KEYS[3 + 3 * op], KEYS[4 + 3 * op], KEYS[5 + 3 * op]
+  local req, tk = KEYS[3 + 2 * op], KEYS[4 + 2 * op]
   op = op + 1
-  local flags, entry, first = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
-  local n, nl, t0 = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]), at + 5
-  at = t0 + n + nl
+  local flags, entry, first, n = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3])
+  local value = ARGV[at + 4]
+  at = at + 5
   local why
   if string.find(flags, 'f', 1, true) then
     local own = redis.call('HMGET', req, 'worker', 'entry')
@@ -114,14 +115,9 @@ while at <= #ARGV do
     elseif own[1] and own[1] ~= ARGV[2] then why = 'fenced:' .. own[1] end
   end
   if not why then
-    local have = redis.call('LLEN', tk)
-    if have < first then why = 'lost:' .. have end
-    if not why then push(tk, t0 + have - first, t0 + n - 1) end
-    if not why and nl > 0 then
-      local lps = redis.call('LLEN', lk)
-      if lps < first then why = 'lost:' .. lps end
-      if not why then push(lk, t0 + n + lps - first, t0 + n + nl - 1) end
-    end
+    local have = recorded(tk)
+    if have < first then why = 'lost:' .. have
+    elseif n > 0 and have < first + n then redis.call('RPUSH', tk, value) end
   end
   if string.find(flags, 'p', 1, true) then
     if not why then redis.call('HSET', req, 'prompt_logprobs', ARGV[at]) end
@@ -133,7 +129,6 @@ while at <= #ARGV do
         'finished', ARGV[3], 'error', ARGV[at + 2])
       redis.call('EXPIRE', req, ARGV[4])
       redis.call('EXPIRE', tk, ARGV[4])
-      if string.find(flags, 'l', 1, true) then redis.call('EXPIRE', lk, ARGV[4]) end
       redis.call('XACK', KEYS[2], '{GROUP}', entry)
       redis.call('XDEL', KEYS[2], entry)
     end
@@ -174,11 +169,13 @@ local function value_of(fields, rid)
 end
 """
 
-# Lua: move into a request's list (tk, lk: its tokens and logprobs) what the log ``log`` holds
-# of it past the list's end, in log order (a value past a hole ends it). Returns the length.
-_ABSORB = """
-local function absorb(log, rid, tk, lk)
-  local have, lps = redis.call('LLEN', tk), redis.call('LLEN', lk)
+# Lua: move into a request's record (tk) the values the log ``log`` holds of it past the
+# record's end, in log order (a value past a hole ends it), each whole. Returns the end.
+_ABSORB = (
+    _RECORDED
+    + """
+local function absorb(log, rid, tk)
+  local have = recorded(tk)
   for _, e in ipairs(redis.call('XRANGE', log, '-', '+')) do
     local v = value_of(e[2], rid)
     if v then
@@ -186,29 +183,19 @@ local function absorb(log, rid, tk, lk)
       local b = string.find(v, '|', a + 1, true)
       local first = tonumber(string.sub(v, 1, a - 1))
       if first > have then return have end
-      local j = first
-      for t in string.gmatch(string.sub(v, a + 1, (b or 0) - 1), '[^,]+') do
-        if j == have then
-          redis.call('RPUSH', tk, t)
-          have = have + 1
-        end
-        j = j + 1
-      end
-      if b then
-        j = first
-        for l in string.gmatch(string.sub(v, b + 1), '[^\\n]+') do
-          if j == lps then
-            redis.call('RPUSH', lk, l)
-            lps = lps + 1
-          end
-          j = j + 1
-        end
+      local tokens = string.sub(v, a + 1, (b or 0) - 1)
+      local _, commas = string.gsub(tokens, ',', '')
+      local stop = first + (tokens == '' and 0 or commas + 1)
+      if stop > have then
+        redis.call('RPUSH', tk, v)
+        have = stop
       end
     end
   end
   return have
 end
 """
+)
 
 # Requests taken into service (pulled, claimed or resumed), in one call: each owned by this
 # worker unless another took it over meanwhile (or it runs under another entry now). KEYS: the
@@ -238,7 +225,7 @@ return replies
 # ARGV[3] ms, so a second claimer loses the race), the old owner's log tail moved into the
 # request's list and the log marked (the old owner, if it wakes, finds its log changed), the
 # new owner in the hash, and the tokens recorded, atomically, so the claimer resumes from
-# exactly what the old owner's clients saw. KEYS: stream, req, tokens, logprobs. ARGV: group,
+# exactly what the old owner's clients saw. KEYS: stream, req, tokens. ARGV: group,
 # worker, min idle, entry, log key prefix, request id, log TTL. Returns false (not claimed),
 # 'stale' (an entry its request no longer runs under: dropped), or {fields, state, tokens}.
 CLAIM_SCRIPT = (
@@ -258,7 +245,7 @@ if own[1] and own[1] ~= ARGV[4] then
 end
 if own[2] and own[2] ~= ARGV[2] then
   local log = ARGV[5] .. own[2]
-  absorb(log, ARGV[6], KEYS[3], KEYS[4])
+  absorb(log, ARGV[6], KEYS[3])
   redis.call('XADD', log, '*', '{CLAIM_MARK}', ARGV[6])
   redis.call('EXPIRE', log, ARGV[7])
 end
@@ -268,20 +255,19 @@ return {{got[1][2], own[3] or '', redis.call('LRANGE', KEYS[3], 0, -1)}}
 )
 
 # A worker restarted under its name takes its own requests back: their tails in its log move
-# into their lists first. KEYS: req, tokens, logprobs. ARGV: log key, request id. Returns
-# {state, tokens}.
+# into their records first. KEYS: req, tokens. ARGV: log key, request id. Returns {state,
+# the record's values}.
 TAKE_SCRIPT = (
     _VALUE_OF
     + _ABSORB
     + """
-absorb(ARGV[1], ARGV[2], KEYS[2], KEYS[3])
+absorb(ARGV[1], ARGV[2], KEYS[2])
 return {redis.call('HGET', KEYS[1], 'state') or '', redis.call('LRANGE', KEYS[2], 0, -1)}
 """
 )
 
-# A reader's view of a request, in one atomic read: its hash, its list of tokens (and
-# logprobs, with ARGV[3] = '1'), and the values its owner's log holds for it. KEYS: req,
-# tokens, logprobs. ARGV: log key prefix, request id, '1' for logprobs.
+# A reader's view of a request, in one atomic read: its hash, its record's values, and the
+# values its owner's log holds for it. KEYS: req, tokens. ARGV: log key prefix, request id.
 READ_SCRIPT = (
     _VALUE_OF
     + """
@@ -290,8 +276,6 @@ local worker
 for i = 1, #h - 1, 2 do
   if h[i] == 'worker' then worker = h[i + 1] end
 end
-local lps = {}
-if ARGV[3] == '1' then lps = redis.call('LRANGE', KEYS[3], 0, -1) end
 local values = {}
 if worker then
   for _, e in ipairs(redis.call('XRANGE', ARGV[1] .. worker, '-', '+')) do
@@ -299,7 +283,7 @@ if worker then
     if v then values[#values + 1] = v end
   end
 end
-return {h, redis.call('LRANGE', KEYS[2], 0, -1), lps, values}
+return {h, redis.call('LRANGE', KEYS[2], 0, -1), values}
 """
 )
 

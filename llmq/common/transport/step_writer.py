@@ -20,7 +20,12 @@ import redis
 
 from llmq.common.protocol import OutputMessage
 from llmq.common.transport.keys import Keys, as_text
-from llmq.common.transport.output_log import CONSOLIDATE_EVERY, Tail, encode_frame
+from llmq.common.transport.output_log import (
+    CONSOLIDATE_EVERY,
+    Tail,
+    encode_frame,
+    encode_value,
+)
 from llmq.common.transport.script_pipeline import script_pipeline
 from llmq.common.transport.scripts import STEP_SCRIPT, WRITE_SCRIPT, sharded
 
@@ -54,7 +59,6 @@ class _Held:
     entry_id: str
     channel: str
     tail: Tail
-    logprobs: bool = False  # it records logprobs (their list expires with it)
 
 
 @dataclass(slots=True)
@@ -142,9 +146,7 @@ class StepWriter:
             if held is None:  # failed before it was taken into service
                 channel = e.reply_to or self.keys.out(e.request_id)
                 held = _Held(e.entry_id, channel, Tail(msg.index))
-            lps = _logprobs(msg)
-            held.logprobs = held.logprobs or lps is not None
-            held.tail.add(msg.index, msg.tokens, lps)
+            held.tail.add(msg.index, msg.tokens, _logprobs(msg))
             prompt = msg.prompt_logprobs
             if msg.done or prompt is not None:
                 encoded = None if prompt is None else json.dumps(prompt, separators=(",", ":"))
@@ -171,7 +173,7 @@ class StepWriter:
             args += [channel, encode_frame(messages)]
         for op in ops:
             k = self.keys
-            keys += [k.req(op.request_id), k.tokens(op.request_id), k.logprobs(op.request_id)]
+            keys += [k.req(op.request_id), k.tokens(op.request_id)]
             args += _op_args(op)
         return self.r.evalsha(self._sha(self._step_script), len(keys), *keys, *args)
 
@@ -219,10 +221,10 @@ class StepWriter:
         for rid in rids:
             op = finals.get(rid) or _Op(rid, self.held[rid])
             k = self.keys
-            keys = (k.req(rid), k.tokens(rid), k.logprobs(rid), op.held.channel, self.stream)
+            keys = (k.req(rid), k.tokens(rid), op.held.channel, self.stream)
             msg = published.get(rid)
             payload = encode_frame([(rid, msg)]) if msg is not None else ""
-            pipe.evalsha(sha, 5, *keys, *self._write_args(op, payload))
+            pipe.evalsha(sha, 4, *keys, *self._write_args(op, payload))
         replies = pipe.execute()
         refusals = []
         for rid, reply in zip(rids, replies, strict=True):
@@ -240,11 +242,10 @@ class StepWriter:
     def _write_args(self, op: _Op, payload: str) -> list:
         """WRITE_SCRIPT's arguments (scripts.py)."""
         tail, final = op.held.tail, op.final
-        flags = "l" if tail.logprobs else ""
-        flags += ("p" if op.prompt_logprobs else "") + ("f" if final else "")
+        flags = ("p" if op.prompt_logprobs else "") + ("f" if final else "")
         flags += "" if payload else "q"
         args = [self.worker, op.held.entry_id, tail.first, len(tail.tokens), payload, flags]
-        args += tail.tokens + (tail.logprobs or [])
+        args.append(encode_value(tail.first, tail.tokens, tail.logprobs))
         if op.prompt_logprobs:
             args.append(op.prompt_logprobs)
         if final is not None:
@@ -255,12 +256,11 @@ class StepWriter:
 
 
 def _op_args(op: _Op) -> list:
-    """One op of STEP_SCRIPT (scripts.py)."""
+    """One op of STEP_SCRIPT (scripts.py): the tail as one value."""
     tail, final = op.held.tail, op.final
-    lps = tail.logprobs or []
-    flags = "a" + ("l" if op.held.logprobs else "") + ("p" if op.prompt_logprobs else "")
-    flags += "f" if final is not None else ""
-    args = [flags, op.held.entry_id, tail.first, len(tail.tokens), len(lps), *tail.tokens, *lps]
+    flags = "a" + ("p" if op.prompt_logprobs else "") + ("f" if final is not None else "")
+    value = encode_value(tail.first, tail.tokens, tail.logprobs)
+    args = [flags, op.held.entry_id, tail.first, len(tail.tokens), value]
     if op.prompt_logprobs:
         args.append(op.prompt_logprobs)
     if final is not None:
