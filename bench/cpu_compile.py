@@ -57,31 +57,39 @@ def flops_per_token(config, context: int) -> float:
     return matmul + attention
 
 
-def matmul_ceiling(config, dtype, rows: int, repeats: int = 5) -> dict[str, float]:
-    """GFLOP/s of the model's projections alone at ``rows`` rows: F.linear and packed."""
-    import torch
-    import torch.nn.functional as F
+class MatmulCeiling:
+    """GFLOP/s of the model's projections alone at a row count, F.linear and packed: one weight
+    per layer, as in the model (a weight reused 30 times would be timed from the cache, not
+    from memory as a decode step reads it)."""
 
-    from llmq.worker.runner.packed_linear import Linear, can_pack
+    def __init__(self, config, dtype):
+        import torch
+        import torch.nn.functional as F
 
-    shapes = projection_shapes(config)
-    weights = [(torch.randn(o, i).to(dtype), k) for o, i, k in shapes]
-    out: dict[str, float] = {}
-    flops = sum(2 * rows * o * i * k for o, i, k in shapes)
-    kinds = {"f_linear": [(lambda x, w=w: F.linear(x, w), k) for w, k in weights]}
-    if can_pack(weights[0][0]):
-        kinds["packed"] = [(Linear(w, None, True), k) for w, k in weights]
-    xs = [torch.randn(rows, w.shape[1]).to(dtype) for w, _ in weights]
-    for name, fns in kinds.items():
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for (fn, k), x in zip(fns, xs, strict=True):
-                for _ in range(k):
+        from llmq.worker.runner.packed_linear import Linear, can_pack
+
+        shapes = projection_shapes(config)
+        self.weights = [torch.randn(o, i).to(dtype) for o, i, k in shapes for _ in range(k)]
+        self.dtype = dtype
+        self.kinds = {"f_linear": [lambda x, w=w: F.linear(x, w) for w in self.weights]}
+        if can_pack(self.weights[0]):
+            self.kinds["packed"] = [Linear(w, None, True) for w in self.weights]
+
+    def gflops(self, rows: int, repeats: int = 5) -> dict[str, float]:
+        import torch
+
+        xs = [torch.randn(rows, w.shape[1]).to(self.dtype) for w in self.weights]
+        flops = sum(2 * rows * w.numel() for w in self.weights)
+        out: dict[str, float] = {}
+        for name, fns in self.kinds.items():
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for fn, x in zip(fns, xs, strict=True):
                     fn(x)
-            times.append(time.perf_counter() - start)
-        out[name] = flops / min(times) / 1e9
-    return out
+                times.append(time.perf_counter() - start)
+            out[name] = flops / min(times) / 1e9
+        return out
 
 
 def run(args, model_dir: Path) -> dict:
@@ -99,12 +107,13 @@ def run(args, model_dir: Path) -> dict:
             bench_engine.log(f"  compiled runner built in {time.perf_counter() - start:.1f} s")
         rss[name] = rss_mb() - before
     config = paths["eager"].runner.model.config
+    ceilings = MatmulCeiling(config, paths["eager"].runner.dtype)
     res: dict = {"warm_up_s": warm_s, "context": args.step_context, "batches": {}}
     for b in batches:
         for p in paths.values():
             p.use_batch(b)
         secs = bench_engine.time_interleaved(paths, args.step_repeats)
-        ceiling = matmul_ceiling(config, paths["eager"].runner.dtype, b)
+        ceiling = ceilings.gflops(b)
         flops = flops_per_token(config, args.step_context)
         row = {"ceiling_gflops": ceiling}
         for name in paths:
@@ -112,7 +121,9 @@ def run(args, model_dir: Path) -> dict:
             row[name] = {
                 "tok_s": tok_s,
                 "tok_per_cpu_s": b / secs[name]["cpu"],
-                "fraction_of_f_linear_ceiling": tok_s * flops / 1e9 / ceiling["f_linear"],
+                "fraction_of_ceiling": {
+                    kind: tok_s * flops / 1e9 / gflops for kind, gflops in ceiling.items()
+                },
             }
         row["ratio"] = secs["eager"]["wall"] / secs["compiled"]["wall"]
         row["ratio_cpu"] = secs["eager"]["cpu"] / secs["compiled"]["cpu"]
@@ -135,15 +146,17 @@ def print_table(res: dict, dtype: str, threads: int) -> None:
         f"decode step, eager vs compiled (LLMQ_CPU_COMPILE), {dtype}, {threads} threads, context "
         f"{res['context']}, interleaved, median; compile warm-up {res['warm_up_s']:.1f} s",
         f"{'batch':<7}{'eager t/s':>11}{'compiled t/s':>14}{'ratio':>8}{'ratio cpu':>11}"
-        f"{'F.linear GF/s':>15}{'packed GF/s':>13}{'eager %ceil':>13}{'compiled %ceil':>16}",
+        f"{'F.linear GF/s':>15}{'packed GF/s':>13}{'eager % of F.linear/packed':>28}"
+        f"{'compiled %':>12}",
     ]
     for b, r in res["batches"].items():
         c = r["ceiling_gflops"]
+        fe, fc = r["eager"]["fraction_of_ceiling"], r["compiled"]["fraction_of_ceiling"]
         lines.append(
             f"{b:<7}{r['eager']['tok_s']:>11.1f}{r['compiled']['tok_s']:>14.1f}{r['ratio']:>7.2f}x"
             f"{r['ratio_cpu']:>10.2f}x{c['f_linear']:>15.1f}{c.get('packed', 0):>13.1f}"
-            f"{100 * r['eager']['fraction_of_f_linear_ceiling']:>12.1f}%"
-            f"{100 * r['compiled']['fraction_of_f_linear_ceiling']:>15.1f}%"
+            f"{100 * fe['f_linear']:>20.0f}% /{100 * fe.get('packed', 0):>4.0f}%"
+            f"{100 * fc['f_linear']:>6.0f}% /{100 * fc.get('packed', 0):>4.0f}%"
         )
     lines.append(
         f"RSS growth: eager runner {res['rss_growth_mb_eager']:.0f} MB, compiled runner "

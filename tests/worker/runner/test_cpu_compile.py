@@ -15,6 +15,8 @@ import torch
 from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.runner.cpu_compile import CompiledDecode
+from llmq.worker.runner.packed_batch import pack_step
 from tests.worker.test_engine_exact import EOS, drive, make_prompts, reference_generate
 
 
@@ -49,8 +51,11 @@ def test_compiled_decode_gives_generates_tokens(llama_dir):
     assert counters["stats"]["unique_graphs"] == frames
 
 
-def _decode_logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
-    """Prefill ``prompts`` (eager), then the logits of one decode step of all of them."""
+def test_compiled_bfloat16_within_rounding_of_eager(llama_dir):
+    """The same decode step (six sequences, their prompts prefilled) eager, then compiled (its
+    larger-batch graph only, compiled on first use)."""
+    engine = LLMEngine(load_causal_lm(str(llama_dir), "bfloat16", "cpu"), EngineConfig())
+    prompts = make_prompts(engine.vocab_size)[0][:6]
     seqs = [
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=4))
         for i, p in enumerate(prompts)
@@ -58,21 +63,16 @@ def _decode_logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
     while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs):
         engine.step()
     out = engine.scheduler.schedule()
-    assert len(out.scheduled) == len(prompts) and out.num_tokens == len(prompts)
-    logits, _, _ = engine.runner.execute(out)
-    return logits
-
-
-def test_compiled_bfloat16_within_rounding_of_eager(llama_dir):
-    path = str(llama_dir)
-    prompts = make_prompts(1024)[0][:6]
-    got = {}
-    for compile_on in (False, True):
-        config = EngineConfig(num_blocks=64, cpu_compile=compile_on)
-        engine = LLMEngine(load_causal_lm(path, "bfloat16", "cpu"), config)
-        got[compile_on] = _decode_logits(engine, prompts)
-        assert (engine.runner.compiled is not None) == compile_on
-    eager, compiled = got[False], got[True]
+    assert out.num_tokens == len(out.scheduled) == len(prompts)  # a decode-only step
+    runner = engine.runner
+    eager, _, _ = runner.execute(out)
+    batch = pack_step(out.scheduled, runner.block_size)
+    tables = [item.seq.block_table for item in batch.decodes]
+    with torch.inference_mode():
+        compiled = CompiledDecode(runner.forward, runner.pool).run(
+            batch.input_ids, batch.positions, batch.slots, tables
+        )
+    compiled = compiled.float()
     # bfloat16 keeps 8 bits of mantissa: a few roundings apart is a few 2^-8 of the scale.
     scale = eager.abs().max()
     assert (compiled - eager).abs().max() <= 0.05 * scale, (compiled - eager).abs().max()
