@@ -87,13 +87,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-batches", default="32,64", help="batches of the decode-step comparison")
     p.add_argument("--step-context", type=int, default=256, help="its context (256)")
     p.add_argument(
+        "--compile-batches",
+        default="1,32,64",
+        help="batches of the eager vs compiled (LLMQ_CPU_COMPILE) decode-step comparison",
+    )
+    p.add_argument(
         "--step-repeats", type=int, default=10, help="decode steps timed per path, interleaved (10)"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: the cores)")
     p.add_argument(
         "--skip",
         default="",
-        help="comma-separated paths to leave out: single,static,hf_cb,raw,steps",
+        help="comma-separated paths to leave out: single,static,hf_cb,raw,steps,compile",
     )
     p.add_argument(
         "--dtype",
@@ -117,6 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.single = min(args.single, 2)
         args.step_repeats = min(args.step_repeats, 4)
         args.step_batches = "32"
+        args.compile_batches = "1,32"
         args.engine_runs = 1
         args.max_batch_size = min(args.max_batch_size, args.requests)
     return args
@@ -417,9 +423,9 @@ class HFDecode:
 class EngineDecode:
     """One decode step of the engine's runner and sampler: ``batch`` sequences whose KV (random)
     sits in a paged pool of the engine's default size, ``context`` tokens each counting the new
-    one."""
+    one. ``cpu_compile``: decode steps through the compiled forward (compiled here)."""
 
-    def __init__(self, model, batch: int, context: int):
+    def __init__(self, model, batch: int, context: int, cpu_compile: bool = False):
         import torch
 
         from llmq.common.sampling_params import SamplingParams
@@ -437,7 +443,7 @@ class EngineDecode:
         per_block = KVPool.bytes_per_block(*model_dims(model.config), bs, model.dtype)
         needed = batch * (-(-context // bs))
         num_blocks = max(needed + 1, int(DEFAULT_KV_BUDGET_GB * 2**30) // per_block)
-        self.runner = ModelRunner(model, num_blocks, bs)
+        self.runner = ModelRunner(model, num_blocks, bs, cpu_compile=cpu_compile)
         # The block manager hands out blocks from the pool's front: random KV there.
         g = torch.Generator().manual_seed(0)
         used = self.runner.pool.kv[:, :, : needed * bs]
@@ -452,12 +458,20 @@ class EngineDecode:
             assert bm.allocate(seq, context)
             seq.num_computed_tokens = context - 1
             items.append(ScheduledSequence(seq, context - 1, 1))
+        self.items = items
         self.out = SchedulerOutput(scheduled=items)
         self.seqs = [it.seq for it in items]
         self.sampler = Sampler()
 
+    def use_batch(self, batch: int) -> None:
+        """Step only the first ``batch`` sequences from now on."""
+        from llmq.worker.engine.scheduler import SchedulerOutput
+
+        self.out = SchedulerOutput(scheduled=self.items[:batch])
+        self.seqs = [it.seq for it in self.items[:batch]]
+
     def step(self) -> None:
-        logits, _ = self.runner.execute(self.out)
+        logits, _, _ = self.runner.execute(self.out)
         self.sampler(logits, self.seqs)
 
 
@@ -605,9 +619,16 @@ def main(argv=None) -> int:
             del paths
             gc.collect()
     report["decode_step"] = steps
+    if "compile" not in skip:
+        import cpu_compile as compile_bench
+
+        log(f"decode step, eager vs compiled, batches {args.compile_batches} ...")
+        report["cpu_compile"] = compile_bench.run(args, model_dir)
     report["load_avg_end"] = os.getloadavg()[0]
 
     report["ratios"] = print_table(report, args, threads, len(prompts), mean_prompt)
+    if "cpu_compile" in report:
+        compile_bench.print_table(report["cpu_compile"], args.dtype, threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -159,7 +159,8 @@ def recorded_tokens(client, request_id: str, prefix: str = "llmq") -> list[int]:
     keys = Keys(prefix)
     read = client.register_script(READ_SCRIPT)
     _, listed, logged = read(
-        keys=[keys.req(request_id), keys.tokens(request_id)], args=[keys.log_prefix, request_id]
+        keys=[keys.req(request_id), keys.tokens(request_id)],
+        args=[keys.log_prefix, request_id, keys.out(request_id)],
     )
     return merge([v.decode() if isinstance(v, bytes) else v for v in listed + logged])[0]
 

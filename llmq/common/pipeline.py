@@ -165,9 +165,8 @@ class TokenGeneratorPipeline:
             priority=priority,
             deadline=started + timeout,
             created=started,
-            reply_to=self.transport.reply_to(model or self.model),
         )
-        queue = await self.transport.subscribe(request_id, request.model)
+        queue, request.reply_to = await self.transport.subscribe(request_id, request.model)
         try:
             entry = await self._enqueue(request, timeout, attach, queue_slots)
         except BaseException:
@@ -224,9 +223,8 @@ class TokenGeneratorPipeline:
             priority=priority,
             deadline=started + timeout,
             created=started,
-            reply_to=self.transport.reply_to(model or self.model),
         )
-        queue = await self.transport.subscribe(request_id, request.model)
+        queue, request.reply_to = await self.transport.subscribe(request_id, request.model)
         finished = False
         try:
             entry = await self._enqueue(request, timeout, attach, 1)

@@ -48,6 +48,7 @@ class EngineConfig:
     pack_weights: bool = True  # bfloat16 on CPU: projection weights packed for oneDNN
     small_step_threads: int | None = None  # CPU steps of few tokens; None: the worker's
     cuda_graphs: bool = True  # decode-only steps on CUDA replayed from captured graphs
+    cpu_compile: bool = False  # decode-only steps on CPU through a torch.compile'd forward
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -69,6 +70,7 @@ class EngineConfig:
             pack_weights=settings.pack_weights,
             small_step_threads=settings.small_step_threads,
             cuda_graphs=settings.cuda_graphs,
+            cpu_compile=settings.cpu_compile,
         )
 
 
@@ -150,6 +152,7 @@ class LLMEngine:
             pack_weights=config.pack_weights,
             small_step_threads=config.small_step_threads,
             cuda_graphs=config.cuda_graphs,
+            cpu_compile=config.cpu_compile,
             max_batch_size=config.max_batch_size,
             max_model_len=self.max_model_len,
         )

@@ -33,7 +33,19 @@ def enqueue(r: redis.Redis, n: int) -> None:
         keys = [KEYS.requests("m"), KEYS.req(req.id)]
         script(
             keys=keys,
-            args=[req.id, req.to_json(), 0, GROUP, req.created, "m", 600, "generate", "0", 1],
+            args=[
+                req.id,
+                req.to_json(),
+                0,
+                GROUP,
+                req.created,
+                "m",
+                600,
+                "generate",
+                "0",
+                1,
+                CHANNEL,
+            ],
         )
 
 

@@ -33,10 +33,6 @@ class AsyncTransport:
         self._read = client.register_script(READ_SCRIPT)
         self._releasing: set[asyncio.Task] = set()
 
-    def reply_to(self, model: str) -> str:
-        """The channel a request for ``model`` names for its output."""
-        return self.replies.channel(model)
-
     async def close(self) -> None:
         await self.settle()
         await self.replies.close()
@@ -48,11 +44,16 @@ class AsyncTransport:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def subscribe(self, request_id: str, model: str, timeout: float = 5.0) -> asyncio.Queue:
+    async def subscribe(
+        self, request_id: str, model: str, timeout: float = 5.0
+    ) -> tuple[asyncio.Queue, str]:
         """A queue for a request's output messages, routed from this process's channel for
-        its model (on which Redis has confirmed the subscription before this returns)."""
+        its model (on which Redis has confirmed the subscription before this returns), and
+        the ``reply_to`` the request names: that channel and the request's key in its frames
+        (``<channel>#<key>``, a few characters: frames name every request of a step)."""
         await self.replies.listen(model, timeout)
-        return self.replies.route(request_id)
+        queue, key = self.replies.route(request_id)
+        return queue, f"{self.replies.channel(model)}#{key}"
 
     def release(self, request_id: str, model: str, cancel: bool) -> None:
         """Stop routing a request's output and (``cancel``) cancel it on its engine. Not
@@ -99,6 +100,7 @@ class AsyncTransport:
                 request.kind,
                 "1" if attach else "0",
                 slots,
+                request.reply_to,
             ],
         )
         return as_text(entry) if entry else None
@@ -114,7 +116,8 @@ class AsyncTransport:
         list and what its owner's log holds past it, read in one atomic script."""
         k = self.keys.for_model(model)
         keys = [k.req(request_id), k.tokens(request_id)]
-        raw, recorded, logged = await self._read(keys=keys, args=[k.log_prefix, request_id])
+        args = [k.log_prefix, request_id, k.out(request_id)]
+        raw, recorded, logged = await self._read(keys=keys, args=args)
         state = {as_text(raw[i]): as_text(raw[i + 1]) for i in range(0, len(raw) - 1, 2)}
         values = [as_text(v) for v in recorded + logged]
         ids, merged_lps = merge(values, logprobs)

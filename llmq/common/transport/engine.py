@@ -149,7 +149,8 @@ class EngineTransport:
                 rid = p.request.id
                 if take is not None:
                     keys = (self.keys.req(rid), self.keys.tokens(rid))
-                    pipe.evalsha(take, 2, *keys, self.keys.log(self.worker), rid)
+                    args = (self.keys.log(self.worker), rid, self.keys.out(rid))
+                    pipe.evalsha(take, 2, *keys, *args)
                 else:
                     pipe.hget(self.keys.req(rid), "state")
                     pipe.lrange(self.keys.tokens(rid), 0, -1)
@@ -306,6 +307,7 @@ class EngineTransport:
                 k = self.keys
                 keys = (self.stream, k.req(rid), k.tokens(rid))
                 args = (GROUP, self.worker, idle_ms, eid, k.log_prefix, rid, self.request_ttl)
+                args += (k.out(rid),)
                 pipe.evalsha(sha, 3, *keys, *args)
         claimed: list[PulledRequest] = []
         for eid, rid, reply in zip(ids, rids, pipe.execute(), strict=True):

@@ -188,7 +188,8 @@ class Keys:
         return f"{self._g}:models"
 
 
-# Enqueue only while the ARGV[10] slots a request needs (its prompts x n, counted at its first
+# ARGV[11]: where its output goes (its ``reply_to``: readers find its values in a worker's log
+# by it). Enqueue only while the ARGV[10] slots a request needs (its prompts x n, counted at its first
 # choice) fit under ARGV[3] entries waiting undelivered (XLEN minus the pending ones: finished
 # entries are deleted), atomically, so the limit holds across API replicas. With
 # ARGV[9] = '1' a request whose id is already live or finished is attached to, not re-sent
@@ -210,7 +211,8 @@ end
 -- refused, would let every write after it through). 'worker' goes only from a request sent
 -- again under its id (a fresh id has none): a command saved per request.
 local entry = redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2])
-redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6], 'entry', entry)
+redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6], 'entry', entry,
+  'reply', ARGV[11] or '')
 if ARGV[9] == '1' then redis.call('HDEL', req, 'worker') end
 redis.call('EXPIRE', req, ARGV[7])
 return entry

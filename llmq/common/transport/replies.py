@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
 
@@ -30,7 +31,9 @@ class ReplyRouter:
         self.sharded = keys.cluster
         self._pubsub = None
         self._listener: asyncio.Task | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue] = {}  # a request's key in frames -> its queue
+        self._keys: dict[str, str] = {}  # request id -> its key
+        self._counter = itertools.count(1)
         self._confirmed: dict[str, asyncio.Event] = {}  # channel -> Redis confirmed it
         self._lock = asyncio.Lock()
         self._closing = False
@@ -68,13 +71,17 @@ class ReplyRouter:
                     raise
                 await asyncio.sleep(0.1 * 2**attempt)
 
-    def route(self, request_id: str) -> asyncio.Queue:
+    def route(self, request_id: str) -> tuple[asyncio.Queue, str]:
+        """A queue for the request's messages and its key in this process's frames: a short
+        counter, not the request's id (32 characters, most of a frame's bytes)."""
+        key = _base36(next(self._counter))
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
+        self._queues[key] = queue
+        self._keys[request_id] = key
+        return queue, key
 
     def unroute(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._queues.pop(self._keys.pop(request_id, ""), None)
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -128,7 +135,17 @@ class ReplyRouter:
         except (ValueError, TypeError, AttributeError) as exc:
             log.warning("unreadable output message dropped: %r (%s)", data[:200], exc)
             return
-        for request_id, message in messages.items():
-            queue = self._queues.get(request_id)
+        for key, message in messages.items():
+            queue = self._queues.get(key)
             if queue is not None:
                 queue.put_nowait(message)
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out

@@ -151,14 +151,22 @@ return result
 """
 )
 
-# Lua: a request's value in a log entry's fields (frames, ``output_log.encode_frame``), or nil
-# (none, or a JSON message: its tokens went to the list).
+# Lua: where a request's output goes (its hash's ``reply``: ``<channel>#<key>``; none: its own
+# channel ``out``, under its id), and its value in a log entry's fields (a frame per channel,
+# ``output_log.encode_frame``), or nil (none, or a JSON message: its tokens went to the list).
 _VALUE_OF = """
-local function value_of(fields, rid)
-  for i = 2, #fields, 2 do
-    local s = fields[i]
-    local _, stop = string.find(s, '\\30' .. rid .. '\\31', 1, true)
-    if stop then
+local function address(reply, rid, out)
+  if not reply or reply == '' then return out, rid end
+  local hash = string.find(reply, '#', 1, true)
+  if not hash then return reply, rid end
+  return string.sub(reply, 1, hash - 1), string.sub(reply, hash + 1)
+end
+local function value_of(fields, channel, key)
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == channel then
+      local s = fields[i + 1]
+      local _, stop = string.find(s, '\\30' .. key .. '\\31', 1, true)
+      if not stop then return nil end
       local next_one = string.find(s, '\\30', stop + 1, true)
       local v = string.sub(s, stop + 1, (next_one or 0) - 1)
       if string.sub(v, 1, 1) == '{' then return nil end
@@ -174,10 +182,10 @@ end
 _ABSORB = (
     _RECORDED
     + """
-local function absorb(log, rid, tk)
+local function absorb(log, channel, key, tk)
   local have = recorded(tk)
   for _, e in ipairs(redis.call('XRANGE', log, '-', '+')) do
-    local v = value_of(e[2], rid)
+    local v = value_of(e[2], channel, key)
     if v then
       local a = string.find(v, '|', 1, true)
       local b = string.find(v, '|', a + 1, true)
@@ -226,7 +234,8 @@ return replies
 # request's list and the log marked (the old owner, if it wakes, finds its log changed), the
 # new owner in the hash, and the tokens recorded, atomically, so the claimer resumes from
 # exactly what the old owner's clients saw. KEYS: stream, req, tokens. ARGV: group,
-# worker, min idle, entry, log key prefix, request id, log TTL. Returns false (not claimed),
+# worker, min idle, entry, log key prefix, request id, log TTL, the request's own channel.
+# Returns false (not claimed),
 # 'stale' (an entry its request no longer runs under: dropped), or {fields, state, tokens}.
 CLAIM_SCRIPT = (
     _VALUE_OF
@@ -237,7 +246,7 @@ if #got == 0 or not got[1] or not got[1][2] then
   if #got > 0 then redis.call('XACK', KEYS[1], ARGV[1], ARGV[4]) end
   return false
 end
-local own = redis.call('HMGET', KEYS[2], 'entry', 'worker', 'state')
+local own = redis.call('HMGET', KEYS[2], 'entry', 'worker', 'state', 'reply')
 if own[1] and own[1] ~= ARGV[4] then
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[4])
   redis.call('XDEL', KEYS[1], ARGV[4])
@@ -245,7 +254,8 @@ if own[1] and own[1] ~= ARGV[4] then
 end
 if own[2] and own[2] ~= ARGV[2] then
   local log = ARGV[5] .. own[2]
-  absorb(log, ARGV[6], KEYS[3])
+  local channel, key = address(own[4], ARGV[6], ARGV[8])
+  absorb(log, channel, key, KEYS[3])
   redis.call('XADD', log, '*', '{CLAIM_MARK}', ARGV[6])
   redis.call('EXPIRE', log, ARGV[7])
 end
@@ -255,31 +265,35 @@ return {{got[1][2], own[3] or '', redis.call('LRANGE', KEYS[3], 0, -1)}}
 )
 
 # A worker restarted under its name takes its own requests back: their tails in its log move
-# into their records first. KEYS: req, tokens. ARGV: log key, request id. Returns {state,
-# the record's values}.
+# into their records first. KEYS: req, tokens. ARGV: log key, request id, its own channel.
+# Returns {state, the record's values}.
 TAKE_SCRIPT = (
     _VALUE_OF
     + _ABSORB
     + """
-absorb(ARGV[1], ARGV[2], KEYS[2])
+local channel, key = address(redis.call('HGET', KEYS[1], 'reply'), ARGV[2], ARGV[3])
+absorb(ARGV[1], channel, key, KEYS[2])
 return {redis.call('HGET', KEYS[1], 'state') or '', redis.call('LRANGE', KEYS[2], 0, -1)}
 """
 )
 
 # A reader's view of a request, in one atomic read: its hash, its record's values, and the
-# values its owner's log holds for it. KEYS: req, tokens. ARGV: log key prefix, request id.
+# values its owner's log holds for it. KEYS: req, tokens. ARGV: log key prefix, request id,
+# its own channel.
 READ_SCRIPT = (
     _VALUE_OF
     + """
 local h = redis.call('HGETALL', KEYS[1])
-local worker
+local worker, reply
 for i = 1, #h - 1, 2 do
   if h[i] == 'worker' then worker = h[i + 1] end
+  if h[i] == 'reply' then reply = h[i + 1] end
 end
 local values = {}
 if worker then
+  local channel, key = address(reply, ARGV[2], ARGV[3])
   for _, e in ipairs(redis.call('XRANGE', ARGV[1] .. worker, '-', '+')) do
-    local v = value_of(e[2], ARGV[2])
+    local v = value_of(e[2], channel, key)
     if v then values[#values + 1] = v end
   end
 end

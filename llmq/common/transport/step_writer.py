@@ -37,7 +37,7 @@ class Emission:
     request_id: str
     entry_id: str
     message: OutputMessage
-    reply_to: str = ""  # the channel its API process listens on ('': the request's own)
+    reply_to: str = ""  # its API process's channel and its key there ('': its own channel)
 
 
 @dataclass(slots=True)
@@ -54,10 +54,12 @@ class Refusal:
 
 @dataclass(slots=True)
 class _Held:
-    """A request this worker writes for: its entry, its channel, its tail not yet moved."""
+    """A request this worker writes for: its entry, its channel and its key in the frames
+    there, its tail not yet moved."""
 
     entry_id: str
     channel: str
+    key: str
     tail: Tail
 
 
@@ -96,8 +98,13 @@ class StepWriter:
         self._length = None
 
     def hold(self, request_id: str, entry_id: str, reply_to: str, recorded: int) -> None:
-        channel = reply_to or self.keys.out(request_id)
-        self.held[request_id] = _Held(entry_id, channel, Tail(recorded))
+        self.held[request_id] = self._held(request_id, entry_id, reply_to, recorded)
+
+    def _held(self, request_id: str, entry_id: str, reply_to: str, first: int) -> _Held:
+        """``reply_to`` is ``<channel>#<key>`` (the API's); none: the request's own channel,
+        under its id (a request written by hand, followed with redis-cli)."""
+        channel, _, key = reply_to.partition("#")
+        return _Held(entry_id, channel or self.keys.out(request_id), key or request_id, Tail(first))
 
     def forget(self, request_id: str) -> None:
         self.held.pop(request_id, None)
@@ -144,8 +151,7 @@ class StepWriter:
                 emissions.remove(e)
                 continue
             if held is None:  # failed before it was taken into service
-                channel = e.reply_to or self.keys.out(e.request_id)
-                held = _Held(e.entry_id, channel, Tail(msg.index))
+                held = self._held(e.request_id, e.entry_id, e.reply_to, msg.index)
             held.tail.add(msg.index, msg.tokens, _logprobs(msg))
             prompt = msg.prompt_logprobs
             if msg.done or prompt is not None:
@@ -156,9 +162,8 @@ class StepWriter:
     def _step(self, emissions: list[Emission], ops: list[_Op], move: bool) -> list:
         channels: dict[str, list[tuple[str, OutputMessage]]] = defaultdict(list)
         for e in emissions:
-            held = self.held.get(e.request_id)
-            channel = held.channel if held else e.reply_to or self.keys.out(e.request_id)
-            channels[channel].append((e.request_id, e.message))
+            held = self.held.get(e.request_id) or self._held(e.request_id, "", e.reply_to, 0)
+            channels[held.channel].append((held.key, e.message))
         keys = [self.log, self.stream]
         now = time.time()
         # The log lives while its worker writes (a claimer reads it after the worker died):
@@ -223,7 +228,7 @@ class StepWriter:
             k = self.keys
             keys = (k.req(rid), k.tokens(rid), op.held.channel, self.stream)
             msg = published.get(rid)
-            payload = encode_frame([(rid, msg)]) if msg is not None else ""
+            payload = encode_frame([(op.held.key, msg)]) if msg is not None else ""
             pipe.evalsha(sha, 4, *keys, *self._write_args(op, payload))
         replies = pipe.execute()
         refusals = []

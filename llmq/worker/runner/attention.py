@@ -193,16 +193,24 @@ def _decode_chunk(
     kv = pool.gather_buffer(n * chunk.num_blocks)
     ids = (pool.head_offsets + chunk.block_ids).view(-1)  # the blocks of every head, in turn
     torch.index_select(pool.kv_blocks[layer], 0, ids, out=kv.view(ids.shape[0], -1))
-    keys = kv[:num_kv_heads].view(num_kv_heads * n, ctx, head_dim)
-    values = kv[num_kv_heads:].view(num_kv_heads * n, ctx, head_dim)
-    # scale * q @ k^T + mask in one call: [Hkv * n, G, ctx]
-    scores = torch.baddbmm(chunk.mask, q, keys.transpose(1, 2), alpha=scale)
-    # In the model's dtype: on CPU a reduced-precision softmax accumulates in float32 inside.
-    probs = torch.softmax(scores, dim=-1)
-    attn = torch.bmm(probs, values)  # [Hkv * n, G, D]
+    attn = attend_gathered(q, kv.view(2, num_kv_heads * n, ctx, head_dim), chunk.mask, scale)
     out[s:e].view(n, num_kv_heads, group, head_dim).copy_(
         attn.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
     )
+
+
+def attend_gathered(
+    q: torch.Tensor,  # [Hkv * n, G, D]: the query heads sharing a KV head as rows
+    kv: torch.Tensor,  # [2, Hkv * n, ctx, D]: keys, values
+    mask: torch.Tensor,  # additive, broadcast to [Hkv * n, G, ctx]
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over gathered keys and values: [Hkv * n, G, D]."""
+    # scale * q @ k^T + mask in one call: [Hkv * n, G, ctx]
+    scores = torch.baddbmm(mask, q, kv[0].transpose(1, 2), alpha=scale)
+    # In the model's dtype: on CPU a reduced-precision softmax accumulates in float32 inside.
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, kv[1])
 
 
 def _gather_context(cache: torch.Tensor, pool: KVPool, chunk: PrefillChunk) -> torch.Tensor:

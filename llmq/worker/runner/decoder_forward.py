@@ -17,6 +17,7 @@ not implement) keep transformers' forward with the paged attention registered th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,10 @@ class _Layer:
     gate_up_proj: Linear
     down_proj: Linear
     scaling: float
+
+
+# (layer, query [1, Hq, T, D], key [1, Hkv, T, D], value) -> attention output [..., T, Hq, D]
+Attend = Callable[[_Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -141,32 +146,67 @@ class DecoderForward:
         keep: torch.Tensor,  # rows whose logits are wanted
         step: StepMetadata,
     ) -> torch.Tensor:
-        t = input_ids.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h = self.inner.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.inner.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
-        cos = cos[0].unsqueeze(1)  # [T, 1, D]
-        sin = sin[0].unsqueeze(1)
-        half = d // 2
-        inter = self.intermediate
-        for layer in self.layers:
-            residual = h
-            x = self._rms_norm(h, layer.input_norm, layer.eps)
-            qkv = layer.qkv_proj(x).view(t, hq + 2 * hkv, d)
-            qk = qkv[:, : hq + hkv]
-            # Rotary embedding on queries and keys at once: q * cos + rotate_half(q) * sin.
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
-            query = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D] views
-            key = qk[:, hq:].transpose(0, 1).unsqueeze(0)
-            value = qkv[:, hq + hkv :].transpose(0, 1).unsqueeze(0)
-            attn, _ = paged_attention(
+        def attend(layer: _Layer, query, key, value) -> torch.Tensor:
+            out, _ = paged_attention(
                 layer.module, query, key, value, None, scaling=layer.scaling, llmq_step=step
             )
-            h = residual + layer.o_proj(attn.reshape(t, hq * d))
-            residual = h
-            x = self._rms_norm(h, layer.post_norm, layer.eps)
-            gate_up = layer.gate_up_proj(x)
-            h = residual + layer.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        h = self._rms_norm(h[keep], self.final_norm, self.final_eps)
-        return self.lm_head(h)
+            return out
+
+        return self.run(input_ids, positions, keep, attend)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        keep: torch.Tensor | None,  # rows whose logits are wanted; None: all
+        attend: Attend,
+    ) -> torch.Tensor:
+        h, cos, sin = self.embed(input_ids, positions)
+        for layer in self.layers:
+            h = self.layer(h, cos, sin, layer, attend)
+        return self.head(h, keep)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens' embeddings [T, hidden] and their rotary cos and sin [T, 1, head_dim]."""
+        h = self.inner.embed_tokens(input_ids)
+        cos, sin = self.inner.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D]
+        return h, cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+
+    def layer(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: _Layer,
+        attend: Attend,
+    ) -> torch.Tensor:
+        """One decoder layer, with ``attend`` as its attention (the compiled decode step brings
+        its own, traceable one)."""
+        t = h.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        half = d // 2
+        inter = self.intermediate
+        residual = h
+        x = self._rms_norm(h, layer.input_norm, layer.eps)
+        qkv = layer.qkv_proj(x).view(t, hq + 2 * hkv, d)
+        qk = qkv[:, : hq + hkv]
+        # Rotary embedding on queries and keys at once: q * cos + rotate_half(q) * sin.
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + rotated * sin
+        query = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D] views
+        key = qk[:, hq:].transpose(0, 1).unsqueeze(0)
+        value = qkv[:, hq + hkv :].transpose(0, 1).unsqueeze(0)
+        attn = attend(layer, query, key, value)
+        h = residual + layer.o_proj(attn.reshape(t, hq * d))
+        residual = h
+        x = self._rms_norm(h, layer.post_norm, layer.eps)
+        gate_up = layer.gate_up_proj(x)
+        return residual + layer.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+
+    def head(self, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the rows ``keep`` (None: all) of the last hidden states."""
+        if keep is not None:
+            h = h[keep]
+        return self.lm_head(self._rms_norm(h, self.final_norm, self.final_eps))

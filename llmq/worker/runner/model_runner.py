@@ -87,6 +87,7 @@ class ModelRunner:
         pack_weights: bool = True,
         small_step_threads: int | None = None,
         cuda_graphs: bool = False,
+        cpu_compile: bool = False,
         max_batch_size: int = 64,
         max_model_len: int = 2048,
     ):
@@ -100,6 +101,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             _tune_malloc()
         use_graphs = cuda_graphs and self.device.type == "cuda" and fast_forward and supports(model)
+        use_compile = cpu_compile and self.device.type == "cpu" and fast_forward and supports(model)
         # Graphs pad their batches into one extra block that no sequence owns.
         self.pool = KVPool(
             num_layers,
@@ -129,8 +131,18 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
             )
+        self.compiled = self._compiled_decode() if use_compile else None
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
+
+    def _compiled_decode(self):
+        """The compiled decode step, compiled now: before the worker serves (and is ready)."""
+        from llmq.worker.runner.cpu_compile import CompiledDecode
+
+        compiled = CompiledDecode(self.forward, self.pool)
+        with torch.inference_mode():
+            compiled.warm_up()
+        return compiled
 
     def _positions(self, n: int) -> torch.Tensor:
         if self._arange.numel() < n:
@@ -143,9 +155,13 @@ class ModelRunner:
         the prompts that want prompt logprobs; the indices of the sampling entries in
         ``out.scheduled``; and those prompts' rows, in order."""
         batch = pack_step(out.scheduled, self.block_size)
+        tables = [item.seq.block_table for item in batch.decodes]
         if self._fits_graphs(batch):
-            tables = [item.seq.block_table for item in batch.decodes]
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, tables)
+            return logits.float(), batch.sampled_entries, []
+        if self.compiled is not None and self._decode_only(batch):
+            with self._threads_for(len(batch.input_ids)):
+                logits = self.compiled.run(batch.input_ids, batch.positions, batch.slots, tables)
             return logits.float(), batch.sampled_entries, []
         meta = self._step_metadata(batch)
         keep_rows = torch.tensor(batch.keep, dtype=torch.long, device=self.device)
@@ -154,16 +170,21 @@ class ModelRunner:
         return logits.float(), batch.sampled_entries, batch.prompt_rows
 
     def _fits_graphs(self, batch: PackedBatch) -> bool:
-        """Whether a captured CUDA graph runs this step: decodes only, every one sampling, in
-        a captured batch and context bucket."""
-        decodes = batch.decodes
+        """Whether a captured CUDA graph runs this step: decodes only, in a captured batch and
+        context bucket."""
         return (
             self.graphs is not None
-            and bool(decodes)
-            and not batch.prefills
-            and len(batch.keep) == len(decodes)
-            and self.graphs.fits(len(decodes), -(-(batch.positions[-1] + 1) // self.block_size))
+            and self._decode_only(batch)
+            and self.graphs.fits(
+                len(batch.decodes), -(-(batch.positions[-1] + 1) // self.block_size)
+            )
         )
+
+    @staticmethod
+    def _decode_only(batch: PackedBatch) -> bool:
+        """Decodes only, every one sampling (no prompt logprobs)."""
+        decodes = batch.decodes
+        return bool(decodes) and not batch.prefills and len(batch.keep) == len(decodes)
 
     def _step_metadata(self, batch: PackedBatch) -> StepMetadata:
         """What the attention layers read: cache slots, decode chunks, prefill chunks."""

@@ -12,11 +12,19 @@ default one, and float32 is where output must equal transformers' ``generate``).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+
+# torch.compile cannot trace a packed (opaque oneDNN) weight: a compiled graph calls
+# ``llmq::linear(x, key)`` instead, whose ``key`` stands for a Linear (the same shape as its
+# weight, found by its address) and whose kernel is that Linear's own call.
+_BY_KEY: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
+_LIB = torch.library.Library("llmq", "DEF")
+_LIB.define("linear(Tensor x, Tensor key) -> Tensor")
 
 
 class Linear:
@@ -27,11 +35,28 @@ class Linear:
         self.bias = bias
         self.packed = pack
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack else weight
+        # Packed: one element, viewed in the weight's shape (a compiled graph reads only that).
+        self.key = torch.empty(1, dtype=weight.dtype).expand(weight.shape) if pack else weight
+        _BY_KEY[self.key.data_ptr()] = self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.llmq.linear(x, self.key)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _linear(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return _BY_KEY[key.data_ptr()](x)
+
+
+def _linear_shape(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], key.shape[0])
+
+
+_LIB.impl("linear", _linear, "CPU")
+torch.library.register_fake("llmq::linear", _linear_shape, lib=_LIB)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
