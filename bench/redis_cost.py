@@ -38,7 +38,6 @@ IDLE_S = 3.0
 
 def child(args: argparse.Namespace) -> None:
     """Runs inside one tree (its root first on sys.path): one worker, every load in turn."""
-    import redis
 
     from llmq.common.redis_server import RedisServer
     from tests.harness import start_worker
@@ -57,20 +56,41 @@ def child(args: argparse.Namespace) -> None:
             **extra,
         )
         try:
-            client = redis.Redis.from_url(server.url)
-            cpu0, _ = _cost(client)
-            time.sleep(IDLE_S)  # Redis's own idle work (its cron, the worker's polls)
-            idle = (_cost(client)[0] - cpu0) / IDLE_S
-            print(json.dumps({"idle_cpu_per_s": idle}), flush=True)
-            for n in streams:
-                cpu0, cmds0 = _cost(client)
-                elapsed, tokens = asyncio.run(_drive(server.url, args.model, n, args.output_tokens))
-                cpu1, cmds1 = _cost(client)
-                row = {"streams": n, "tokens": tokens, "seconds": elapsed}
-                row |= {"commands": cmds1 - cmds0, "cpu_s": cpu1 - cpu0}
-                print(json.dumps(row), flush=True)
+            asyncio.run(_loads(server.url, args, streams))
         finally:
             worker.terminate()
+
+
+async def _loads(url: str, args: argparse.Namespace, streams: list[int]) -> None:
+    """Every load through one API side, as a long-running API process: its connections and
+    scripts are set up by a warm-up load first, not counted against the first measured one."""
+    import redis
+
+    from llmq.common.model_loader import load_tokenizer
+    from llmq.common.pipeline import TokenGeneratorPipeline
+    from llmq.common.redis_clients import async_client
+    from llmq.common.transport import AsyncTransport, Keys
+
+    client = async_client(url, 64)  # a blocking pool, as the API's: 256 streams share it
+    transport = AsyncTransport(client, Keys())
+    pipeline = TokenGeneratorPipeline(transport, load_tokenizer(args.model), args.model)
+    stats = redis.Redis.from_url(url)
+    try:
+        await _drive(pipeline, max(streams), 2)
+        cpu0, _ = _cost(stats)
+        await asyncio.sleep(IDLE_S)  # Redis's own idle work (its cron, the worker's polls)
+        idle = (_cost(stats)[0] - cpu0) / IDLE_S
+        print(json.dumps({"idle_cpu_per_s": idle}), flush=True)
+        for n in streams:
+            cpu0, cmds0 = _cost(stats)
+            elapsed, tokens = await _drive(pipeline, n, args.output_tokens)
+            cpu1, cmds1 = _cost(stats)
+            row = {"streams": n, "tokens": tokens, "seconds": elapsed}
+            row |= {"commands": cmds1 - cmds0, "cpu_s": cpu1 - cpu0}
+            print(json.dumps(row), flush=True)
+    finally:
+        await transport.close()
+        await client.aclose()
 
 
 def _cost(client) -> tuple[float, int]:
@@ -78,25 +98,15 @@ def _cost(client) -> tuple[float, int]:
     return cpu["used_cpu_sys"] + cpu["used_cpu_user"], stats["total_commands_processed"]
 
 
-async def _drive(url: str, model: str, n: int, out_tokens: int) -> tuple[float, int]:
-    from llmq.common.model_loader import load_tokenizer
-    from llmq.common.pipeline import TokenGeneratorPipeline
-    from llmq.common.redis_clients import async_client
+async def _drive(pipeline, n: int, out_tokens: int) -> tuple[float, int]:
     from llmq.common.sampling_params import SamplingParams
-    from llmq.common.transport import AsyncTransport, Keys
 
-    client = async_client(url, 64)  # a blocking pool, as the API's: 256 streams share it
-    transport = AsyncTransport(client, Keys())
-    pipeline = TokenGeneratorPipeline(transport, load_tokenizer(model), model)
-    rng = random.Random(n)
+    rng = random.Random(n * 1000 + out_tokens)
     prompts = [[rng.randrange(3, 500) for _ in range(128)] for _ in range(n)]
     params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
     start = time.perf_counter()
     results = await asyncio.gather(*[pipeline.all_tokens(p, params) for p in prompts])
-    elapsed = time.perf_counter() - start
-    await transport.close()
-    await client.aclose()
-    return elapsed, sum(r.completion_tokens for r in results)
+    return time.perf_counter() - start, sum(r.completion_tokens for r in results)
 
 
 def run_tree(tree: Path, args: argparse.Namespace, interval: float = 0) -> dict:
