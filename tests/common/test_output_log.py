@@ -11,7 +11,9 @@ from llmq.common.transport.output_log import (
     decode_frame,
     decode_value,
     encode_frame,
+    encode_logprobs,
     encode_value,
+    frame_value,
     merge,
 )
 
@@ -31,7 +33,8 @@ def test_a_frame_carries_plain_messages_compact_and_the_others_whole():
     final = OutputMessage(9, [4], finish_reason="length", usage={"completion_tokens": 10})
     error = OutputMessage(2, error=EngineError("boom", "server_error", "engine_error"))
     plain = OutputMessage(8, [1, 2], logprobs=[{"token_id": 1}, {"token_id": 2}])
-    frame = encode_frame([("a", plain), ("b", final), ("c", error)])
+    messages = [("a", plain), ("b", final), ("c", error)]
+    frame = encode_frame([(key, frame_value(m, encode_logprobs(m))) for key, m in messages])
     assert "\x1ea\x1f8|1,2|" in frame and '\x1eb\x1f{"index":9' in frame
     assert decode_frame(frame.encode()) == {"a": plain, "b": final, "c": error}
 

@@ -119,3 +119,27 @@ def drain(listener) -> list[dict[str, OutputMessage]]:
         if msg["type"] == "message":
             frames.append(decode_frame(msg["data"]))
     return frames
+
+
+def test_a_write_for_an_entry_its_request_left_is_refused_and_the_entry_dropped():
+    """A request enqueued again under its id (a new entry) while a worker still holds the old
+    one: that worker's write, alone (its first) or in a step (a final), records nothing and
+    its old entry leaves the stream."""
+    with RedisServer() as server:
+        r = redis.Redis.from_url(server.url)
+        for final in (False, True):
+            r.flushall()
+            a = EngineTransport(redis.Redis.from_url(server.url), KEYS, "wa", "m", 600)
+            a.setup()
+            enqueue(r, 1)
+            (p,) = a.pull(1, None)
+            assert not a.mark_running([p])
+            if final:  # a first write, so that the final goes through the step script
+                assert not a.emit([Emission("r0", p.entry_id, OutputMessage(0, [1]), CHANNEL)])
+            r.hset(KEYS.req("r0"), "entry", "0-999")
+            msg = OutputMessage(int(final), [2], finish_reason="length" if final else None)
+            refused = a.emit([Emission("r0", p.entry_id, msg, CHANNEL)])
+            assert [(x.request_id, x.owner) for x in refused] == [("r0", "wa")]
+            assert r.xlen(KEYS.requests("m")) == 0
+            assert r.xpending(KEYS.requests("m"), GROUP)["pending"] == 0
+            assert recorded(r, "r0") == ([1] if final else [])

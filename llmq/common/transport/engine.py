@@ -70,7 +70,8 @@ class EngineTransport:
         self._pubsub = None
         self.handed_back: set[str] = set()  # workers that announced a hand-back
         self._loaded: set[str] = set()  # scripts this Redis has cached (EVALSHA'd, not EVAL'd)
-        self.writer = StepWriter(client, self.keys, worker, self.stream, request_ttl)
+        self._shas: dict[str, str] = {}
+        self.writer = StepWriter(client, self.keys, worker, self.stream, request_ttl, self._sha)
 
     def setup(self, status: EngineStatus | None = None) -> None:
         ensure_group(self.r, self.stream)
@@ -96,7 +97,9 @@ class EngineTransport:
         """The script's SHA, loaded into Redis once. Scripts go by EVALSHA: an EVAL sends the
         whole body with every request of every step, and redis-py's registered scripts check
         SCRIPT EXISTS first in a pipeline, a second round trip."""
-        sha = hashlib.sha1(script.encode()).hexdigest()
+        sha = self._shas.get(script)  # a str caches its hash: no SHA-1 of the body a step
+        if sha is None:
+            sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()
         if sha not in self._loaded:
             self.r.script_load(script)
             self._loaded.add(sha)

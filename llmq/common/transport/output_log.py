@@ -29,22 +29,29 @@ CONSOLIDATE_EVERY = 64
 CLAIM_MARK = "~claimed"
 
 
-def encode_frame(messages: list[tuple[str, OutputMessage]]) -> str:
+def encode_frame(records: list[tuple[str, str]]) -> str:
     """One step's messages for one API process, published and logged as they are (one copy
     into Redis, not two: a 4 KB argument measured 4.5 us of Redis CPU inside a script):
-    ``\\x1e<request id>\\x1f<value>`` each, the value compact (``encode_value``) for a message
-    of tokens only, else the message's JSON (a final, an error, prompt logprobs; their tokens
-    reach the list with the step's per-request work)."""
-    return "".join(f"\x1e{rid}\x1f{_frame_value(msg)}" for rid, msg in messages)
+    ``\\x1e<key>\\x1f<value>`` for each (key, ``frame_value``)."""
+    return "".join(f"\x1e{key}\x1f{value}" for key, value in records)
 
 
-def _frame_value(msg: OutputMessage) -> str:
+def frame_value(msg: OutputMessage, logprobs: list[str] | None) -> str:
+    """A message in a frame: compact (``encode_value``, its ``encode_logprobs``) for tokens
+    only, else its JSON (a final, an error, prompt logprobs; their tokens reach the record
+    with the step's per-request work)."""
     plain = msg.finish_reason is None and msg.error is None and msg.usage is None
     plain = plain and msg.worker is None and msg.embeddings is None
     if not plain or msg.prompt_logprobs is not None:
         return msg.to_json()
-    lps = [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs] if msg.logprobs else None
-    return encode_value(msg.index, msg.tokens, lps)
+    return encode_value(msg.index, msg.tokens, logprobs)
+
+
+def encode_logprobs(msg: OutputMessage) -> list[str] | None:
+    """A message's logprob entries as compact JSON, as records and frames hold them."""
+    if not msg.tokens or not msg.logprobs:
+        return None
+    return [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
 
 
 def decode_frame(raw: str | bytes) -> dict[str, OutputMessage]:

@@ -47,13 +47,14 @@ class ReplyRouter:
         nothing, so this happens before a request naming it is enqueued."""
         channel = self.channel(model)
         async with self._lock:
-            if self._listener is None:
+            if self._pubsub is None:
                 self._closing = False
                 self._pubsub = self.r.pubsub()
-                self._listener = asyncio.create_task(self._listen(), name="llmq-output-router")
             if channel not in self._confirmed:
                 self._confirmed[channel] = asyncio.Event()
                 await self._subscribe(channel)
+            if self._listener is None:  # after the first subscribe: there is a connection to read
+                self._listener = asyncio.create_task(self._listen(), name="llmq-output-router")
         await asyncio.wait_for(self._confirmed[channel].wait(), timeout)
 
     async def _subscribe(self, channel: str) -> None:
@@ -101,9 +102,6 @@ class ReplyRouter:
     async def _next(self):
         if self.sharded:
             return await self._pubsub.get_sharded_message(timeout=1.0)
-        if not self._pubsub.subscribed:  # not yet: nothing to read
-            await asyncio.sleep(0.01)
-            return None
         return await self._pubsub.get_message(timeout=1.0)
 
     async def _listen(self) -> None:

@@ -12,31 +12,40 @@ from llmq.common.transport.output_log import CLAIM_MARK
 # after another took its requests over publishes nothing more for them (and does not XACK the
 # entry the new owner now holds). A request re-enqueued (a batch line run again) has a new
 # entry: writes for the old one are refused too. No owner or entry recorded: no fence. (A
-# step's writes are fenced once for all its requests: STEP_SCRIPT.)
+# step's plain writes are fenced once for all its requests: STEP_SCRIPT.) Lua: nil, or
+# 'fenced:<owner>' (an entry no longer the request's is acknowledged and deleted).
 _FENCE = f"""
-local own = redis.call('HMGET', KEYS[1], 'worker', 'entry')
-if own[2] and own[2] ~= ARGV[2] then
-  redis.call('XACK', KEYS[5], '{GROUP}', ARGV[2])
-  redis.call('XDEL', KEYS[5], ARGV[2])
-  return 'fenced:' .. (own[1] or '')
+local function fence(req, entry, worker, stream)
+  local own = redis.call('HMGET', req, 'worker', 'entry')
+  if own[2] and own[2] ~= entry then
+    redis.call('XACK', stream, '{GROUP}', entry)
+    redis.call('XDEL', stream, entry)
+    return 'fenced:' .. (own[1] or '')
+  end
+  if own[1] and own[1] ~= worker then return 'fenced:' .. own[1] end
+  return nil
 end
-if own[1] and own[1] ~= ARGV[1] then return 'fenced:' .. own[1] end
 """
 
-# Lua: where a request's record ends (the token after its last value's), from its last value
-# alone (LINDEX -1, O(1)); 0 for none, or for a last element that is not a value.
+# Lua: the first index of a value (``output_log.encode_value``) and the index after its last
+# token (nil for a string that is not a value); and where a request's record ends, from its
+# last value alone (LINDEX -1, O(1)): 0 for none, or for a last element that is not a value.
 _RECORDED = """
+local function span(v)
+  local a = string.find(v, '|', 1, true)
+  if not a then return nil end
+  local b = string.find(v, '|', a + 1, true)
+  local first = tonumber(string.sub(v, 1, a - 1)) or 0
+  local tokens = string.sub(v, a + 1, (b or 0) - 1)
+  if tokens == '' then return first, first end
+  local _, commas = string.gsub(tokens, ',', '')
+  return first, first + commas + 1
+end
 local function recorded(tk)
   local last = redis.call('LINDEX', tk, -1)
   if not last then return 0 end
-  local a = string.find(last, '|', 1, true)
-  if not a then return 0 end
-  local b = string.find(last, '|', a + 1, true)
-  local first = tonumber(string.sub(last, 1, a - 1)) or 0
-  local tokens = string.sub(last, a + 1, (b or 0) - 1)
-  if tokens == '' then return first end
-  local _, commas = string.gsub(tokens, ',', '')
-  return first + commas + 1
+  local _, stop = span(last)
+  return stop or 0
 end
 """
 
@@ -53,6 +62,8 @@ WRITE_SCRIPT = (
     _RECORDED
     + _FENCE
     + f"""
+local fenced = fence(KEYS[1], ARGV[2], ARGV[1], KEYS[4])
+if fenced then return fenced end
 local first, n, flags = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
 local at = 7
 local have = recorded(KEYS[2])
@@ -88,6 +99,7 @@ return 0
 # ...}. (XLEN, not the last entry's id: XREVRANGE returns the whole entry.)
 STEP_SCRIPT = (
     _RECORDED
+    + _FENCE
     + f"""
 local length = redis.call('XLEN', KEYS[1])
 if length ~= tonumber(ARGV[1]) then return {{'check', length}} end
@@ -106,14 +118,7 @@ while at <= #ARGV do
   local value = ARGV[at + 4]
   at = at + 5
   local why
-  if string.find(flags, 'f', 1, true) then
-    local own = redis.call('HMGET', req, 'worker', 'entry')
-    if own[2] and own[2] ~= entry then
-      redis.call('XACK', KEYS[2], '{GROUP}', entry)
-      redis.call('XDEL', KEYS[2], entry)
-      why = 'fenced:' .. (own[1] or '')
-    elseif own[1] and own[1] ~= ARGV[2] then why = 'fenced:' .. own[1] end
-  end
+  if string.find(flags, 'f', 1, true) then why = fence(req, entry, ARGV[2], KEYS[2]) end
   if not why then
     local have = recorded(tk)
     if have < first then why = 'lost:' .. have
@@ -187,13 +192,8 @@ local function absorb(log, channel, key, tk)
   for _, e in ipairs(redis.call('XRANGE', log, '-', '+')) do
     local v = value_of(e[2], channel, key)
     if v then
-      local a = string.find(v, '|', 1, true)
-      local b = string.find(v, '|', a + 1, true)
-      local first = tonumber(string.sub(v, 1, a - 1))
+      local first, stop = span(v)
       if first > have then return have end
-      local tokens = string.sub(v, a + 1, (b or 0) - 1)
-      local _, commas = string.gsub(tokens, ',', '')
-      local stop = first + (tokens == '' and 0 or commas + 1)
       if stop > have then
         redis.call('RPUSH', tk, v)
         have = stop
@@ -209,17 +209,15 @@ end
 # worker unless another took it over meanwhile (or it runs under another entry now). KEYS: the
 # stream, each request's hash. ARGV: worker, now, each request's entry. Returns one reply a
 # request: 0, or 'fenced:<owner>'.
-RUNNING_SCRIPT = f"""
-local replies = {{}}
+RUNNING_SCRIPT = (
+    _FENCE
+    + """
+local replies = {}
 for i = 2, #KEYS do
   local entry = ARGV[i + 1]
-  local own = redis.call('HMGET', KEYS[i], 'worker', 'entry')
-  if own[2] and own[2] ~= entry then
-    redis.call('XACK', KEYS[1], '{GROUP}', entry)
-    redis.call('XDEL', KEYS[1], entry)
-    replies[i - 1] = 'fenced:' .. (own[1] or '')
-  elseif own[1] and own[1] ~= ARGV[1] then
-    replies[i - 1] = 'fenced:' .. own[1]
+  local fenced = fence(KEYS[i], entry, ARGV[1], KEYS[1])
+  if fenced then
+    replies[i - 1] = fenced
   else
     redis.call('HSET', KEYS[i], 'state', 'running', 'worker', ARGV[1], 'entry', entry,
       'started', ARGV[2])
@@ -228,6 +226,7 @@ for i = 2, #KEYS do
 end
 return replies
 """
+)
 
 # Take over one entry of a dead worker, with its request: XCLAIM (only if still idle for
 # ARGV[3] ms, so a second claimer loses the race), the old owner's log tail moved into the

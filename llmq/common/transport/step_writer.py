@@ -10,11 +10,11 @@ as it found it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 
@@ -24,7 +24,9 @@ from llmq.common.transport.output_log import (
     CONSOLIDATE_EVERY,
     Tail,
     encode_frame,
+    encode_logprobs,
     encode_value,
+    frame_value,
 )
 from llmq.common.transport.script_pipeline import script_pipeline
 from llmq.common.transport.scripts import STEP_SCRIPT, WRITE_SCRIPT, sharded
@@ -71,12 +73,30 @@ class _Op:
     held: _Held
     final: OutputMessage | None = None
     prompt_logprobs: str | None = None
-    lps: list[str] | None = field(default=None)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """One emission as it goes out: the request's channel and key there, its frame value."""
+
+    request_id: str
+    channel: str
+    key: str
+    value: str
 
 
 class StepWriter:
-    def __init__(self, client: redis.Redis, keys: Keys, worker: str, stream: str, ttl: int):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        worker: str,
+        stream: str,
+        ttl: int,
+        sha: Callable[[str], str],
+    ):
         self.r = client
+        self._sha = sha  # the transport's: a script's SHA, loaded into Redis once
         self.keys = keys
         self.worker = worker
         self.stream = stream
@@ -90,11 +110,9 @@ class StepWriter:
         self._length: int | None = None  # the log's length as this worker left it
         self._steps = 0
         self._refreshed = 0.0  # when the log's TTL was last set
-        self._shas: dict[str, str] = {}
 
     def reset(self) -> None:
-        """After an outage: scripts to load again, and the log to check."""
-        self._shas.clear()
+        """After an outage: the log to check."""
         self._length = None
 
     def hold(self, request_id: str, entry_id: str, reply_to: str, recorded: int) -> None:
@@ -109,19 +127,10 @@ class StepWriter:
     def forget(self, request_id: str) -> None:
         self.held.pop(request_id, None)
 
-    def _sha(self, script: str) -> str:
-        """EVALSHA, not EVAL: the body is not sent with every step."""
-        sha = self._shas.get(script)
-        if sha is None:
-            sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()
-            self.r.script_load(script)
-        return sha
-
     # ---- one step ------------------------------------------------------------------------
     def emit(self, emissions: list[Emission]) -> list[Refusal]:
-        emissions = list(emissions)
-        ops = self._apply(emissions)
-        if not emissions and not ops:
+        sent, ops = self._apply(emissions)
+        if not sent and not ops:
             return []
         move = self._steps + 1 >= CONSOLIDATE_EVERY and any(
             h.tail.tokens for h in self.held.values()
@@ -132,38 +141,39 @@ class StepWriter:
                 _Op(rid, h) for rid, h in self.held.items() if h.tail.tokens and rid not in finals
             ]
         if self._length is None:
-            return self._write_alone(emissions, ops)
-        reply = self._step(emissions, ops, move)
+            return self._write_alone(sent, ops)
+        reply = self._step(sent, ops, move)
         if as_text(reply[0]) == "check":
-            return self._write_alone(emissions, ops)
+            return self._write_alone(sent, ops)
         self._length = int(reply[0])
         self._steps = 0 if move else self._steps + 1
         refused = {int(reply[i]) - 1: as_text(reply[i + 1]) for i in range(1, len(reply), 2)}
         return self._settle(ops, refused)
 
-    def _apply(self, emissions: list[Emission]) -> list[_Op]:
-        """Add the emissions' tokens to their tails; the per-request work they need."""
-        ops = []
-        for e in list(emissions):
+    def _apply(self, emissions: list[Emission]) -> tuple[list[_Sent], list[_Op]]:
+        """Add the emissions' tokens to their tails: what goes out, and the per-request work
+        it needs."""
+        sent, ops = [], []
+        for e in emissions:
             msg = e.message
             held = self.held.get(e.request_id)
             if held is None and not msg.done:  # not this worker's (any more): not sent
-                emissions.remove(e)
                 continue
             if held is None:  # failed before it was taken into service
                 held = self._held(e.request_id, e.entry_id, e.reply_to, msg.index)
-            held.tail.add(msg.index, msg.tokens, _logprobs(msg))
+            lps = encode_logprobs(msg)
+            held.tail.add(msg.index, msg.tokens, lps)
+            sent.append(_Sent(e.request_id, held.channel, held.key, frame_value(msg, lps)))
             prompt = msg.prompt_logprobs
             if msg.done or prompt is not None:
                 encoded = None if prompt is None else json.dumps(prompt, separators=(",", ":"))
                 ops.append(_Op(e.request_id, held, msg if msg.done else None, encoded))
-        return ops
+        return sent, ops
 
-    def _step(self, emissions: list[Emission], ops: list[_Op], move: bool) -> list:
-        channels: dict[str, list[tuple[str, OutputMessage]]] = defaultdict(list)
-        for e in emissions:
-            held = self.held.get(e.request_id) or self._held(e.request_id, "", e.reply_to, 0)
-            channels[held.channel].append((held.key, e.message))
+    def _step(self, sent: list[_Sent], ops: list[_Op], move: bool) -> list:
+        channels: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for s in sent:
+            channels[s.channel].append((s.key, s.value))
         keys = [self.log, self.stream]
         now = time.time()
         # The log lives while its worker writes (a claimer reads it after the worker died):
@@ -174,8 +184,8 @@ class StepWriter:
         flag = "1" if move else "e" if refresh else "0"
         args: list = [self._length, self.worker, now, self.ttl, flag]
         args.append(len(channels))
-        for channel, messages in channels.items():
-            args += [channel, encode_frame(messages)]
+        for channel, records in channels.items():
+            args += [channel, encode_frame(records)]
         for op in ops:
             k = self.keys
             keys += [k.req(op.request_id), k.tokens(op.request_id)]
@@ -213,31 +223,29 @@ class StepWriter:
         return Refusal(rid, held.entry_id, recorded=int(detail), message=message)
 
     # ---- the log changed under this worker -----------------------------------------------
-    def _write_alone(self, emissions: list[Emission], ops: list[_Op]) -> list[Refusal]:
+    def _write_alone(self, sent: list[_Sent], ops: list[_Op]) -> list[Refusal]:
         """Every request this worker holds (and this step's others) written alone, its owner
         checked and its record mended; then on from the log's length, read first, so that a
         claim after these checks changes it again."""
         length = self.r.xlen(self.log)
-        finals = {op.request_id: op for op in ops}
-        published = {e.request_id: e.message for e in emissions}
-        rids = list(dict.fromkeys([*self.held, *finals]))
+        with_ops = {op.request_id: op for op in ops}
+        values = {s.request_id: s.value for s in sent}
+        rids = list(dict.fromkeys([*self.held, *with_ops]))
+        alone = [with_ops.get(rid) or _Op(rid, self.held[rid]) for rid in rids]
         pipe = script_pipeline(self.r)
         sha = self._sha(self._write_script)
-        for rid in rids:
-            op = finals.get(rid) or _Op(rid, self.held[rid])
-            k = self.keys
+        for op in alone:
+            rid, k = op.request_id, self.keys
             keys = (k.req(rid), k.tokens(rid), op.held.channel, self.stream)
-            msg = published.get(rid)
-            payload = encode_frame([(op.held.key, msg)]) if msg is not None else ""
+            value = values.get(rid)
+            payload = encode_frame([(op.held.key, value)]) if value is not None else ""
             pipe.evalsha(sha, 4, *keys, *self._write_args(op, payload))
-        replies = pipe.execute()
         refusals = []
-        for rid, reply in zip(rids, replies, strict=True):
-            op = finals.get(rid) or _Op(rid, self.held[rid])
+        for op, reply in zip(alone, pipe.execute(), strict=True):
             if reply != 0:
-                refusals.append(self._refusal(rid, op.held, as_text(reply), op.final))
+                refusals.append(self._refusal(op.request_id, op.held, as_text(reply), op.final))
             elif op.final is not None:
-                self.forget(rid)
+                self.forget(op.request_id)
             else:
                 op.held.tail.moved()
         self._length = int(length)
@@ -254,9 +262,7 @@ class StepWriter:
         if op.prompt_logprobs:
             args.append(op.prompt_logprobs)
         if final is not None:
-            state = "failed" if final.error else "finished"
-            error = final.error.message if final.error else ""
-            args += [state, final.finish_reason or "", error, time.time(), self.ttl]
+            args += [*_ending(final), time.time(), self.ttl]
         return args
 
 
@@ -269,13 +275,11 @@ def _op_args(op: _Op) -> list:
     if op.prompt_logprobs:
         args.append(op.prompt_logprobs)
     if final is not None:
-        state = "failed" if final.error else "finished"
-        args += [state, final.finish_reason or "", final.error.message if final.error else ""]
+        args += _ending(final)
     return args
 
 
-def _logprobs(msg: OutputMessage) -> list[str] | None:
-    """A message's logprob entries as compact JSON (a record stores them so)."""
-    if not msg.tokens or not msg.logprobs:
-        return None
-    return [json.dumps(lp, separators=(",", ":")) for lp in msg.logprobs]
+def _ending(final: OutputMessage) -> list[str]:
+    """A final message's state, finish_reason and error, as the scripts record them."""
+    error = final.error.message if final.error else ""
+    return ["failed" if final.error else "finished", final.finish_reason or "", error]
