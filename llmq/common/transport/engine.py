@@ -19,7 +19,12 @@ from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
 from llmq.common.transport.keys import GROUP, HANDBACK_PREFIX, Keys, as_text
 from llmq.common.transport.output_log import merge
 from llmq.common.transport.script_pipeline import script_pipeline
-from llmq.common.transport.scripts import CLAIM_SCRIPT, RUNNING_SCRIPT, TAKE_SCRIPT
+from llmq.common.transport.scripts import (
+    CLAIM_SCRIPT,
+    PULLED_SCRIPT,
+    RUNNING_SCRIPT,
+    TAKE_SCRIPT,
+)
 from llmq.common.transport.step_writer import Emission, Refusal, StepWriter
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,7 @@ class PulledRequest:
     cancelled: bool = False
     deliveries: int = 1
     raw: dict | None = None
+    running: bool = False  # taken into service as it was pulled (PULLED_SCRIPT)
 
 
 class EngineTransport:
@@ -139,36 +145,59 @@ class EngineTransport:
         return PulledRequest(as_text(entry_id), request, [], deliveries=deliveries, raw=fields)
 
     def _prepare(self, entries: list[tuple], deliveries: dict[str, int] | None = None):
-        """Parse entries and fetch, in one round trip, each request's state and prior tokens
-        (for entries this worker held before a restart, with their tails in its log moved
-        into their lists first)."""
+        """Parse entries and, in one script, take them into service with each request's state
+        and prior tokens (for entries this worker held before a restart, with their tails in
+        its log moved into their lists first: TAKE_SCRIPT, one each; they are marked running
+        when admitted)."""
         counts = deliveries or {}
         pulled = [self._parse(eid, f, counts.get(as_text(eid), 1)) for eid, f in entries]
         live = [p for p in pulled if p.request is not None]
-        if live:
-            pipe = script_pipeline(self.r)
-            take = self._sha(TAKE_SCRIPT) if deliveries is not None else None
-            for p in live:
-                rid = p.request.id
-                if take is not None:
-                    keys = (self.keys.req(rid), self.keys.tokens(rid))
-                    args = (self.keys.log(self.worker), rid, self.keys.out(rid))
-                    pipe.evalsha(take, 2, *keys, *args)
-                else:
-                    pipe.hget(self.keys.req(rid), "state")
-                    pipe.lrange(self.keys.tokens(rid), 0, -1)
-            replies = pipe.execute()
-            if take is None:
-                replies = list(zip(replies[::2], replies[1::2], strict=True))
-            for p, (state, tokens) in zip(live, replies, strict=True):
-                p.cancelled = state is not None and as_text(state) == "cancelled"
-                _set_prior_tokens(p, tokens)
+        if not live:
+            return pulled
+        if deliveries is None:
+            taken = {id(p) for p in self._take_fresh(live)}
+            return [p for p in pulled if p.request is None or id(p) in taken]
+        pipe = script_pipeline(self.r)
+        take = self._sha(TAKE_SCRIPT)
+        for p in live:
+            rid = p.request.id
+            keys = (self.keys.req(rid), self.keys.tokens(rid))
+            pipe.evalsha(take, 2, *keys, self.keys.log(self.worker), rid, self.keys.out(rid))
+        for p, (state, tokens) in zip(live, pipe.execute(), strict=True):
+            p.cancelled = state is not None and as_text(state) == "cancelled"
+            _set_prior_tokens(p, tokens)
         return pulled
+
+    def _take_fresh(self, live: list[PulledRequest]) -> list[PulledRequest]:
+        """New entries into service (PULLED_SCRIPT); the ones refused (an entry its request no
+        longer runs under, or another worker's) are dropped here."""
+        keys = [self.stream]
+        for p in live:
+            keys += [self.keys.req(p.request.id), self.keys.tokens(p.request.id)]
+        args = [self.worker, time.time(), *(p.entry_id for p in live)]
+        taken = []
+        replies = self.r.evalsha(self._sha(PULLED_SCRIPT), len(keys), *keys, *args)
+        for p, (refusal, state, tokens) in zip(live, replies, strict=True):
+            if refusal != 0:
+                owner = as_text(refusal).partition(":")[2] or "a new run of it"
+                log.warning(
+                    "request %s (entry %s) is %s's: dropped", p.request.id, p.entry_id, owner
+                )
+                continue
+            p.cancelled = as_text(state) == "cancelled"
+            p.running = not p.cancelled
+            _set_prior_tokens(p, tokens)
+            taken.append(p)
+        return taken
 
     def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
         """Take the requests into service as their owner; refused: those another worker took
         over meanwhile (this one froze between pulling and admitting them)."""
         pulled = [p for p in pulled if p.request is not None]
+        for p in pulled:
+            if p.running:
+                self.writer.hold(p.request.id, p.entry_id, p.request.reply_to, len(p.prior_tokens))
+        pulled = [p for p in pulled if not p.running]
         if not pulled:
             return []
         keys = [self.stream, *(self.keys.req(p.request.id) for p in pulled)]

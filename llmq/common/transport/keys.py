@@ -193,7 +193,10 @@ class Keys:
 # choice) fit under ARGV[3] entries waiting undelivered (XLEN minus the pending ones: finished
 # entries are deleted), atomically, so the limit holds across API replicas. With
 # ARGV[9] = '1' a request whose id is already live or finished is attached to, not re-sent
-# (a batch task re-run after its worker died follows the lines its first run started).
+# (a batch task re-run after its worker died follows the lines its first run started); the
+# hash's 'attach' keeps it: such a request may have a record, which a fresh one never has
+# (PULLED_SCRIPT reads the record of the first kind only). XPENDING only when XLEN alone
+# (the running entries counted too) passes the limit: a command saved per request.
 ENQUEUE_SCRIPT = """
 local stream, req = KEYS[1], KEYS[2]
 if ARGV[9] == '1' then
@@ -203,16 +206,18 @@ end
 local limit = tonumber(ARGV[3])
 if limit > 0 then
   local waiting = redis.call('XLEN', stream)
-  local ok, pending = pcall(redis.call, 'XPENDING', stream, ARGV[4])
-  if ok then waiting = waiting - pending[1] end
-  if waiting + tonumber(ARGV[10]) > limit then return false end
+  if waiting + tonumber(ARGV[10]) > limit then  -- the running ones counted: look closer
+    local ok, pending = pcall(redis.call, 'XPENDING', stream, ARGV[4])
+    if ok then waiting = waiting - pending[1] end
+    if waiting + tonumber(ARGV[10]) > limit then return false end
+  end
 end
 -- XADD first: a script's first write is where Redis refuses it under maxmemory (an HDEL, never
 -- refused, would let every write after it through). 'worker' goes only from a request sent
 -- again under its id (a fresh id has none): a command saved per request.
 local entry = redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2])
 redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6], 'entry', entry,
-  'reply', ARGV[11] or '')
+  'reply', ARGV[11] or '', 'attach', ARGV[9])
 if ARGV[9] == '1' then redis.call('HDEL', req, 'worker') end
 redis.call('EXPIRE', req, ARGV[7])
 return entry

@@ -13,10 +13,10 @@ from llmq.common.transport.output_log import CLAIM_MARK
 # entry the new owner now holds). A request re-enqueued (a batch line run again) has a new
 # entry: writes for the old one are refused too. No owner or entry recorded: no fence. (A
 # step's plain writes are fenced once for all its requests: STEP_SCRIPT.) Lua: nil, or
-# 'fenced:<owner>' (an entry no longer the request's is acknowledged and deleted).
+# 'fenced:<owner>' (an entry no longer the request's is acknowledged and deleted); ``refuse``
+# judges an owner and entry already read (HMGET's first two values).
 _FENCE = f"""
-local function fence(req, entry, worker, stream)
-  local own = redis.call('HMGET', req, 'worker', 'entry')
+local function refuse(own, entry, worker, stream)
   if own[2] and own[2] ~= entry then
     redis.call('XACK', stream, '{GROUP}', entry)
     redis.call('XDEL', stream, entry)
@@ -24,6 +24,9 @@ local function fence(req, entry, worker, stream)
   end
   if own[1] and own[1] ~= worker then return 'fenced:' .. own[1] end
   return nil
+end
+local function fence(req, entry, worker, stream)
+  return refuse(redis.call('HMGET', req, 'worker', 'entry'), entry, worker, stream)
 end
 """
 
@@ -223,6 +226,34 @@ for i = 2, #KEYS do
       'started', ARGV[2])
     replies[i - 1] = 0
   end
+end
+return replies
+"""
+)
+
+# Requests just read from the stream, taken into service in one call: each one's state and,
+# where it may have one, its record (a hash ENQUEUE did not write, or one sent again under its
+# id: a fresh request has none, and skipping its LRANGE saves a command); each owned by this
+# worker and running, unless cancelled, or refused as RUNNING_SCRIPT refuses. KEYS: stream,
+# then req and tokens of each. ARGV: worker, now, each entry. Returns {0 or 'fenced:<owner>',
+# state, record values} a request.
+PULLED_SCRIPT = (
+    _FENCE
+    + """
+local replies = {}
+for i = 1, (#KEYS - 1) / 2 do
+  local req, tk, entry = KEYS[2 * i], KEYS[2 * i + 1], ARGV[2 + i]
+  local own = redis.call('HMGET', req, 'worker', 'entry', 'state', 'created', 'attach')
+  local why = refuse(own, entry, ARGV[1], KEYS[1])
+  local values = {}
+  if not why then
+    if own[1] or not own[4] or own[5] == '1' then values = redis.call('LRANGE', tk, 0, -1) end
+    if own[3] ~= 'cancelled' then
+      redis.call('HSET', req, 'state', 'running', 'worker', ARGV[1], 'entry', entry,
+        'started', ARGV[2])
+    end
+  end
+  replies[i] = {why or 0, own[3] or '', values}
 end
 return replies
 """
