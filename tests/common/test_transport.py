@@ -188,6 +188,32 @@ def test_llmq_inspect_shows_the_worker_serving_a_request(served, llama_dir):
     assert "w-main: " in text and "running 1" in text and f"{stream_of(llama_dir)}: " in text
 
 
+def test_a_fresh_request_costs_no_record_read_and_no_pending_count(served, llama_dir, reference):
+    """A request never run before has no record: its pull reads none (no LRANGE), and a queue
+    far under its limit is not counted closer (no XPENDING); the answers stay exact."""
+    server, _ = served
+    batch = prompts(6, seed=21)
+    expected = reference(batch, 12)
+    client = redis.Redis.from_url(server.url)
+
+    def calls(name: str) -> int:
+        return client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
+
+    before = {name: calls(name) for name in ("lrange", "xpending", "hmget")}
+
+    async def run():
+        async with open_pipeline(server.url, llama_dir) as p:
+            params = SamplingParams(max_tokens=12, **GREEDY)
+            return await asyncio.gather(*[p.all_tokens(q, params) for q in batch])
+
+    results = asyncio.run(run())
+    assert [r.token_ids for r in results] == expected
+    assert calls("lrange") == before["lrange"]
+    assert calls("xpending") == before["xpending"]
+    # Its owner checked twice, as it is taken into service and as it finishes.
+    assert calls("hmget") - before["hmget"] == 2 * len(batch)
+
+
 def test_nothing_left_behind(served, llama_dir):
     """Runs after the others in this module: no pending entries, no subscriptions once the
     API's side closed, and the request records and the worker's log expire after their TTL
