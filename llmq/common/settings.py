@@ -50,7 +50,8 @@ class Settings(BaseSettings):
         gt=0,
         description="KV cache size (GiB) when kv_blocks is unset; unset: sized to the batch, "
         "max_batch_size sequences of min(max_model_len, 1024) tokens (and at least one of "
-        "max_model_len), within 2 GiB. The pool is zeroed at start, so all of it is resident.",
+        "max_model_len), within 2 GiB. On the CPU its memory becomes resident as blocks are "
+        "first used; on a GPU all of it at start.",
     )
     max_batch_size: int = Field(64, description="Most sequences in one engine step.")
     max_batch_tokens: int = Field(

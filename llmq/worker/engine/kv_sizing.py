@@ -1,11 +1,12 @@
 """How many KV cache blocks a worker allocates, and why: a pure function of the model's numbers
 and the settings, so that the rule is tested without a model.
 
-The pool is zeroed when it is allocated (`runner/attention.py`: masked-out slots are multiplied
-by zero probabilities, and 0 * NaN is NaN), so every page of it is resident from the start:
-a 2 GiB pool is 2 GiB of RSS per worker whether a block is ever used or not. By default the pool
-is therefore sized to what the batch can use, within a budget; an explicit block count or memory
-budget is taken as given.
+The pool must read as zeros (`runner/attention.py`: masked-out slots are multiplied by zero
+probabilities, and 0 * NaN is NaN). On the CPU it is anonymous memory, resident only once
+written: a worker's RSS grows with the blocks its sequences and cached prefixes have used, up to
+the pool (the least recently freed block is reused first, so a long-running worker fills it
+with cached prefixes). On a GPU it is allocated whole. By default the pool is sized to what the
+batch can use, within a budget; an explicit block count or memory budget is taken as given.
 """
 
 from __future__ import annotations
