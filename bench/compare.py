@@ -256,7 +256,7 @@ def measure_load(server: Server, key: str, load: dict, rnd: int, progress: bool)
     log(
         f"{label}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {ms(s['ttft_s']['p50'])} ms, "
         f"ITL p50 {ms(s['itl_s']['p50'])} ms, errors {s['errors']}, peak RSS "
-        f"{r['peak_rss_gib']:.2f} GiB, server {r['server_cores']:.2f} cores, machine "
+        f"{r['peak_rss_gib']:.2f} GiB (PSS {r['peak_pss_gib']:.2f}), server {r['server_cores']:.2f} cores, machine "
         f"{r['machine_busy_cores']:.2f} cores busy"
     )
     return res
@@ -290,6 +290,7 @@ def measure_server(name: str, args, loads: dict[str, dict], log_dir: Path) -> di
         if server.sampler:
             server.sampler.sample()
             out["peak_rss_gib"] = server.sampler.peak_kib / 2**20
+            out["peak_pss_gib"] = server.sampler.peak_pss_kib / 2**20
         log(f"{name}: stopping")
         t = time.perf_counter()
         server.stop()

@@ -1,6 +1,7 @@
 """The servers' process trees, sampled: peak resident memory (VmRSS summed over every process
-in the server's process group or below it) and the CPU time they used, beside how busy the whole
-machine was. Used by bench/compare.py and bench/structured.py."""
+in the server's process group or below it; and PSS, which counts a page shared by n of them,
+such as torch's libraries in two workers, once in all, 1/n in each) and the CPU time they used,
+beside how busy the whole machine was. Used by bench/compare.py and bench/structured.py."""
 
 from __future__ import annotations
 
@@ -61,6 +62,18 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def pss_kib(pid: int) -> int:
+    """Proportional set size: the process's resident pages, each shared one divided among
+    the processes that map it (a sum over processes counts every page once)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def machine_busy_ticks() -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs since boot."""
     parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -77,6 +90,8 @@ class Sampler:
         self.interval = interval
         self.peak_kib = 0
         self.window_peak_kib = 0
+        self.peak_pss_kib = 0
+        self.window_peak_pss_kib = 0
         self.pids: set[int] = set()
         self.ticks: dict[int, int] = {}
         self._stop = threading.Event()
@@ -90,11 +105,14 @@ class Sampler:
     def sample(self) -> None:
         procs = tree(self.root)
         total = sum(rss_kib(p) for p in procs)
+        pss = sum(pss_kib(p) for p in procs)
         with self._lock:
             self.pids |= set(procs)
             self.ticks.update(procs)
             self.peak_kib = max(self.peak_kib, total)
             self.window_peak_kib = max(self.window_peak_kib, total)
+            self.peak_pss_kib = max(self.peak_pss_kib, pss)
+            self.window_peak_pss_kib = max(self.window_peak_pss_kib, pss)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -105,7 +123,7 @@ class Sampler:
         """Start a window: reset the window's peak; returns (server ticks, machine ticks)."""
         self.sample()
         with self._lock:
-            self.window_peak_kib = 0
+            self.window_peak_kib = self.window_peak_pss_kib = 0
             return sum(self.ticks.values()), machine_busy_ticks()
 
     def window(self, start) -> dict:
@@ -113,12 +131,13 @@ class Sampler:
         ticks0, (busy0, tot0) = start
         with self._lock:
             ticks = sum(self.ticks.values()) - ticks0
-            peak = self.window_peak_kib
+            peak, peak_pss = self.window_peak_kib, self.window_peak_pss_kib
         busy1, tot1 = machine_busy_ticks()
         ncpu = cores()
         wall_ticks = (tot1 - tot0) / max(1, os.cpu_count() or 1)
         return {
             "peak_rss_gib": peak / 2**20,
+            "peak_pss_gib": peak_pss / 2**20,
             "server_cpu_s": ticks / CLK,
             "server_cores": ticks / wall_ticks if wall_ticks else None,
             "machine_busy_cores": (busy1 - busy0) / wall_ticks if wall_ticks else None,

@@ -12,6 +12,7 @@ COLUMNS = [
     ("ITL p50 ms", lambda s, r: s["itl_s"]["p50"], "ms"),
     ("ITL p99 ms", lambda s, r: s["itl_s"]["p99"], "ms"),
     ("peak RSS GiB", lambda s, r: r["peak_rss_gib"], "{:.2f}"),
+    ("peak PSS GiB", lambda s, r: r.get("peak_pss_gib"), "{:.2f}"),
 ]
 COLORS = {
     "llmq": "tab:blue",
@@ -85,13 +86,16 @@ def table(results: dict, loads: dict, order: tuple[str, ...]) -> str:
         lines.append(
             f"{name}: ready in {_cell(res.get('startup_s'), '{:.0f}')} s, RSS after warm-up "
             f"{_cell(res.get('idle_rss_gib'), '{:.2f}')} GiB, peak RSS of the whole run "
-            f"{_cell(res.get('peak_rss_gib'), '{:.2f}')} GiB"
+            f"{_cell(res.get('peak_rss_gib'), '{:.2f}')} GiB (PSS "
+            f"{_cell(res.get('peak_pss_gib'), '{:.2f}')} GiB)"
         )
     lines += [
         "r1: the load's prompts sent for the first time; r2: the same prompts again (prefix "
         "caches: llmq's and vLLM's block caches, llama.cpp's per-slot prompt).",
         "ratios are llmq / peer: above 1 is better for output tok/s, below 1 is better for "
-        "latency and memory. peak RSS: VmRSS summed over the server's process tree, every 0.5 s.",
+        "latency and memory. peak RSS: VmRSS summed over the server's process tree, every 0.5 s; "
+        "PSS: the same with each page shared by n processes (libraries, a file's mapping) "
+        "counted 1/n in each, so once in all.",
         "srv cores: CPU the server's process tree used per wall second during the load; busy: "
         "all cores busy per wall second on the machine (client and other tenants included)",
     ]
