@@ -172,11 +172,12 @@ class LLMEngine:
     def _log_config(self, pool_reason: str) -> None:
         config = self.config
         log.info(
-            "engine: %d KV blocks of %d tokens (%.2f GiB), sized by %s; "
+            "engine: %d KV blocks of %d tokens (%.2f GiB, %s), sized by %s; "
             "max_model_len %d, batch %d seqs / %d tokens",
             self.num_blocks,
             config.block_size,
             self.runner.pool.kv.nbytes / 2**30,
+            "resident as it is used" if self.runner.pool.lazily_resident else "resident",
             pool_reason,
             self.max_model_len,
             config.max_batch_size,

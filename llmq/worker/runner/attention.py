@@ -68,6 +68,7 @@ class KVPool:
             self.kv, self._mapping = _zero_pages(shape, dtype)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.lazily_resident = self._mapping is not None
         self.k = self.kv[:, :num_kv_heads]  # [layers, kv_heads, slots, head_dim] views
         self.v = self.kv[:, num_kv_heads:]
         # Per layer, viewed as whole blocks of one head: [2 * kv_heads * blocks, block_size *
