@@ -253,10 +253,13 @@ def measure_load(server: Server, key: str, load: dict, rnd: int, progress: bool)
     res["command"] = "llmq bench " + " ".join(argv)
     res["round"] = rnd
     s = res["summary"]
+    hit = s.get("cached_prompt_fraction")
     log(
         f"{label}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {ms(s['ttft_s']['p50'])} ms, "
-        f"ITL p50 {ms(s['itl_s']['p50'])} ms, errors {s['errors']}, peak RSS "
-        f"{r['peak_rss_gib']:.2f} GiB (PSS {r['peak_pss_gib']:.2f}), server {r['server_cores']:.2f} cores, machine "
+        f"p99 {ms(s['ttft_s']['p99'])} ms, ITL p50 {ms(s['itl_s']['p50'])} ms, errors "
+        f"{s['errors']}, prompt tokens cached {'-' if hit is None else f'{hit:.0%}'}, peak RSS "
+        f"{r['peak_rss_gib']:.2f} GiB (PSS {r['peak_pss_gib']:.2f}), server "
+        f"{r['server_cores']:.2f} cores, machine "
         f"{r['machine_busy_cores']:.2f} cores busy"
     )
     return res

@@ -24,6 +24,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served
     chunks: int = 0
     error: str | None = None
 
@@ -112,6 +113,8 @@ async def one_request(
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
                     res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens", res.cached_tokens)
                 if _chunk_text(obj):
                     if last is None:
                         res.ttft = now - start

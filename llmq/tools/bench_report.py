@@ -27,6 +27,11 @@ def summarize(results: list[RequestResult], duration: float, expected_tokens: in
     errors = [r for r in results if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    # Prompt tokens served by the server's prefix cache, where it reports any (llmq and vLLM
+    # leave usage.prompt_tokens_details out of a request that had no hit: None counts as 0).
+    reports_cache = any(r.cached_tokens is not None for r in ok)
+    cached = [(r.cached_tokens or 0, r.prompt_tokens) for r in ok if r.prompt_tokens]
+    cached = cached if reports_cache else []
     messages: dict[str, int] = {}
     for r in errors:
         messages[r.error or "?"] = messages.get(r.error or "?", 0) + 1
@@ -40,6 +45,10 @@ def summarize(results: list[RequestResult], duration: float, expected_tokens: in
         "output_tok_s": out_tokens / duration if duration > 0 else 0.0,
         "requests_s": len(ok) / duration if duration > 0 else 0.0,
         "mean_prompt_tokens_reported": sum(prompt) / len(prompt) if prompt else None,
+        "cached_prompt_fraction": (
+            sum(c for c, _ in cached) / sum(p for _, p in cached) if cached else None
+        ),
+        "requests_with_cache_hit": sum(1 for c, _ in cached if c) if cached else None,
         "mean_chunks_per_request": sum(r.chunks for r in ok) / len(ok) if ok else None,
         "ttft_s": percentiles([r.ttft for r in ok]),
         "itl_s": percentiles([x for r in ok for x in r.itl]),
@@ -70,6 +79,11 @@ def format_result(res: dict) -> str:
         lines.append(
             f"  {name:<6}{_fmt_ms(d['mean']):>9}{_fmt_ms(d['p50']):>9}{_fmt_ms(d['p90']):>9}"
             f"{_fmt_ms(d['p99']):>9}"
+        )
+    if s.get("cached_prompt_fraction") is not None:
+        lines.append(
+            f"  prefix cache: {s['cached_prompt_fraction']:.0%} of prompt tokens, "
+            f"{s['requests_with_cache_hit']} of {s['completed']} requests hit"
         )
     if c.get("extra_params_dropped"):
         lines.append("  note: the server rejected min_tokens/ignore_eos; sent without them")

@@ -95,6 +95,9 @@ def drive(engine: LLMEngine, prompts, max_tokens):
         for out in engine.step():
             results[out.request_id].extend(out.token_ids)
             cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
+            if out.finished and engine.scheduler.num_preemptions == 0:
+                # The final output (its usage) still reports the hit: finishing freed the blocks.
+                assert out.num_cached_tokens == cached[out.request_id]
             expect_done = len(results[out.request_id]) == max_tokens[int(out.request_id)]
             assert out.finished == expect_done
             if out.finished:

@@ -90,6 +90,8 @@ class BlockManager:
         revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks + revived > len(self._free):
             return False
+        if not seq.block_table:  # admitted (again, after a preemption): this admission's hit
+            seq.num_cached_tokens = num_cached
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -97,7 +99,7 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         if cached_blocks:
-            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens = num_cached
             seq.num_registered_blocks = len(cached_blocks)
             self.prefix_hits += num_cached
         for _ in range(max(num_new_blocks, 0)):
@@ -140,8 +142,7 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
-        seq.num_registered_blocks = 0
+        seq.num_registered_blocks = 0  # num_cached_tokens stays: the finished request's usage
 
     def _evict(self, block: Block) -> None:
         if block.hash is not None:

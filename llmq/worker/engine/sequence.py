@@ -33,7 +33,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    # Prompt tokens its last admission took from the prefix cache (kept after it finishes:
+    # the usage reports them)
+    num_cached_tokens: int = 0
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache

@@ -132,6 +132,24 @@ def test_prefix_cache_leaves_one_token_to_compute():
     assert bm.find_cached_prefix(one_more) == a.block_table[:3]
 
 
+def test_cached_tokens_outlive_free():
+    """A finished request's usage reports its prefix-cache hit: freeing its blocks (which
+    finishing does before the last output is built) keeps the count; a new admission sets it."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", prefix(2 * BS + 3))
+    compute(bm, a)
+    b = make_seq("b", prefix(2 * BS + 3))
+    hits = bm.find_cached_prefix(b)
+    assert bm.allocate(b, 3, hits)
+    bm.free(b)
+    assert b.num_cached_tokens == 2 * BS and b.num_computed_tokens == 0
+    bm.free(a)
+    bm.reset_prefix_cache()  # readmitted with no hit (as after a preemption): 0 again
+    assert bm.find_cached_prefix(b) == []
+    assert bm.allocate(b, b.num_tokens)
+    assert b.num_cached_tokens == 0
+
+
 def test_prefix_cache_only_computed_blocks_registered():
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = make_seq("a", prefix(3 * BS + 5))
