@@ -178,6 +178,32 @@ def test_greedy_equals_generate(arch_case, variant):
         assert [cached[str(i)] for i in (13, 14, 15)] == [hit] * 3
 
 
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_a_prompt_cached_whole_computes_only_its_last_token(arch_case, block_size):
+    """The same prompts again: one whose every block is cached (a length that is a multiple of
+    the block size) computes only its last token, reading that token's KV from the shared
+    block and writing nothing into any cached block; its output is still generate's."""
+    _, path, prompts, max_tokens, expected, _ = arch_case
+    config = EngineConfig(block_size=block_size, num_blocks=1024)
+    engine = LLMEngine(load_causal_lm(path, "float32", "cpu"), config, eos_token_ids={EOS})
+    drive(engine, prompts, max_tokens)
+    bm, kv = engine.block_manager, engine.runner.pool.kv
+    registered = {b.block_id: b.hash for b in bm.blocks if b.hash is not None}
+    before = {b: kv[:, :, b * block_size : (b + 1) * block_size].clone() for b in registered}
+
+    results, _, cached = drive(engine, prompts, max_tokens)
+
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    whole = [i for i, p in enumerate(prompts) if len(p) % block_size == 0 and len(p) > 1]
+    assert len(whole) >= 2
+    for i, p in enumerate(prompts):
+        full_blocks = len(p) // block_size * block_size
+        assert cached[str(i)] == (len(p) - 1 if i in whole else full_blocks), i
+    for b, h in registered.items():
+        assert bm.blocks[b].hash == h, "a cached block was evicted: the pool is too small"
+        assert torch.equal(kv[:, :, b * block_size : (b + 1) * block_size], before[b]), b
+
+
 def run_one(engine: LLMEngine, prompt, params, output_token_ids=None):
     engine.add_request("x", prompt, params, output_token_ids=output_token_ids)
     tokens, last = [], None

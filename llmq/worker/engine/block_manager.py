@@ -64,11 +64,11 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Ids of cached blocks that hold a prefix of the sequence's tokens. At least one token
-        is always left to compute, since the step that computes it yields the next token."""
+        """Ids of cached blocks that hold a prefix of the sequence's tokens, up to all its full
+        blocks (see ``hit_tokens``)."""
         if not self.enable_prefix_caching or seq.block_table:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = seq.num_tokens // self.block_size
         hits: list[int] = []
         bs = self.block_size
         for i, h in enumerate(self._block_hashes(seq, max_blocks)):
@@ -80,18 +80,29 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def hit_tokens(self, seq: Sequence, cached_blocks: list[int]) -> int:
+        """Tokens of ``seq`` that ``cached_blocks`` (from ``find_cached_prefix``) spare it from
+        computing. At least one token is always left, since the step that computes it yields
+        the next token. A sequence cached whole computes only its last token again, reading
+        that token's KV from the cache and writing it nowhere (the runner skips writes into
+        registered blocks): recomputing the whole last block made a repeated 128-token prompt
+        cost 16 tokens of a step instead of 1."""
+        return min(len(cached_blocks) * self.block_size, seq.num_tokens - 1)
+
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give the sequence blocks for ``num_new_tokens`` more tokens (after ``cached_blocks``,
-        taken from ``find_cached_prefix`` for a sequence that holds no blocks yet). Returns
-        False and changes nothing when there are not enough free blocks."""
-        num_cached = len(cached_blocks) * self.block_size
-        total = seq.num_computed_tokens + num_cached + num_new_tokens
+        taken from ``find_cached_prefix`` for a sequence that holds no blocks yet: then
+        ``num_new_tokens`` counts from ``hit_tokens``). Returns False and changes nothing when
+        there are not enough free blocks."""
+        fresh = not seq.block_table
+        computed = self.hit_tokens(seq, cached_blocks) if cached_blocks else seq.num_computed_tokens
+        total = computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
         revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks + revived > len(self._free):
             return False
-        if not seq.block_table:  # admitted (again, after a preemption): this admission's hit
-            seq.num_cached_tokens = num_cached
+        if fresh:  # admitted (again, after a preemption): this admission's hit
+            seq.num_cached_tokens = computed if cached_blocks else 0
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -99,9 +110,9 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         if cached_blocks:
-            seq.num_computed_tokens = num_cached
+            seq.num_computed_tokens = computed
             seq.num_registered_blocks = len(cached_blocks)
-            self.prefix_hits += num_cached
+            self.prefix_hits += computed
         for _ in range(max(num_new_blocks, 0)):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]

@@ -180,7 +180,7 @@ class Scheduler:
             # Prompt logprobs need every prompt row's logits: none of it comes from the cache.
             cached = [] if seq.prompt_logprobs_pending else bm.find_cached_prefix(seq)
             num_new = min(
-                seq.num_tokens - len(cached) * bm.block_size,
+                seq.num_tokens - bm.hit_tokens(seq, cached),
                 step.tokens_left,
                 step.prompt_tokens_left,
             )

@@ -102,12 +102,14 @@ class ModelRunner:
             _tune_malloc()
         use_graphs = cuda_graphs and self.device.type == "cuda" and fast_forward and supports(model)
         use_compile = cpu_compile and self.device.type == "cpu" and fast_forward and supports(model)
-        # Graphs pad their batches into one extra block that no sequence owns.
+        # One extra block that no sequence owns: graphs pad their batches into it, and tokens
+        # whose KV is already cached write theirs there (see pack_step).
+        self.scratch_slot = num_blocks * block_size
         self.pool = KVPool(
             num_layers,
             num_kv_heads,
             head_dim,
-            num_blocks + int(use_graphs),
+            num_blocks + 1,
             block_size,
             self.dtype,
             self.device,
@@ -154,7 +156,7 @@ class ModelRunner:
         """Run one step. Returns float32 logits, one row per sampling entry, then the rows of
         the prompts that want prompt logprobs; the indices of the sampling entries in
         ``out.scheduled``; and those prompts' rows, in order."""
-        batch = pack_step(out.scheduled, self.block_size)
+        batch = pack_step(out.scheduled, self.block_size, self.scratch_slot)
         tables = [item.seq.block_table for item in batch.decodes]
         if self._fits_graphs(batch):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, tables)

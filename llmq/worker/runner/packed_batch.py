@@ -35,9 +35,15 @@ class PromptRows:
     count: int
 
 
-def pack_step(scheduled: list[ScheduledSequence], block_size: int) -> PackedBatch:
+def pack_step(
+    scheduled: list[ScheduledSequence], block_size: int, scratch_slot: int
+) -> PackedBatch:
     """All new tokens of the step in one row: the decodes first, by context length (so that
-    chunks of similar length are contiguous rows), then the prefill chunks in order."""
+    chunks of similar length are contiguous rows), then the prefill chunks in order.
+
+    A token whose block is registered in the prefix cache (the last token of a sequence found
+    in the cache whole, run again for its logits) has its KV there already: it is written to
+    ``scratch_slot``, which no sequence reads, so no shared block is ever written."""
     decodes: list[int] = []
     prefills: list[int] = []
     for i, item in enumerate(scheduled):
@@ -50,7 +56,9 @@ def pack_step(scheduled: list[ScheduledSequence], block_size: int) -> PackedBatc
         seq, p = item.seq, item.start
         batch.input_ids.append(seq.token_ids[p])
         batch.positions.append(p)
-        batch.slots.append(seq.block_table[p // bs] * bs + p % bs)
+        block = p // bs
+        registered = block < seq.num_registered_blocks
+        batch.slots.append(scratch_slot if registered else seq.block_table[block] * bs + p % bs)
         batch.decodes.append(item)
         _keep_prompt_rows(batch, item, row)
         if item.samples:

@@ -126,10 +126,30 @@ def test_prefix_cache_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = make_seq("a", prefix(3 * BS + 4))
     compute(bm, a)
-    same = make_seq("b", prefix(3 * BS))  # exactly three full cached blocks
-    assert bm.find_cached_prefix(same) == a.block_table[:2]
     one_more = make_seq("c", prefix(3 * BS + 1))
     assert bm.find_cached_prefix(one_more) == a.block_table[:3]
+    assert bm.hit_tokens(one_more, a.block_table[:3]) == 3 * BS
+    # Exactly three full cached blocks: all three are shared, and only the last token is
+    # computed again (not the whole last block).
+    same = make_seq("b", prefix(3 * BS))
+    hits = bm.find_cached_prefix(same)
+    assert hits == a.block_table[:3]
+    assert bm.hit_tokens(same, hits) == 3 * BS - 1
+    used = bm.num_used_blocks
+    assert bm.allocate(same, 1, hits)
+    assert same.block_table == hits and bm.num_used_blocks == used  # no new block
+    assert same.num_computed_tokens == same.num_cached_tokens == 3 * BS - 1
+    assert same.num_registered_blocks == 3
+    assert bm.prefix_hits == 3 * BS - 1
+    bm.check_invariants([a, same])
+    # Computing that token registers nothing new; its first output token takes a new block.
+    same.num_computed_tokens = 3 * BS
+    bm.cache_full_blocks(same)
+    assert same.num_registered_blocks == 3
+    same.token_ids.append(7)
+    assert bm.allocate(same, 1)
+    assert len(same.block_table) == 4 and bm.blocks[same.block_table[3]].ref_count == 1
+    bm.check_invariants([a, same])
 
 
 def test_cached_tokens_outlive_free():

@@ -99,15 +99,16 @@ def test_settings_default_to_sizing_by_need(monkeypatch):
 
 def test_the_engine_allocates_the_sized_pool(llama_dir, caplog):
     """A real engine on the tiny model: its pool tensor holds exactly the blocks the rule gives
-    (a batch of 4 sequences of min(context, 1024) tokens), and the log says why."""
+    (a batch of 4 sequences of min(context, 1024) tokens) and the runner's scratch block, and
+    the log says why."""
     model = load_causal_lm(str(llama_dir), "float32", "cpu")
     limit = model.config.max_position_embeddings
     with caplog.at_level(logging.INFO, logger="llmq.worker.llm_engine"):
         engine = LLMEngine(model, EngineConfig(max_batch_size=4, cuda_graphs=False))
     per_seq = min(limit, KV_TOKENS_PER_SEQUENCE)
     assert engine.num_blocks == max(4 * -(-per_seq // 16), -(-limit // 16))
-    assert engine.runner.pool.kv.shape[2] == engine.num_blocks * 16
+    assert engine.runner.pool.kv.shape[2] == (engine.num_blocks + 1) * 16
     assert engine.max_model_len == limit
     assert any("4 sequences (LLMQ_MAX_BATCH_SIZE)" in r.getMessage() for r in caplog.records)
     explicit = LLMEngine(model, EngineConfig(num_blocks=7, cuda_graphs=False))
-    assert explicit.runner.pool.kv.shape[2] == 7 * 16
+    assert explicit.runner.pool.kv.shape[2] == (7 + 1) * 16

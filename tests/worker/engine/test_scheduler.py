@@ -310,7 +310,12 @@ class Workload:
         )
         self.seqs: list[Sequence] = []
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token held there
-        self.stats = {"preemption": 0, "partial prefill chunk": 0, "prefix cache hit": 0}
+        self.stats = {
+            "preemption": 0,
+            "partial prefill chunk": 0,
+            "prefix cache hit": 0,
+            "whole sequence cached": 0,
+        }
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
@@ -359,16 +364,25 @@ class Workload:
             assert item.start == seq.num_computed_tokens
             if id(seq) in before:  # was running: resumes where it was
                 assert item.start == before[id(seq)]
-            else:  # admitted: starts after its prefix-cache hit, if any
-                assert item.start == seq.num_cached_tokens and item.start % bs == 0
+            else:  # admitted: starts after its prefix-cache hit, if any: whole blocks, or
+                # all but the last token of a sequence found in the cache whole
+                assert item.start == seq.num_cached_tokens
+                assert item.start % bs == 0 or item.start == seq.num_tokens - 1
                 if item.start:
                     self.stats["prefix cache hit"] += 1
+                if item.start and item.start == seq.num_tokens - 1 and item.start % bs:
+                    self.stats["whole sequence cached"] += 1
             end = item.start + item.num_new_tokens
             assert end <= seq.num_tokens
             assert len(seq.block_table) == bm.blocks_needed(end)
-            # The runner writes the new tokens' KV into the sequence's own blocks...
+            # The runner writes the new tokens' KV into the sequence's own blocks, except a
+            # token whose registered block holds it already (it writes that one nowhere)...
             for p in range(item.start, end):
                 block = seq.block_table[p // bs]
+                if p // bs < seq.num_registered_blocks:
+                    assert item.num_new_tokens == 1 and p == seq.num_tokens - 1
+                    assert self.kv.get((block, p % bs)) == seq.token_ids[p]
+                    continue
                 assert bm.blocks[block].ref_count == 1, "writing into a shared block"
                 self.kv[(block, p % bs)] = seq.token_ids[p]
         for item in out.scheduled:

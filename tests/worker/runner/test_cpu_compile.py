@@ -66,7 +66,7 @@ def test_compiled_bfloat16_within_rounding_of_eager(llama_dir):
     assert out.num_tokens == len(out.scheduled) == len(prompts)  # a decode-only step
     runner = engine.runner
     eager, _, _ = runner.execute(out)
-    batch = pack_step(out.scheduled, runner.block_size)
+    batch = pack_step(out.scheduled, runner.block_size, runner.scratch_slot)
     tables = [item.seq.block_table for item in batch.decodes]
     with torch.inference_mode():
         compiled = CompiledDecode(runner.forward, runner.pool).run(
