@@ -89,6 +89,16 @@ class BlockManager:
         cost 16 tokens of a step instead of 1."""
         return min(len(cached_blocks) * self.block_size, seq.num_tokens - 1)
 
+    def free_blocks_taken(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()
+    ) -> int:
+        """Blocks of the free queue that ``allocate`` with these arguments takes: new ones, and
+        freed cached ones it revives."""
+        computed = self.hit_tokens(seq, cached_blocks) if cached_blocks else seq.num_computed_tokens
+        needed = self.blocks_needed(computed + num_new_tokens) - len(seq.block_table)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        return max(needed - len(cached_blocks), 0) + revived
+
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give the sequence blocks for ``num_new_tokens`` more tokens (after ``cached_blocks``,
         taken from ``find_cached_prefix`` for a sequence that holds no blocks yet: then
@@ -96,11 +106,10 @@ class BlockManager:
         there are not enough free blocks."""
         fresh = not seq.block_table
         computed = self.hit_tokens(seq, cached_blocks) if cached_blocks else seq.num_computed_tokens
-        total = computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
-        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        if num_new_blocks + revived > len(self._free):
+        if self.free_blocks_taken(seq, num_new_tokens, cached_blocks) > len(self._free):
             return False
+        num_new_blocks = self.blocks_needed(computed + num_new_tokens) - len(seq.block_table)
+        num_new_blocks -= len(cached_blocks)
         if fresh:  # admitted (again, after a preemption): this admission's hit
             seq.num_cached_tokens = computed if cached_blocks else 0
         for block_id in cached_blocks:

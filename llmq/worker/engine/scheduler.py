@@ -7,7 +7,8 @@ and free KV blocks. A step that carries decodes takes at most
 step, so a big prefill beside decodes is a long gap between tokens for all of them; alone,
 prompts get the whole token budget. Running sequences come first (decodes and unfinished
 prefill chunks, by priority then arrival), except prefill chunks of lower priority than the
-best waiting request, which go last; waiting ones fill what is left. When blocks run
+best waiting request, which go last; waiting ones fill what is left, short prefills (prompts
+the prefix cache holds, short prompts) first within half of it. When blocks run
 out the scheduler preempts the running sequence that would run last, frees its blocks and
 recomputes it later: nothing is dropped.
 """
@@ -161,37 +162,86 @@ class Scheduler:
 
     def _admit_waiting(self, step: _StepBuilder) -> int | None:
         """Admit waiting requests, best first, while the budgets and the pool allow; returns
-        the priority of the first one admitted (None: none was).
+        the priority of the first one admitted (None: none was). Short prefills go first
+        (``_admit_short``), then the queue in order.
 
         A step that had to preempt admits nothing new: the pool is already short. A step that
         admits a request admits none of lower priority beside it: batch-job prefills would
         lengthen the step that gives an interactive request its first token."""
-        bm = self.block_manager
-        first_priority: int | None = None
+        if step.out.preempted or not self.waiting:
+            return None
+        first_priority = self._admit_short(step)
         while (
-            not step.out.preempted
-            and self.waiting
+            self.waiting
             and min(step.tokens_left, step.prompt_tokens_left) > 0
             and len(self.running) < self.max_batch_size
         ):
             seq = self.waiting[0]
             if first_priority is not None and seq.priority > first_priority:
                 break
-            # Prompt logprobs need every prompt row's logits: none of it comes from the cache.
-            cached = [] if seq.prompt_logprobs_pending else bm.find_cached_prefix(seq)
-            num_new = min(
-                seq.num_tokens - bm.hit_tokens(seq, cached),
-                step.tokens_left,
-                step.prompt_tokens_left,
-            )
-            if not bm.allocate(seq, num_new, cached):
+            num_new, cached = self._uncached(seq)
+            num_new = min(num_new, step.tokens_left, step.prompt_tokens_left)
+            if not self.block_manager.allocate(seq, num_new, cached):
                 break
             self.waiting.pop(0)
             first_priority = seq.priority if first_priority is None else first_priority
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            step.take(seq, num_new)
+            self._start(seq, num_new, step)
         return first_priority
+
+    def _admit_short(self, step: _StepBuilder) -> int | None:
+        """Admit, in arrival order, the waiting requests of the best waiting priority whose
+        uncached tokens all fit in half of the step's prompt tokens left (together); returns
+        their priority (None: none was admitted). A prompt the prefix cache holds (sent again,
+        another choice of it) costs a token or a few, but waited a step behind each uncached
+        prompt queued before it: 32 streams sending their 128-token prompts again to two
+        workers (half of them hits), hits' TTFT p50 was 0.56-0.62 s, as misses', and is
+        0.29-0.30 s first.
+
+        The head of the queue, passed over, is slowed, never starved: it keeps the other half
+        of the prompt tokens, a batch slot and the free blocks of the chunk it would have taken
+        (slots and blocks freed one at a time would otherwise go to short requests as long as
+        they come)."""
+        bm = self.block_manager
+        budget = min(step.tokens_left, step.prompt_tokens_left)
+        share = budget // 2
+        head = self.waiting[0]
+        kept_slots = kept_blocks = 0
+        admitted: list[Sequence] = []
+        for seq in self.waiting:
+            if seq.priority != head.priority or share < 1:
+                break
+            num_new, cached = self._uncached(seq)
+            if num_new > share:
+                if seq is head:
+                    kept_slots = 1
+                    kept_blocks = bm.free_blocks_taken(seq, min(num_new, budget), cached)
+                continue
+            if (
+                len(self.running) + kept_slots >= self.max_batch_size
+                or bm.free_blocks_taken(seq, num_new, cached) + kept_blocks > bm.num_free_blocks
+                or not bm.allocate(seq, num_new, cached)
+            ):
+                break
+            share -= num_new
+            admitted.append(seq)
+            self._start(seq, num_new, step)
+        if not admitted:
+            return None
+        self.waiting = [s for s in self.waiting if s.status is SequenceStatus.WAITING]
+        return head.priority
+
+    def _uncached(self, seq: Sequence) -> tuple[int, list[int]]:
+        """The tokens a waiting sequence has to compute, and the cached blocks that spare it
+        the rest. Prompt logprobs need every prompt row's logits: none come from the cache."""
+        bm = self.block_manager
+        cached = [] if seq.prompt_logprobs_pending else bm.find_cached_prefix(seq)
+        return seq.num_tokens - bm.hit_tokens(seq, cached), cached
+
+    def _start(self, seq: Sequence, num_new: int, step: _StepBuilder) -> None:
+        """A waiting sequence (its blocks allocated, out of ``waiting``) runs from this step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        step.take(seq, num_new)
 
     def _schedule_deferred(self, step: _StepBuilder, first_priority: int | None) -> None:
         """The deferred prompts take what is left, unless higher-priority work was admitted

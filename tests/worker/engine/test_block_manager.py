@@ -152,6 +152,25 @@ def test_prefix_cache_leaves_one_token_to_compute():
     bm.check_invariants([a, same])
 
 
+def test_free_blocks_taken_is_what_allocate_takes():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", prefix(3 * BS + 2))
+    compute(bm, a)
+    bm.free(a)  # its 3 full blocks stay cached, free
+    cases = [
+        (make_seq("whole", prefix(3 * BS)), 1),  # 3 revived, no new block
+        (make_seq("longer", prefix(3 * BS + 7)), 7),  # 3 revived, 1 new
+        (make_seq("fresh", prefix(2 * BS + 1, 900)), 2 * BS + 1),  # 3 new, nothing cached
+    ]
+    for seq, num_new in cases:
+        hits = bm.find_cached_prefix(seq)
+        taken = bm.free_blocks_taken(seq, num_new, hits)
+        free = bm.num_free_blocks
+        assert bm.allocate(seq, num_new, hits)
+        assert free - bm.num_free_blocks == taken, seq.request_id
+    bm.check_invariants([s for s, _ in cases])
+
+
 def test_cached_tokens_outlive_free():
     """A finished request's usage reports its prefix-cache hit: freeing its blocks (which
     finishing does before the last output is built) keeps the count; a new admission sets it."""
