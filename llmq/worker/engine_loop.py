@@ -68,7 +68,9 @@ class EngineLoop:
         self.clock = clock  # wall time: deadlines are unix times
         # Requests taken per turn, at most: a burst is split among the engines serving the
         # model as they turn, not swallowed whole by the first one that finds it (measured:
-        # two workers on 64 streams ran 0.92x one worker when each could take all 64).
+        # two workers on 64 streams ran 0.92x one worker when each could take all 64). An
+        # engine with no live peer takes all it has room for: one worker given 32 prompts it
+        # had cached took them 8 a step, TTFT p99 0.33 s; all at once 0.17 s.
         self.pull_per_turn = max(1, backend.max_batch_size // 8)
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
@@ -168,8 +170,10 @@ class EngineLoop:
         busy = self.backend.has_unfinished()
         room = self.backend.room()
         if room > 0:
+            alone = self.transport.live_peers == 0
             pulled = self.transport.pull(
-                min(room, self.pull_per_turn), None if busy else self.idle_block_ms
+                room if alone else min(room, self.pull_per_turn),
+                None if busy else self.idle_block_ms,
             )
             if pulled:
                 self._admit(pulled)

@@ -15,6 +15,7 @@ from llmq.common.transport import Emission, PulledRequest, Refusal
 class EngineQueue(Protocol):
     worker: str  # this worker's name, stamped on the final message of each request
     handed_back: set[str]  # workers that announced a hand-back since the last claim
+    live_peers: int | None  # other live engines on the model's queue (None: not known yet)
     # The transport is unavailable for now: the loop closes it, waits and sets it up again.
     transient_errors: tuple[type[Exception], ...]
 
@@ -64,4 +65,5 @@ class EngineQueue(Protocol):
 
     def claim_orphans(self, min_idle_ms: int, max_count: int) -> list[PulledRequest]:
         """Take over the requests of workers whose heartbeat expired (or that handed back),
-        each with the tokens recorded before the claim fenced their old owner out."""
+        each with the tokens recorded before the claim fenced their old owner out; count the
+        live ones into ``live_peers``."""

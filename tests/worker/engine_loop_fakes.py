@@ -34,6 +34,7 @@ class MemoryQueue:
 
     worker: str = "w1"
     handed_back: set[str] = field(default_factory=set)
+    live_peers: int | None = None
     transient_errors: tuple[type[Exception], ...] = (Outage,)
     waiting: list[PulledRequest] = field(default_factory=list)  # not yet delivered
     held: dict[str, PulledRequest] = field(default_factory=dict)  # delivered, not acked

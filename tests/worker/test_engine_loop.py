@@ -43,6 +43,23 @@ def test_admission_takes_pull_per_turn_up_to_the_room_left():
     assert [p.entry_id for p in queue.waiting] == ["e5", "e6", "e7"]
 
 
+def test_an_engine_with_no_live_peer_pulls_all_it_has_room_for():
+    """Nobody to split a burst with: one pull takes what fits; with a peer (or none counted
+    yet) pull_per_turn holds."""
+    loop, queue, backend, _ = make_loop(ScriptedBackend(max_batch_size=16, capacity=5))
+    queue.waiting = [pulled(i) for i in range(8)]
+    turn(loop)  # not counted yet: pull_per_turn
+    queue.live_peers = 0
+    turn(loop)
+    assert [p[:2] for p in queue.pulls if not p[2]] == [(2, 100), (3, None)]
+    assert sorted(loop.active) == ["r0", "r1", "r2", "r3", "r4"]
+    loop2, queue2, _, _ = make_loop(ScriptedBackend(max_batch_size=16, capacity=5))
+    queue2.live_peers = 1
+    queue2.waiting = [pulled(i) for i in range(8)]
+    turn(loop2)
+    assert [p[:2] for p in queue2.pulls if not p[2]] == [(2, 100)]
+
+
 def test_admission_fails_what_cannot_run():
     loop, queue, backend, _ = make_loop()
     malformed = PulledRequest("e9", None, [])

@@ -75,6 +75,9 @@ class EngineTransport:
         self.request_ttl = request_ttl
         self._pubsub = None
         self.handed_back: set[str] = set()  # workers that announced a hand-back
+        # Other live engines reading this model's stream, as the last claim_orphans counted
+        # them (None: not counted yet).
+        self.live_peers: int | None = None
         self._loaded: set[str] = set()  # scripts this Redis has cached (EVALSHA'd, not EVAL'd)
         self._shas: dict[str, str] = {}
         self.writer = StepWriter(client, self.keys, worker, self.stream, request_ttl, self._sha)
@@ -289,24 +292,27 @@ class EngineTransport:
     def claim_orphans(self, min_idle_ms: int, max_count: int) -> list[PulledRequest]:
         """Take over the pending entries of consumers whose heartbeat has expired. Only dead
         consumers: pending idle time counts from delivery, so a busy live engine's entries look
-        idle too. ``min_idle_ms`` makes a second claimer lose the race to the first."""
+        idle too. ``min_idle_ms`` makes a second claimer lose the race to the first. Counts
+        the live ones on the way (``live_peers``)."""
         try:
             consumers = self.r.xinfo_consumers(self.stream, GROUP)
         except redis.ResponseError:
             return []
         claimed: list[PulledRequest] = []
+        live = 0
         for c in consumers:
             name = as_text(c["name"])
             if name == self.worker:
                 continue
             if self.r.exists(self.keys.engine(name)):
+                live += 1
                 continue
             if int(c.get("pending", 0)) == 0:
                 if c.get("idle", 0) > min_idle_ms:
                     self.r.xgroup_delconsumer(self.stream, GROUP, name)
                 continue
             if len(claimed) >= max_count:
-                break
+                continue  # the next claim takes the rest; the live are still counted
             rows = self.r.xpending_range(
                 self.stream, GROUP, "-", "+", max_count - len(claimed), consumername=name
             )
@@ -321,6 +327,7 @@ class EngineTransport:
                 log.warning("claimed %d requests from dead worker %s", len(got), name)
             claimed.extend(got)
         self.handed_back.clear()
+        self.live_peers = live
         return claimed
 
     def _claim(self, deliveries: dict[str, int], idle_ms: int) -> list[PulledRequest]:
