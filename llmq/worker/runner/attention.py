@@ -35,7 +35,7 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tenso
     sized for a full batch of long sequences then costs the memory of the tokens it holds
     (the SmolLM2-135M shape's 1.41 GiB pool: about 0 MiB of RSS at start, not 1.41 GiB)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    mapping = mmap.mmap(-1, max(nbytes, 1))
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)  # not shmem: plain anonymous
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
     return flat.view(dtype).view(shape), mapping
 
