@@ -154,12 +154,11 @@ class EngineTransport:
         when admitted)."""
         counts = deliveries or {}
         pulled = [self._parse(eid, f, counts.get(as_text(eid), 1)) for eid, f in entries]
+        if deliveries is None:
+            return self._take_fresh(pulled)
         live = [p for p in pulled if p.request is not None]
         if not live:
             return pulled
-        if deliveries is None:
-            taken = {id(p) for p in self._take_fresh(live)}
-            return [p for p in pulled if p.request is None or id(p) in taken]
         pipe = script_pipeline(self.r)
         take = self._sha(TAKE_SCRIPT)
         for p in live:
@@ -171,49 +170,51 @@ class EngineTransport:
             _set_prior_tokens(p, tokens)
         return pulled
 
-    def _take_fresh(self, live: list[PulledRequest]) -> list[PulledRequest]:
-        """New entries into service (PULLED_SCRIPT); the ones refused (an entry its request no
-        longer runs under, or another worker's) are dropped here."""
+    def _take_fresh(self, pulled: list[PulledRequest]) -> list[PulledRequest]:
+        """New entries into service (PULLED_SCRIPT), in order; the ones refused (an entry its
+        request no longer runs under, or another worker's) are dropped here, the unparsable
+        ones kept (they fail when admitted)."""
+        live = [p for p in pulled if p.request is not None]
+        if not live:
+            return pulled
         keys = [self.stream]
         for p in live:
             keys += [self.keys.req(p.request.id), self.keys.tokens(p.request.id)]
         args = [self.worker, time.time(), *(p.entry_id for p in live)]
-        taken = []
         replies = self.r.evalsha(self._sha(PULLED_SCRIPT), len(keys), *keys, *args)
+        dropped = set()
         for p, (refusal, state, tokens) in zip(live, replies, strict=True):
             if refusal != 0:
                 owner = as_text(refusal).partition(":")[2] or "a new run of it"
                 log.warning(
                     "request %s (entry %s) is %s's: dropped", p.request.id, p.entry_id, owner
                 )
+                dropped.add(id(p))
                 continue
             p.cancelled = as_text(state) == "cancelled"
             p.running = not p.cancelled
             _set_prior_tokens(p, tokens)
-            taken.append(p)
-        return taken
+        return [p for p in pulled if id(p) not in dropped]
 
     def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
         """Take the requests into service as their owner; refused: those another worker took
         over meanwhile (this one froze between pulling and admitting them)."""
         pulled = [p for p in pulled if p.request is not None]
-        for p in pulled:
-            if p.running:
-                self.writer.hold(p.request.id, p.entry_id, p.request.reply_to, len(p.prior_tokens))
-        pulled = [p for p in pulled if not p.running]
-        if not pulled:
-            return []
-        keys = [self.stream, *(self.keys.req(p.request.id) for p in pulled)]
-        args = [self.worker, time.time(), *(p.entry_id for p in pulled)]
-        replies = self.r.evalsha(self._sha(RUNNING_SCRIPT), len(keys), *keys, *args)
+        held = [p for p in pulled if p.running]  # taken into service as they were pulled
+        rest = [p for p in pulled if not p.running]
         refused = []
-        for p, reply in zip(pulled, replies, strict=True):
-            rid = p.request.id
-            if reply == 0:
-                self.writer.hold(rid, p.entry_id, p.request.reply_to, len(p.prior_tokens))
-            else:
-                owner = as_text(reply).partition(":")[2]
-                refused.append(Refusal(rid, p.entry_id, owner=owner))
+        if rest:
+            keys = [self.stream, *(self.keys.req(p.request.id) for p in rest)]
+            args = [self.worker, time.time(), *(p.entry_id for p in rest)]
+            replies = self.r.evalsha(self._sha(RUNNING_SCRIPT), len(keys), *keys, *args)
+            for p, reply in zip(rest, replies, strict=True):
+                if reply == 0:
+                    held.append(p)
+                else:
+                    owner = as_text(reply).partition(":")[2]
+                    refused.append(Refusal(p.request.id, p.entry_id, owner=owner))
+        for p in held:
+            self.writer.hold(p.request.id, p.entry_id, p.request.reply_to, len(p.prior_tokens))
         return refused
 
     def drain_cancels(self) -> list[str]:
