@@ -35,3 +35,15 @@ def llama_dir(model_dir) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_dir(model_dir) -> Path:
     return model_dir("qwen2")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module (``pytest.mark.usefixtures``): two make the tiny
+    models' small matmuls 10-20x slower on the 2-core test machines."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

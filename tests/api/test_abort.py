@@ -13,16 +13,9 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.sequence import FinishReason, SequenceStatus
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 EOS = 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two intra-op threads make the tiny model's small matmuls far slower on 2-core machines."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

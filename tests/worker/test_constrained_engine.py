@@ -25,7 +25,7 @@ from llmq.worker.request_error import RequestError
 from llmq.worker.runner.token_mask import TokenMask, apply_token_mask
 from tests.worker.test_engine_exact import reference_generate
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 PERSON = {
     "type": "object",
@@ -80,14 +80,6 @@ def json_grammar(schema: dict) -> str:
 
 def choice_grammar(choices: list[str]) -> str:
     return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

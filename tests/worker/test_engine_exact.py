@@ -21,6 +21,8 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.sequence import FinishReason, SequenceStatus
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 EOS = 2  # <|im_end|> in the tiny models; ignore_eos keeps generating through it
 LENGTHS = [1, 3, 9, 16, 17, 33, 47, 64, 95, 130, 171, 200]
 SHARED_PREFIX = 100
@@ -53,27 +55,24 @@ def reference_generate(model, prompt: list[int], n: int) -> list[int]:
     return tokens
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def arch_case(request):
-    path = str(request.getfixturevalue(f"{request.param}_dir"))
-    reference_model = load_causal_lm(path, "float32", "cpu")
+def reference_outputs(path: str, device: str = "cpu"):
+    """The float32 reference model of ``path`` on ``device``, the test prompts and their
+    lengths, and ``generate``'s greedy tokens for each: (model, prompts, max_tokens, expected)."""
+    reference_model = load_causal_lm(path, "float32", device)
     prompts, max_tokens = make_prompts(reference_model.config.vocab_size)
     with torch.inference_mode():
         expected = [
             reference_generate(reference_model, p, n)
             for p, n in zip(prompts, max_tokens, strict=True)
         ]
+    return reference_model, prompts, max_tokens, expected
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch_case(request):
+    path = str(request.getfixturevalue(f"{request.param}_dir"))
+    reference_model, prompts, max_tokens, expected = reference_outputs(path)
     return request.param, path, prompts, max_tokens, expected, reference_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two intra-op threads make this tiny model's small matmuls 10-20x slower on the 2-core
-    test machines; the engine and the reference both run on one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def drive(engine: LLMEngine, prompts, max_tokens):

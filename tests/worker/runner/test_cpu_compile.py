@@ -17,26 +17,14 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.runner.cpu_compile import CompiledDecode
 from llmq.worker.runner.packed_batch import pack_step
-from tests.worker.test_engine_exact import EOS, drive, make_prompts, reference_generate
+from tests.worker.test_engine_exact import EOS, drive, make_prompts, reference_outputs
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_compiled_decode_gives_generates_tokens(llama_dir):
     path = str(llama_dir)
-    reference_model = load_causal_lm(path, "float32", "cpu")
-    prompts, max_tokens = make_prompts(reference_model.config.vocab_size)
-    with torch.inference_mode():
-        expected = [
-            reference_generate(reference_model, p, n)
-            for p, n in zip(prompts, max_tokens, strict=True)
-        ]
+    _, prompts, max_tokens, expected = reference_outputs(path)
     config = EngineConfig(num_blocks=64, max_batch_tokens=64, cpu_compile=True)
     engine = LLMEngine(load_causal_lm(path, "float32", "cpu"), config, eos_token_ids={EOS})
     compiled = engine.runner.compiled

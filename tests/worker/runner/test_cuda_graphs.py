@@ -12,7 +12,7 @@ import torch
 
 from llmq.common.model_loader import load_causal_lm
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from tests.worker.test_engine_exact import EOS, drive, make_prompts, reference_generate
+from tests.worker.test_engine_exact import EOS, drive, reference_outputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,13 +27,7 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def gpu_case(request):
     path = str(request.getfixturevalue(f"{request.param}_dir"))
-    reference_model = load_causal_lm(path, "float32", "cuda")
-    prompts, max_tokens = make_prompts(reference_model.config.vocab_size)
-    with torch.inference_mode():
-        expected = [
-            reference_generate(reference_model, prompt, n)
-            for prompt, n in zip(prompts, max_tokens, strict=True)
-        ]
+    _, prompts, max_tokens, expected = reference_outputs(path, "cuda")
     return path, prompts, max_tokens, expected
 
 

@@ -19,18 +19,9 @@ from llmq.worker.engine.sequence import Sequence
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.runner.sampler import Sampler, _top_k_top_p
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 EOS = 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two intra-op threads make the tiny model's small matmuls far slower on 2-core machines."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def seq_with(params: SamplingParams, prompt=(1,), output=()) -> Sequence:
