@@ -52,26 +52,25 @@ def tree(root: int) -> dict[int, int]:
     return {pid: info[pid][2] for pid in found if pid in info}
 
 
-def rss_kib(pid: int) -> int:
+def _kib(path: str, field: str) -> int:
+    """A ``field:  N kB`` line of a /proc file, or 0 (a process gone meanwhile)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def rss_kib(pid: int) -> int:
+    return _kib(f"/proc/{pid}/status", "VmRSS")
 
 
 def pss_kib(pid: int) -> int:
     """Proportional set size: the process's resident pages, each shared one divided among
     the processes that map it (a sum over processes counts every page once)."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return _kib(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
 def machine_busy_ticks() -> tuple[int, int]:
