@@ -68,7 +68,6 @@ class KVPool:
             self.kv, self._mapping = _zero_pages(shape, dtype)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.lazily_resident = self._mapping is not None
         self.k = self.kv[:, :num_kv_heads]  # [layers, kv_heads, slots, head_dim] views
         self.v = self.kv[:, num_kv_heads:]
         # Per layer, viewed as whole blocks of one head: [2 * kv_heads * blocks, block_size *
@@ -77,6 +76,11 @@ class KVPool:
         self.kv_blocks = [kv.view(2 * num_kv_heads * num_blocks, -1) for kv in self.kv]
         self.head_offsets = torch.arange(2 * num_kv_heads, device=device).mul_(num_blocks)[:, None]
         self._gather = torch.empty(0, dtype=dtype, device=device)
+
+    @property
+    def lazily_resident(self) -> bool:
+        """Whether the pool's pages become resident only as they are written (the CPU)."""
+        return self._mapping is not None
 
     @staticmethod
     def bytes_per_block(
