@@ -1343,6 +1343,9 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, 
         workers = [p for p in children if p.cmdline()[-1:] == ["worker"]]
         assert len(workers) == 2, names
         assert_embedded_redis_is_locked(tmp_path, names, log.read_text())
+        # The API process needs no torch (about 0.2 GiB resident had it imported it).
+        api_maps = {m.path for m in psutil.Process(up.pid).memory_maps()}
+        assert not [m for m in api_maps if "libtorch" in m], "the API process imported torch"
         # Both serve: /ready counts their live heartbeats.
         ready = wait_for(
             lambda: (
