@@ -66,6 +66,13 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks of shared prompt prefixes."
     )
+    prefix_cache_share: float = Field(
+        1.0,
+        ge=0,
+        description="CPU: the KV pool is resident only where written; freed blocks kept for "
+        "prefix reuse may add this many blocks per block of the busiest moment's before a new "
+        "block evicts the oldest of them rather than write more of the pool.",
+    )
     torch_threads: int | None = Field(
         None,
         description="torch intra-op threads of the worker; unset: torch's default (one per "

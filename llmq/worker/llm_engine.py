@@ -44,6 +44,7 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int | None = None  # None: max_batch_tokens
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    prefix_cache_share: float | None = 1.0  # CPU (pool resident as written); see BlockManager
     fast_forward: bool = True  # llmq's lean decoder forward where the architecture allows
     pack_weights: bool = True  # bfloat16 on CPU: projection weights packed for oneDNN
     small_step_threads: int | None = None  # CPU steps of few tokens; None: the worker's
@@ -66,6 +67,7 @@ class EngineConfig:
             ),
             max_model_len=settings.max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
+            prefix_cache_share=settings.prefix_cache_share,
             fast_forward=settings.fast_forward,
             pack_weights=settings.pack_weights,
             small_step_threads=settings.small_step_threads,
@@ -133,17 +135,6 @@ class LLMEngine:
         pool = _kv_pool_size(model, config)
         self.num_blocks = num_blocks = pool.num_blocks
         self.max_model_len = pool.max_model_len
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_batch_size=config.max_batch_size,
-            max_batch_tokens=max(config.max_batch_tokens, config.max_batch_size),
-            max_model_len=self.max_model_len,
-            eos_token_ids=eos_token_ids,
-            max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
-        )
         self.runner = ModelRunner(
             model,
             num_blocks,
@@ -155,6 +146,21 @@ class LLMEngine:
             cpu_compile=config.cpu_compile,
             max_batch_size=config.max_batch_size,
             max_model_len=self.max_model_len,
+        )
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            # A pool allocated whole (GPU) costs the same cached or not.
+            config.prefix_cache_share if self.runner.pool.lazily_resident else None,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_batch_size=config.max_batch_size,
+            max_batch_tokens=max(config.max_batch_tokens, config.max_batch_size),
+            max_model_len=self.max_model_len,
+            eos_token_ids=eos_token_ids,
+            max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
         )
         self.sampler = Sampler(eos_token_ids)
         self.constrained = (

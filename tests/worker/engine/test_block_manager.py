@@ -298,3 +298,52 @@ def test_duplicate_blocks_computed_side_by_side():
     bm.free(b)
     assert bm.num_free_blocks == 8
     bm.check_invariants([])
+
+
+def _prompts(first: int, width: int) -> list[list[int]]:
+    """``width`` prompts of two full blocks, each its own tokens."""
+    return [[10_000 * (first + i) + t for t in range(2 * BS)] for i in range(width)]
+
+
+def _serve_round(bm: BlockManager, prompts: list[list[int]]) -> int:
+    """The prompts' sequences at once, computed and freed; returns the prompt tokens the cache
+    served."""
+    seqs = [make_seq(f"s{i}", tokens) for i, tokens in enumerate(prompts)]
+    hits = 0
+    for seq in seqs:
+        cached = bm.find_cached_prefix(seq)
+        hit = bm.hit_tokens(seq, cached) if cached else 0
+        assert bm.allocate(seq, seq.num_tokens - hit, cached)
+        hits += hit
+        seq.num_computed_tokens = seq.num_tokens
+        bm.cache_full_blocks(seq)
+    for seq in seqs:
+        bm.free(seq)
+    return hits
+
+
+@pytest.mark.parametrize("share", [None, 1.0])
+def test_cache_grows_into_unwritten_blocks_only_within_its_share(share):
+    """Rounds of new prompts, 4 at a time (8 blocks at once): unbounded, the cache writes a new
+    part of the pool each round until all of it is written; with share 1.0 it stops at twice
+    the busiest moment and evicts the least recently freed instead."""
+    bm = BlockManager(num_blocks=100, block_size=BS, cache_share=share)
+    for rnd in range(10):
+        written = bm.num_written_blocks
+        assert _serve_round(bm, _prompts(4 * rnd, 4)) == 0
+        bm.check_invariants([])
+        assert bm.most_used == 8
+        if share is None:
+            assert bm.num_written_blocks == written + 8
+    assert bm.num_written_blocks == (80 if share is None else 16)
+
+
+def test_a_repeated_round_within_the_share_is_served_from_the_cache():
+    bm = BlockManager(num_blocks=100, block_size=BS, cache_share=1.0)
+    assert _serve_round(bm, _prompts(0, 4)) == 0
+    assert _serve_round(bm, _prompts(4, 4)) == 0
+    # Both rounds fit the share (16 blocks): each prompt is cached whole and computes its last
+    # token only.
+    assert _serve_round(bm, _prompts(0, 4)) == 4 * (2 * BS - 1)
+    assert _serve_round(bm, _prompts(4, 4)) == 4 * (2 * BS - 1)
+    assert bm.num_written_blocks == 16

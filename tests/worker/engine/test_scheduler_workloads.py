@@ -5,6 +5,7 @@ including what each KV slot holds.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -43,8 +44,9 @@ class Workload:
         model_len_cap,
         caching,
         prefill_cap=None,
+        cache_share=None,
     ):
-        self.bm = BlockManager(num_blocks, block_size, caching)
+        self.bm = BlockManager(num_blocks, block_size, caching, cache_share)
         # As LLMEngine does: one sequence alone always fits, every decode fits the budget.
         self.max_model_len = min(model_len_cap, num_blocks * block_size)
         self.sched = Scheduler(
@@ -155,6 +157,9 @@ class Workload:
     def check(self) -> None:
         live = self.live()
         self.bm.check_invariants(live)
+        if self.bm.cache_share is not None:  # the cache grows past its share into no new block
+            bound = math.ceil(self.bm.most_used * (1 + self.bm.cache_share))
+            assert self.bm.num_written_blocks <= max(bound, 1)
         for s in live:
             assert (s in self.sched.running) != (s in self.sched.waiting)
             if s.status is SequenceStatus.WAITING:
@@ -194,6 +199,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_batch_tokens=st.integers(1, 48),
         model_len_cap=st.integers(2, 120),
         caching=st.booleans(),
+        cache_share=st.none() | st.sampled_from([0.0, 0.5, 1.0]),
     )
     def setup(self, **kw):
         self.w = Workload(**kw)
@@ -255,6 +261,7 @@ def test_random_workloads_seeded():
             r.randint(2, 120),
             r.random() < 0.7,
             prefill_cap=[None, 1, 3, 16][trial % 4],
+            cache_share=[None, 0.0, 1.0][trial % 3],
         )
         for _ in range(40):
             x = r.random()
