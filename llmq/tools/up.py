@@ -3,11 +3,14 @@ in one command; Ctrl-C stops them all."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,17 +110,44 @@ def _start_workers(settings: Settings, log_level: str) -> list[subprocess.Popen]
         _gpu_count() if settings.device != "cpu" else 0,
         settings.torch_threads,
     )
-    workers = [
+    command = [sys.executable, "-m", "llmq.cli", "--log-level", log_level, "worker"]
+    shown = ", ".join(f"{k}={v}" for k, v in plan[0].items())
+    print(f"llmq: {len(plan)} worker(s) starting (model {settings.model}; {shown})", flush=True)
+    if len(plan) > 1 and "CUDA_VISIBLE_DEVICES" not in plan[0]:
+        # CPU workers (all of one environment) share one load of the model: one process loads
+        # it and forks the others (`llmq worker --fork`); orphans of it are ours (subreaper).
+        _adopt_orphans()
+        plan, command = plan[:1], [*command, "--fork", str(len(plan))]
+    return [
         subprocess.Popen(
-            [sys.executable, "-m", "llmq.cli", "--log-level", log_level, "worker"],
+            command,
             env={**os.environ, **extra},
             start_new_session=True,  # Ctrl-C reaches us; we stop the workers warm, in order
         )
         for extra in plan
     ]
-    shown = ", ".join(f"{k}={v}" for k, v in plan[0].items())
-    print(f"llmq: {len(workers)} worker(s) starting (model {settings.model}; {shown})", flush=True)
-    return workers
+
+
+def _adopt_orphans() -> None:
+    """Become the parent of any orphaned descendant (a forked worker whose parent died), so
+    that stopping finds it (Linux's PR_SET_CHILD_SUBREAPER)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+
+
+def _orphaned_workers() -> list[int]:
+    """Workers whose parent is now this process: forked ones whose own parent died (the
+    started ones are waited for before this is asked)."""
+    me = os.getpid()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int((proc / "stat").read_text().rpartition(")")[2].split()[1]) != me:
+                continue
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"llmq.cli" in argv and b"worker" in argv:
+                found.append(int(proc.name))
+    return found
 
 
 def _stop_workers(workers: list[subprocess.Popen], grace: float) -> None:
@@ -130,6 +160,22 @@ def _stop_workers(workers: list[subprocess.Popen], grace: float) -> None:
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
+    _stop_orphans(grace)
+
+
+def _stop_orphans(grace: float) -> None:
+    """Forked workers left by a worker that died before them: stopped the same way."""
+    orphans = _orphaned_workers()
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for pid in orphans:
+        while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def start_embedded_redis() -> tuple[RedisServer, Path]:

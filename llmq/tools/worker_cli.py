@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 
 from llmq.tools.settings_flags import override_settings
@@ -21,6 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", help="Redis URL (LLMQ_REDIS_URL)")
     p.add_argument("--torch-threads", type=int, help="torch threads (LLMQ_TORCH_THREADS)")
     p.add_argument("--concurrency", type=int, default=4, help="batch-task threads (default 4)")
+    p.add_argument(
+        "--fork",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N workers that share one load of a CPU model (forked after loading it); "
+        "SIGTERM to this process stops them all",
+    )
     p.set_defaults(func=run, parser=p)
 
 
@@ -37,9 +47,18 @@ def run(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
     )
     from llmq.common.settings import get_settings
+
+    index, children = _fork_workers(args.fork) if args.fork > 1 else (0, [])
     from llmq.worker.celery_app import BATCH_QUEUE, app, engine_died
 
+    if children:
+        from celery.signals import worker_shutting_down
+
+        worker_shutting_down.connect(lambda **_: _signal(children, signal.SIGTERM), weak=False)
+
     name = get_settings().worker_name or f"llmq-{os.getpid()}@%h"
+    if args.fork > 1 and get_settings().worker_name:
+        name = f"{name}-{index}"  # one name per forked worker
     name = name.replace("%h", socket.gethostname())  # Celery's host placeholder
     override_settings(worker_name=name)
     app.worker_main(
@@ -55,4 +74,21 @@ def run(args: argparse.Namespace) -> int:
             "--task-events",
         ]
     )
+    for pid in children:
+        os.waitpid(pid, 0)
     return 1 if engine_died.is_set() else 0  # restart me: the engine loop is gone
+
+
+def _fork_workers(count: int) -> tuple[int, list[int]]:
+    """Load the model once, then fork: this process's index, and the children's pids here."""
+    from llmq.common.settings import get_settings
+    from llmq.worker import preload
+
+    preload.preload(get_settings())  # a GPU or embeddings model: each worker loads its own
+    return preload.fork(count)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -23,8 +23,10 @@ def served_name(settings: Settings) -> str:
 def build_backend(settings: Settings):
     """The generation engine, or the embeddings engine for a sentence-transformers model."""
     from llmq.common.model_loader import embedding_config, load_tokenizer
+    from llmq.worker import preload
 
-    tokenizer = load_tokenizer(settings.model)
+    preloaded = preload.take(settings.model)  # `llmq worker --fork`: loaded before the fork
+    tokenizer = preloaded.tokenizer if preloaded else load_tokenizer(settings.model)
     emb = embedding_config(settings.model)
     if emb is not None:
         from llmq.common.model_loader import load_encoder
@@ -47,7 +49,10 @@ def build_backend(settings: Settings):
     from llmq.worker.backends import GenerationBackend
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
 
-    model = load_causal_lm(settings.model, settings.dtype, settings.device)
+    if preloaded is not None:
+        model = preloaded.model
+    else:
+        model = load_causal_lm(settings.model, settings.dtype, settings.device)
     engine = LLMEngine(
         model,
         EngineConfig.from_settings(settings),

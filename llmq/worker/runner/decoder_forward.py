@@ -60,6 +60,16 @@ def supports(model: torch.nn.Module) -> bool:
     return inner is not None and hasattr(inner, "layers") and hasattr(model, "lm_head")
 
 
+def attach(model: torch.nn.Module, forward: DecoderForward) -> None:
+    """Keep a forward built ahead of the runner (``worker/preload.py``) on its model."""
+    model.__dict__["_llmq_forward"] = forward
+
+
+def take_attached(model: torch.nn.Module) -> DecoderForward | None:
+    """The forward ``attach`` kept on the model, once."""
+    return model.__dict__.pop("_llmq_forward", None)
+
+
 def _own_memory(model: torch.nn.Module, fused: set[int]) -> None:
     """Copy the weights still in the model (the embedding, the norms, a head) out of the file
     they were loaded from. Loaded from a safetensors file of their own dtype they are views of

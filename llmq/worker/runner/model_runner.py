@@ -26,7 +26,7 @@ from llmq.worker.runner.attention import (
     PrefillChunk,
     StepMetadata,
 )
-from llmq.worker.runner.decoder_forward import DecoderForward, supports
+from llmq.worker.runner.decoder_forward import DecoderForward, supports, take_attached
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
 
@@ -116,7 +116,7 @@ class ModelRunner:
         )
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.forward = (
+        self.forward = take_attached(model) or (
             DecoderForward(model, pack=pack_weights) if fast_forward and supports(model) else None
         )
         log.info(
