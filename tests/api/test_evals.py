@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from llmq.common.model_loader import load_tokenizer
-from tests.api.test_api import MESSAGES, PROMPT, assert_error, stack
+from tests.api.api_stack import MESSAGES, PROMPT, assert_error, stack
 
 TOL = 1e-4
 TASK = "llmq_tiny_mc"

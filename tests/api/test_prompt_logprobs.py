@@ -15,7 +15,7 @@ import torch
 from llmq.common.generation.logprobs import token_text
 from llmq.common.model_loader import load_causal_lm, load_tokenizer
 from llmq.common.transport import Keys
-from tests.api.test_api import MESSAGES, PROMPT, PROMPT2, assert_error, stack
+from tests.api.api_stack import MESSAGES, PROMPT, PROMPT2, assert_error, stack
 
 TOL = 1e-4
 

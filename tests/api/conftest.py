@@ -1,0 +1,41 @@
+"""Fixtures of the API tests: a shared stack (Redis, worker, API) per module, and the
+in-process reference engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from tests.api.api_stack import Reference, stack
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("api-logs")
+
+
+@pytest.fixture(scope="module")
+def main(llama_dir, logs):
+    """The shared Redis, worker and API (queue limit 50)."""
+    # A long heartbeat TTL: the 429 test stops this worker (SIGSTOP) for a moment.
+    with stack(llama_dir, logs, "w-api", dict(heartbeat_ttl=15), dict(max_queue=50)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def small(llama_dir, logs):
+    """A second Redis with a worker of a short context (64 tokens): schemathesis' generated
+    requests are either refused with 400 or finish fast."""
+    with stack(llama_dir, logs, "w-small", dict(max_model_len=64), dict(request_timeout=30)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ref(llama_dir) -> Reference:
+    """The in-process engine in float32, as the worker runs in tests."""
+    tok = load_tokenizer(str(llama_dir))
+    model = load_causal_lm(str(llama_dir), "float32", "cpu")
+    return Reference(tok, LLMEngine(model, EngineConfig(num_blocks=512), eos_token_ids(model, tok)))

@@ -1,0 +1,197 @@
+"""`llmq up`: its worker plan, its embedded Redis, a clean stop, and CPU workers that share one
+load of the model (`llmq worker --fork`), a forked one outliving its parent, against real
+processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+import redis
+
+from llmq.common.redis_server import free_port
+from llmq.tools.up import plan_workers
+from tests.api.api_stack import MESSAGES, client
+from tests.harness import (
+    LLMQ,
+    up_env,
+    wait_for,
+)
+
+
+# ---- 6. llmq up ------------------------------------------------------------------------------
+def test_llmq_up_plans_workers_per_gpu_or_two_on_a_cpu():
+    def cpu(threads: int, cores: int) -> dict[str, str]:
+        return {"LLMQ_TORCH_THREADS": str(threads), "LLMQ_SMALL_STEP_THREADS": str(cores)}
+
+    assert plan_workers(None, "auto", 2, 0, None) == [cpu(1, 2)] * 2
+    assert plan_workers(None, "cpu", 16, 4, None) == [cpu(8, 16)] * 2
+    assert plan_workers(None, "auto", 1, 0, None) == [cpu(1, 1)]
+    assert plan_workers(3, "cpu", 8, 0, 4) == [cpu(4, 8)] * 3
+    assert plan_workers(None, "auto", 16, 2, None) == [
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+    ]
+
+
+def assert_embedded_redis_is_locked(state_dir: Path, cmdlines: str, log: str) -> None:
+    """`llmq up`'s Redis password is in its state file and in no command line (`ps`) or log.
+    (How that Redis refuses clients without it: tests/faults/test_unauthenticated_redis.py.)"""
+    state_file = state_dir / f"llmq-up-{os.getuid()}.json"
+    assert state_file.stat().st_mode & 0o777 == 0o600
+    url = json.loads(state_file.read_text())["redis_url"]
+    password = redis.connection.parse_url(url)["password"]
+    assert len(password) >= 24 and password not in cmdlines and password not in log
+    assert redis.Redis.from_url(url).ping()
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, stop):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the process alone (docker
+    stop, systemd, kill) stop the API, both workers and the embedded Redis."""
+    port = free_port()
+    env = up_env(llama_dir, port, tmp_path, workers=2)  # its state file in tmp_path
+    assert "LLMQ_REDIS_URL" not in env
+    log = tmp_path / "up.log"
+    c = client(f"http://127.0.0.1:{port}", timeout=10)
+    with open(log, "w") as out:
+        # Its own session, as a shell job: SIGINT to the group is what Ctrl-C sends.
+        up = subprocess.Popen(
+            [LLMQ, "up"], env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    started = time.monotonic()
+
+    def answered():
+        if up.poll() is not None:
+            raise RuntimeError(f"llmq up exited:\n{log.read_text()[-4000:]}")
+        try:
+            return c.chat.completions.create(
+                model=str(llama_dir), messages=MESSAGES, max_tokens=8, temperature=0
+            )
+        except (openai.APIConnectionError, openai.APIStatusError):
+            return None
+
+    children: list[psutil.Process] = []
+    try:
+        resp = wait_for(answered, 60, "a chat answer from llmq up", 0.5)
+        assert time.monotonic() - started < 60
+        assert resp.choices[0].message.content is not None
+        assert resp.usage.completion_tokens >= 1
+        children = psutil.Process(up.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in children)
+        assert "redis-server" in names, names
+        workers = [p for p in children if "worker" in p.cmdline()]
+        assert len(workers) == 2, names
+        assert_embedded_redis_is_locked(tmp_path, names, log.read_text())
+        # The API process needs no torch (about 0.2 GiB resident had it imported it).
+        api_maps = {m.path for m in psutil.Process(up.pid).memory_maps()}
+        assert not [m for m in api_maps if "libtorch" in m], "the API process imported torch"
+        # Both serve: /ready counts their live heartbeats.
+        ready = wait_for(
+            lambda: (
+                (r := httpx.get(f"http://127.0.0.1:{port}/ready")).json().get("engines") == 2 and r
+            ),
+            60,
+            "two engines ready",
+        )
+        assert ready.status_code == 200
+
+        if stop == "ctrl-c":
+            os.killpg(up.pid, signal.SIGINT)
+        else:
+            up.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        rc = up.wait(30)
+        stopped_in = time.monotonic() - stopping
+    finally:
+        if up.poll() is None:  # the test failed: leave nothing behind (the worker has its own
+            with suppress(psutil.Error):  # session, so the group kill misses it)
+                children = children or psutil.Process(up.pid).children(recursive=True)
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+            for child in children:
+                with suppress(psutil.Error):
+                    child.kill()
+    assert rc == (0 if stop == "ctrl-c" else 128 + signal.SIGTERM), log.read_text()[-4000:]
+    assert "llmq: stopped" in log.read_text()
+    _, alive = psutil.wait_procs(children, timeout=5)
+    left = [p.cmdline() for p in alive]
+    for p in alive:
+        p.kill()
+    assert not alive, f"left running: {left}"
+    print(f"llmq up: answered after {stopping - started:.1f}s, stopped in {stopped_in:.1f}s")
+
+
+# ---- forked workers --------------------------------------------------------------------------
+def _engines(port: int) -> int | None:
+    with suppress(httpx.HTTPError):
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).json().get("engines")
+    return None
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Exited: `llmq up` reaps its worker only when it stops, so until then a zombie."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _shared_dirty_kib(proc: psutil.Process) -> int:
+    """Private anonymous memory is never shared between unrelated processes: pages shared and
+    written to (dirty) come from a fork."""
+    with open(f"/proc/{proc.pid}/smaps_rollup") as rollup:
+        return next(int(line.split()[1]) for line in rollup if line.startswith("Shared_Dirty:"))
+
+
+def test_forked_workers_share_the_model_and_outlive_their_parent(llama_dir, tmp_path):
+    port = free_port()
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        up = subprocess.Popen(
+            [LLMQ, "up"], env=up_env(llama_dir, port, tmp_path, workers=2), cwd=tmp_path,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30)
+    workers: list[psutil.Process] = []
+    try:
+        wait_for(lambda: _engines(port) == 2, 90, "two engines ready", 0.5)
+        workers = [p for p in psutil.Process(up.pid).children(recursive=True)
+                   if "worker" in p.cmdline()]  # fmt: skip
+        parent = next(p for p in workers if p.ppid() == up.pid)
+        child = next(p for p in workers if p.ppid() == parent.pid)
+        assert "--fork" in parent.cmdline()
+        # torch, the tokenizer and the weights were loaded once, before the fork.
+        assert _shared_dirty_kib(child) > 50 * 1024, _shared_dirty_kib(child)
+
+        parent.kill()  # a crash: no warm shutdown, nothing handed back
+        wait_for(lambda: _gone(parent), 10, "the parent worker dead")
+        assert child.is_running() and child.ppid() == up.pid  # adopted by `llmq up`
+        wait_for(lambda: _engines(port) == 1, 60, "the forked worker alone", 0.5)
+        resp = c.chat.completions.create(
+            model=str(llama_dir), messages=MESSAGES, max_tokens=8, temperature=0
+        )
+        assert resp.usage.completion_tokens >= 1
+
+        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
+        rc = up.wait(60)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        for w in workers:
+            with suppress(psutil.Error):
+                w.kill()
+    assert rc == 0, log.read_text()[-4000:]
+    # `llmq up` waited for it (its parent now) before exiting.
+    assert not child.is_running(), "the orphaned worker was left running"
