@@ -19,7 +19,7 @@ from llmq.common.settings import Settings
 from tests.faults.stack import completion, greedy_texts
 from tests.harness import heartbeat, start_api, start_worker, wait_for
 from tests.sentinel_cluster import SentinelCluster
-from tests.worker.test_batches import (
+from tests.worker.batches.batch_stack import (
     assert_output_lines,
     chat_lines,
     create_batch,

@@ -15,7 +15,7 @@ import pytest
 
 from llmq.common.transport import Keys
 from tests.harness import start_worker, wait_for
-from tests.worker.test_batches import (
+from tests.worker.batches.batch_stack import (
     assert_output_lines,
     chat_lines,
     create_batch,
