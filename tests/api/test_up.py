@@ -176,7 +176,9 @@ def test_forked_workers_share_the_model_and_outlive_their_parent(llama_dir, tmp_
 
         parent.kill()  # a crash: no warm shutdown, nothing handed back
         wait_for(lambda: _gone(parent), 10, "the parent worker dead")
-        assert child.is_running() and child.ppid() == up.pid  # adopted by `llmq up`
+        # Adopted by `llmq up` once the last of the parent's threads has exited.
+        wait_for(lambda: child.ppid() == up.pid, 10, "the forked worker adopted by llmq up")
+        assert child.is_running()
         wait_for(lambda: _engines(port) == 1, 60, "the forked worker alone", 0.5)
         resp = c.chat.completions.create(
             model=str(llama_dir), messages=MESSAGES, max_tokens=8, temperature=0
