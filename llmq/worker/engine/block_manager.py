@@ -118,10 +118,19 @@ class BlockManager:
     ) -> int:
         """Blocks of the free queue that ``allocate`` with these arguments takes: new ones, and
         freed cached ones it revives."""
+        _, num_new_blocks = self._growth(seq, num_new_tokens, cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        return max(num_new_blocks, 0) + revived
+
+    def _growth(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int]
+    ) -> tuple[int, int]:
+        """The tokens ``seq`` holds computed before the new ones (its cache hit, for a
+        sequence given ``cached_blocks``), and the blocks beyond those it holds and the cached
+        ones that the new tokens need (negative: none)."""
         computed = self.hit_tokens(seq, cached_blocks) if cached_blocks else seq.num_computed_tokens
         needed = self.blocks_needed(computed + num_new_tokens) - len(seq.block_table)
-        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        return max(needed - len(cached_blocks), 0) + revived
+        return computed, needed - len(cached_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give the sequence blocks for ``num_new_tokens`` more tokens (after ``cached_blocks``,
@@ -129,11 +138,9 @@ class BlockManager:
         ``num_new_tokens`` counts from ``hit_tokens``). Returns False and changes nothing when
         there are not enough free blocks."""
         fresh = not seq.block_table
-        computed = self.hit_tokens(seq, cached_blocks) if cached_blocks else seq.num_computed_tokens
         if self.free_blocks_taken(seq, num_new_tokens, cached_blocks) > self.num_free_blocks:
             return False
-        num_new_blocks = self.blocks_needed(computed + num_new_tokens) - len(seq.block_table)
-        num_new_blocks -= len(cached_blocks)
+        computed, num_new_blocks = self._growth(seq, num_new_tokens, cached_blocks)
         if fresh:  # admitted (again, after a preemption): this admission's hit
             seq.num_cached_tokens = computed if cached_blocks else 0
         for block_id in cached_blocks:
