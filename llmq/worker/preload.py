@@ -44,7 +44,7 @@ def preload(settings: Settings) -> bool:
         load_tokenizer,
         resolve_device,
     )
-    from llmq.worker.runner.decoder_forward import DecoderForward, attach, supports
+    from llmq.worker.runner.decoder_forward import attach, build_forward
 
     if resolve_device(settings.device) != "cpu" or embedding_config(settings.model) is not None:
         return False
@@ -53,8 +53,9 @@ def preload(settings: Settings) -> bool:
     try:
         tokenizer = load_tokenizer(settings.model)
         model = load_causal_lm(settings.model, settings.dtype, settings.device)
-        if settings.fast_forward and supports(model):
-            attach(model, DecoderForward(model, pack=settings.pack_weights))
+        forward = build_forward(model, settings.fast_forward, settings.pack_weights)
+        if forward is not None:
+            attach(model, forward)
     finally:
         torch.set_num_threads(threads)
     _preloaded = Preloaded(settings.model, tokenizer, model)

@@ -60,6 +60,12 @@ def supports(model: torch.nn.Module) -> bool:
     return inner is not None and hasattr(inner, "layers") and hasattr(model, "lm_head")
 
 
+def build_forward(model: torch.nn.Module, fast_forward: bool, pack: bool) -> DecoderForward | None:
+    """llmq's forward for ``model`` where it is asked for and supports the architecture; None:
+    transformers' own."""
+    return DecoderForward(model, pack=pack) if fast_forward and supports(model) else None
+
+
 def attach(model: torch.nn.Module, forward: DecoderForward) -> None:
     """Keep a forward built ahead of the runner (``worker/preload.py``) on its model."""
     model.__dict__["_llmq_forward"] = forward

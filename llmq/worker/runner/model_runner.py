@@ -26,7 +26,7 @@ from llmq.worker.runner.attention import (
     PrefillChunk,
     StepMetadata,
 )
-from llmq.worker.runner.decoder_forward import DecoderForward, supports, take_attached
+from llmq.worker.runner.decoder_forward import build_forward, supports, take_attached
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
 
@@ -116,9 +116,7 @@ class ModelRunner:
         )
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.forward = take_attached(model) or (
-            DecoderForward(model, pack=pack_weights) if fast_forward and supports(model) else None
-        )
+        self.forward = take_attached(model) or build_forward(model, fast_forward, pack_weights)
         log.info(
             "model runner: %s forward%s",
             "llmq's lean decoder" if self.forward is not None else "transformers'",
