@@ -142,6 +142,14 @@ def aclient(base: str, key: str = "none", timeout: float = 60) -> openai.AsyncOp
 
 def chat_stream(chunks) -> tuple[dict[int, str], dict[int, str], object]:
     """Texts and finish reasons by choice index, and the usage chunk's usage."""
+    return _choice_stream(chunks, lambda choice: choice.delta.content or "")
+
+
+def completion_stream(chunks) -> tuple[dict[int, str], dict[int, str], object]:
+    return _choice_stream(chunks, lambda choice: choice.text)
+
+
+def _choice_stream(chunks, text_of) -> tuple[dict[int, str], dict[int, str], object]:
     texts: dict[int, str] = defaultdict(str)
     finish: dict[int, str] = {}
     usage = None
@@ -150,25 +158,9 @@ def chat_stream(chunks) -> tuple[dict[int, str], dict[int, str], object]:
             assert ch.choices == [], "usage comes in a chunk of its own"
             usage = ch.usage
         for c in ch.choices:
-            texts[c.index] += c.delta.content or ""
+            texts[c.index] += text_of(c)
             if c.finish_reason is not None:
                 assert c.index not in finish, "one finish_reason per choice"
-                finish[c.index] = c.finish_reason
-    return dict(texts), finish, usage
-
-
-def completion_stream(chunks) -> tuple[dict[int, str], dict[int, str], object]:
-    texts: dict[int, str] = defaultdict(str)
-    finish: dict[int, str] = {}
-    usage = None
-    for ch in chunks:
-        if ch.usage is not None:
-            assert ch.choices == []
-            usage = ch.usage
-        for c in ch.choices:
-            texts[c.index] += c.text
-            if c.finish_reason is not None:
-                assert c.index not in finish
                 finish[c.index] = c.finish_reason
     return dict(texts), finish, usage
 
