@@ -102,6 +102,13 @@ class Settings(BaseSettings):
         "captured once per batch and context bucket (one launch per step instead of hundreds); "
         "contexts past 4096 tokens run eagerly.",
     )
+    cpu_attention_kernel: bool = Field(
+        True,
+        description="CPU: decode attention read straight from the paged KV pool by llmq's C++ "
+        "kernel (`worker/runner/kernels/`, compiled with the system's g++ on first use, about "
+        "5 s, cached in ~/.cache/llmq/kernels); without a compiler, or false: torch's gather "
+        "and batched matmuls.",
+    )
     cpu_compile: bool = Field(
         False,
         description="With fast_forward on CPU: decode-only steps run their decoder layers "

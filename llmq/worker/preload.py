@@ -44,6 +44,7 @@ def preload(settings: Settings) -> bool:
         load_tokenizer,
         resolve_device,
     )
+    from llmq.worker.runner import cpu_kernels
     from llmq.worker.runner.decoder_forward import attach, build_forward
 
     if resolve_device(settings.device) != "cpu" or embedding_config(settings.model) is not None:
@@ -56,6 +57,8 @@ def preload(settings: Settings) -> bool:
         forward = build_forward(model, settings.fast_forward, settings.pack_weights)
         if forward is not None:
             attach(model, forward)
+        if settings.cpu_attention_kernel:
+            cpu_kernels.load()  # built and loaded once, before the workers fork
     finally:
         torch.set_num_threads(threads)
     _preloaded = Preloaded(settings.model, tokenizer, model)

@@ -10,7 +10,9 @@ Decodes use grouped query heads folded into query rows and two batched matmuls o
 whole-block into a preallocated buffer (SDPA with ``enable_gqa`` is far slower at query length
 one on CPU). They run in a few chunks of similar context length (:class:`DecodeChunk`), each
 padded only to its own longest sequence, so a batch of mixed lengths gathers little padding.
-Prefill chunks use SDPA per sequence.
+Prefill chunks use SDPA per sequence. On a CPU with a C++ compiler, llmq's kernel
+(``kernels/paged_decode.cpp``) attends the decodes instead, reading keys and values from the
+pool in place (:class:`DecodeTables`).
 
 Everything that depends only on the step (block tables, masks, chunking) is built once per step
 by the model runner; each layer only gathers, multiplies and writes, into reused buffers.
@@ -133,12 +135,21 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeTables:
+    """The decodes' block tables for the C++ kernel, which reads the pool in place."""
+
+    block_tables: torch.Tensor  # [B, most blocks of any] int32, padded with block 0
+    context_lens: torch.Tensor  # [B] int32: tokens in the cache, the new one included
+
+
+@dataclass(slots=True)
 class StepMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] cache slot of every packed token
     num_decodes: int
     decode_chunks: list[DecodeChunk]  # the decodes' rows, cut by context length
     prefills: list[PrefillChunk]
+    decode_tables: DecodeTables | None = None  # set: the kernel attends every decode
 
 
 def paged_attention(
@@ -162,16 +173,11 @@ def paged_attention(
     v_cache.index_copy_(1, step.slot_mapping, value[0])
 
     _, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads = key.shape[1]
     scale = scaling if scaling is not None else head_dim**-0.5
     out = query.new_empty(num_tokens, num_heads, head_dim)
 
-    b = step.num_decodes
-    if b:
-        # [Hq, B, D] -> [Hkv, G, B, D]: the G query heads sharing a KV head become G rows.
-        q_all = query[0, :, :b].unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
-        for chunk in step.decode_chunks:
-            _decode_chunk(chunk, q_all, out, pool, layer, scale)
+    if step.num_decodes:
+        _attend_decodes(step, query, out, layer, scale)
 
     for chunk in step.prefills:
         s, n = chunk.q_start, chunk.q_len
@@ -193,6 +199,34 @@ def paged_attention(
         )  # [1, Hq, n, D]
         out[s : s + n] = attn[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _attend_decodes(
+    step: StepMetadata,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    out: torch.Tensor,  # [T, Hq, D]
+    layer: int,
+    scale: float,
+) -> None:
+    """The decodes' attention, written into their rows of ``out``."""
+    b, pool = step.num_decodes, step.pool
+    tables = step.decode_tables
+    if tables is not None:
+        torch.ops.llmq.paged_decode_attention(
+            out[:b],
+            query[0, :, :b].transpose(0, 1),
+            pool.kv[layer],
+            tables.block_tables,
+            tables.context_lens,
+            pool.block_size,
+            scale,
+        )
+        return
+    # [Hq, B, D] -> [Hkv, G, B, D]: the G query heads sharing a KV head become G rows.
+    num_heads, num_kv_heads = query.shape[1], pool.num_kv_heads
+    q_all = query[0, :, :b].unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
+    for chunk in step.decode_chunks:
+        _decode_chunk(chunk, q_all, out, pool, layer, scale)
 
 
 def _decode_chunk(

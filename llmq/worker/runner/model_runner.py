@@ -4,7 +4,8 @@ sampled.
 
 Per step the runner builds, once, everything the attention layers need: the cache slot of every
 new token, the decodes' block tables and masks (decodes sorted by context length and cut into a
-few chunks of similar length, so little padding is gathered) and the prefill chunks' masks.
+few chunks of similar length, so little padding is gathered, or, for the C++ kernel, their
+padded block tables) and the prefill chunks' masks.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from contextlib import contextmanager
 import torch
 
 from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
+from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.attention import (
     ATTN_IMPLEMENTATION,
     DecodeChunk,
+    DecodeTables,
     KVPool,
     PrefillChunk,
     StepMetadata,
@@ -43,6 +46,8 @@ MAX_DECODE_CHUNKS = 4
 # CPU workers all the cores for these, taken only where the rest of the machine leaves them
 # idle (a lone stream: 16 ms a token instead of 18-20 on 2 cores).
 SMALL_STEP_TOKENS = 16
+# The kernel's vectors hold 16 floats (AVX-512; 8 with AVX2): head dims of 64 and 128 qualify.
+KERNEL_HEAD_DIM_MULTIPLE = 16
 
 
 def model_dims(config) -> tuple[int, int, int]:
@@ -88,6 +93,7 @@ class ModelRunner:
         small_step_threads: int | None = None,
         cuda_graphs: bool = False,
         cpu_compile: bool = False,
+        cpu_attention_kernel: bool = True,
         max_batch_size: int = 64,
         max_model_len: int = 2048,
     ):
@@ -132,8 +138,23 @@ class ModelRunner:
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
             )
         self.compiled = self._compiled_decode() if use_compile else None
+        self.decode_kernel = self._use_decode_kernel(cpu_attention_kernel, head_dim)
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
+
+    def _use_decode_kernel(self, wanted: bool, head_dim: int) -> bool:
+        """Whether llmq's C++ kernel attends the decodes (built now if it must be)."""
+        use = (
+            wanted
+            and self.device.type == "cpu"
+            and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
+            and cpu_kernels.load()
+        )
+        log.info(
+            "model runner: decode attention by %s",
+            "llmq's C++ kernel" if use else "torch (gather, batched matmuls)",
+        )
+        return use
 
     def _compiled_decode(self):
         """The compiled decode step, compiled now: before the worker serves (and is ready)."""
@@ -188,12 +209,30 @@ class ModelRunner:
 
     def _step_metadata(self, batch: PackedBatch) -> StepMetadata:
         """What the attention layers read: cache slots, decode chunks, prefill chunks."""
+        kernel = self.decode_kernel and bool(batch.decodes)
         return StepMetadata(
             pool=self.pool,
             slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=self.device),
             num_decodes=len(batch.decodes),
-            decode_chunks=self._decode_chunks(batch.decodes) if batch.decodes else [],
+            decode_chunks=self._decode_chunks(batch.decodes)
+            if batch.decodes and not kernel
+            else [],
             prefills=[self._prefill_chunk(item, q_start) for item, q_start in batch.prefills],
+            decode_tables=self._decode_tables(batch.decodes) if kernel else None,
+        )
+
+    def _decode_tables(self, items: list[ScheduledSequence]) -> DecodeTables:
+        """Every decode's block table (padded to the longest) and context length."""
+        bs = self.block_size
+        contexts = [item.start + 1 for item in items]
+        widest = -(-max(contexts) // bs)
+        rows = []
+        for item, ctx in zip(items, contexts, strict=True):
+            n = -(-ctx // bs)
+            rows.append(item.seq.block_table[:n] + [0] * (widest - n))
+        return DecodeTables(
+            block_tables=torch.tensor(rows, dtype=torch.int32),
+            context_lens=torch.tensor(contexts, dtype=torch.int32),
         )
 
     def _prefill_chunk(self, item: ScheduledSequence, q_start: int) -> PrefillChunk:

@@ -1,0 +1,108 @@
+"""llmq's CPU kernels (``kernels/*.cpp``), compiled for this machine on first use.
+
+The sources are built with the system's C++ compiler against torch's headers (``-O3
+-march=native``: the compiler vectorizes their loops for the CPU it runs on) into a cache
+directory keyed by the sources, torch's version and the flags, so a machine compiles them once
+(about 20 s on 2 cores) and every later worker loads the library in milliseconds. Concurrent
+workers wait on one file lock. Without a compiler, or when the build fails, ``load`` says why
+in the log and returns False: the callers keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+_loaded: bool | None = None
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmq" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _command(compiler: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return [
+        compiler,
+        *FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *includes,
+        *map(str, SOURCES),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_lib}",
+        "-o",
+        str(output),
+    ]
+
+
+def _library_path(cache_dir: Path, compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    for part in (torch.__version__, compiler, *FLAGS, sysconfig.get_platform()):
+        digest.update(part.encode())
+    return cache_dir / f"llmq_kernels_{digest.hexdigest()[:16]}.so"
+
+
+def _build(library: Path, compiler: str) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with open(library.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building the same library
+        if library.exists():
+            return
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+            output = Path(tmp) / library.name
+            done = subprocess.run(_command(compiler, output), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr.strip()[-2000:] or f"exit {done.returncode}")
+            output.replace(library)  # whole or absent: a crashed build leaves no half library
+        log.info("cpu kernels: compiled in %.1f s into %s", time.monotonic() - start, library)
+
+
+def load(cache_dir: Path | None = None) -> bool:
+    """Build (once per machine) and load the kernels; whether ``torch.ops.llmq`` has them."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    _loaded = False
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("cpu kernels: no C++ compiler (g++) found; torch's attention path serves")
+        return False
+    library = _library_path(cache_dir or default_cache_dir(), compiler)
+    try:
+        if not library.exists():
+            _build(library, compiler)
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        log.warning("cpu kernels: not built (%s); torch's attention path serves", exc)
+        return False
+    _loaded = True
+    return True
