@@ -102,12 +102,12 @@ class Settings(BaseSettings):
         "captured once per batch and context bucket (one launch per step instead of hundreds); "
         "contexts past 4096 tokens run eagerly.",
     )
-    cpu_attention_kernel: bool = Field(
+    cpu_kernels: bool = Field(
         True,
-        description="CPU: decode attention read straight from the paged KV pool by llmq's C++ "
-        "kernel (`worker/runner/kernels/`, compiled with the system's g++ on first use, about "
-        "5 s, cached in ~/.cache/llmq/kernels); without a compiler, or false: torch's gather "
-        "and batched matmuls.",
+        description="CPU: llmq's C++ kernels (`worker/runner/kernels/`, compiled with the "
+        "system's g++ on first use, about 10 s, cached in ~/.cache/llmq/kernels): decode "
+        "attention read straight from the paged KV pool, and a small step's norms, rotary "
+        "embedding and activation one call each; without a compiler, or false: torch's ops.",
     )
     cpu_compile: bool = Field(
         False,

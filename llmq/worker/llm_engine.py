@@ -50,7 +50,7 @@ class EngineConfig:
     small_step_threads: int | None = None  # CPU steps of few tokens; None: the worker's
     cuda_graphs: bool = True  # decode-only steps on CUDA replayed from captured graphs
     cpu_compile: bool = False  # decode-only steps on CPU through a torch.compile'd forward
-    cpu_attention_kernel: bool = True  # CPU decode attention by llmq's C++ kernel
+    cpu_kernels: bool = True  # llmq's C++ kernels on CPU (decode attention, small steps)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -74,7 +74,7 @@ class EngineConfig:
             small_step_threads=settings.small_step_threads,
             cuda_graphs=settings.cuda_graphs,
             cpu_compile=settings.cpu_compile,
-            cpu_attention_kernel=settings.cpu_attention_kernel,
+            cpu_kernels=settings.cpu_kernels,
         )
 
 
@@ -146,7 +146,7 @@ class LLMEngine:
             small_step_threads=config.small_step_threads,
             cuda_graphs=config.cuda_graphs,
             cpu_compile=config.cpu_compile,
-            cpu_attention_kernel=config.cpu_attention_kernel,
+            use_kernels=config.cpu_kernels,
             max_batch_size=config.max_batch_size,
             max_model_len=self.max_model_len,
         )

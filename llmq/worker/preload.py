@@ -57,7 +57,7 @@ def preload(settings: Settings) -> bool:
         forward = build_forward(model, settings.fast_forward, settings.pack_weights)
         if forward is not None:
             attach(model, forward)
-        if settings.cpu_attention_kernel:
+        if settings.cpu_kernels:
             cpu_kernels.load()  # built and loaded once, before the workers fork
     finally:
         torch.set_num_threads(threads)

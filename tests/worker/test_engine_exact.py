@@ -142,8 +142,8 @@ VARIANTS = {
     "odd_blocks": EngineConfig(block_size=3, num_blocks=80, max_batch_tokens=50),
     # transformers' own forward (with the paged attention) instead of the lean decoder.
     "hf_forward": EngineConfig(num_blocks=16, max_batch_tokens=40, fast_forward=False),
-    # Decodes attended by torch (gathered blocks, batched matmuls), not llmq's C++ kernel.
-    "torch_attention": EngineConfig(num_blocks=16, max_batch_tokens=40, cpu_attention_kernel=False),
+    # torch ops only: decodes attended from gathered blocks, the glue of small steps in torch.
+    "torch_ops": EngineConfig(num_blocks=16, max_batch_tokens=40, cpu_kernels=False),
 }
 
 
@@ -162,10 +162,10 @@ def test_greedy_equals_generate(arch_case, variant):
     assert not mismatched, f"{len(mismatched)} prompts differ from generate(): {mismatched[:3]}"
 
     assert (engine.runner.forward is None) == (variant == "hf_forward")
-    assert engine.runner.decode_kernel == (variant != "torch_attention")
+    assert engine.runner.decode_kernel == (variant != "torch_ops")
     if variant == "plain":
         assert engine.block_manager.prefix_hits == 0
-    if variant in ("preemption", "tight", "odd_blocks", "hf_forward", "torch_attention"):
+    if variant in ("preemption", "tight", "odd_blocks", "hf_forward", "torch_ops"):
         assert engine.scheduler.num_preemptions > 0
     if variant in ("chunked", "tight"):
         budget = engine.scheduler.max_batch_tokens

@@ -27,6 +27,10 @@ from llmq.worker.runner.attention import StepMetadata, paged_attention
 from llmq.worker.runner.packed_linear import Linear, can_pack
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
+# Steps of fewer tokens than this run their norms, rotary embedding and activation through
+# llmq's C++ ops where loaded (``kernels/small_step_ops.cpp``: scalar loops, one call each);
+# larger steps keep torch's vectorized ops, whose per-call cost their rows amortize.
+SMALL_STEP_OPS_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -153,6 +157,7 @@ class DecoderForward:
                     scaling=attn.scaling,
                 )
             )
+        self.small_step_ops = False  # set by the runner where the C++ ops are loaded
         self.final_norm = self.inner.norm.weight
         self.final_eps = self.inner.norm.variance_epsilon
         _own_memory(model, fused)
@@ -163,6 +168,20 @@ class DecoderForward:
         self.lm_head = Linear(head.weight.detach(), head.bias, pack)
         if pack and not tied:
             head.weight.data = head.weight.new_empty(0)
+
+    def _small(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` runs the C++ small-step ops (never while torch.compile
+        traces the layers: it cannot see into them)."""
+        return (
+            self.small_step_ops
+            and tokens < SMALL_STEP_OPS_TOKENS
+            and not torch.compiler.is_compiling()
+        )
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._small(x.shape[0]):
+            return torch.ops.llmq.rms_norm(x, weight, eps)
+        return self._rms_norm(x, weight, eps)
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -223,25 +242,31 @@ class DecoderForward:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         half = d // 2
         inter = self.intermediate
+        small = self._small(t)
         residual = h
-        x = self._rms_norm(h, layer.input_norm, layer.eps)
+        x = self._norm(h, layer.input_norm, layer.eps)
         qkv = layer.qkv_proj(x).view(t, hq + 2 * hkv, d)
-        qk = qkv[:, : hq + hkv]
         # Rotary embedding on queries and keys at once: q * cos + rotate_half(q) * sin.
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = qk * cos + rotated * sin
+        if small:
+            qk = torch.ops.llmq.rotary(qkv, cos, sin, hq + hkv)
+        else:
+            qk = qkv[:, : hq + hkv]
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin
         query = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D] views
         key = qk[:, hq:].transpose(0, 1).unsqueeze(0)
         value = qkv[:, hq + hkv :].transpose(0, 1).unsqueeze(0)
         attn = attend(layer, query, key, value)
         h = residual + layer.o_proj(attn.reshape(t, hq * d))
         residual = h
-        x = self._rms_norm(h, layer.post_norm, layer.eps)
+        x = self._norm(h, layer.post_norm, layer.eps)
         gate_up = layer.gate_up_proj(x)
+        if small:
+            return residual + layer.down_proj(torch.ops.llmq.silu_mul(gate_up))
         return residual + layer.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
 
     def head(self, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """Logits of the rows ``keep`` (None: all) of the last hidden states."""
         if keep is not None:
             h = h[keep]
-        return self.lm_head(self._rms_norm(h, self.final_norm, self.final_eps))
+        return self.lm_head(self._norm(h, self.final_norm, self.final_eps))

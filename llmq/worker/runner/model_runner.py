@@ -10,10 +10,8 @@ padded block tables) and the prefill chunks' masks.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,6 +28,7 @@ from llmq.worker.runner.attention import (
     StepMetadata,
 )
 from llmq.worker.runner.decoder_forward import build_forward, supports, take_attached
+from llmq.worker.runner.malloc_tuning import tune_malloc
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
 
@@ -59,29 +58,6 @@ def model_dims(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, num_kv_heads, head_dim
 
 
-_malloc_tuned = False
-
-
-def _tune_malloc() -> None:
-    """Keep glibc from returning freed memory to the kernel and mapping it back in every layer.
-
-    A forward pass allocates and frees the same megabyte-sized temporaries (activations, logits)
-    over and over. glibc serves big ones with mmap and trims the heap top eagerly, so each reuse
-    page-faults its memory back in, zero-filled: measured 3x slower decode steps at batch 64.
-    Fixed thresholds (the largest glibc accepts) keep them on the heap, warm."""
-    global _malloc_tuned
-    if _malloc_tuned or not sys.platform.startswith("linux"):
-        return
-    _malloc_tuned = True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 << 20)
-        libc.mallopt(m_trim_threshold, 256 << 20)
-    except (OSError, AttributeError):  # not glibc
-        log.debug("mallopt unavailable; malloc left as it is")
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -93,7 +69,7 @@ class ModelRunner:
         small_step_threads: int | None = None,
         cuda_graphs: bool = False,
         cpu_compile: bool = False,
-        cpu_attention_kernel: bool = True,
+        use_kernels: bool = True,
         max_batch_size: int = 64,
         max_model_len: int = 2048,
     ):
@@ -105,7 +81,7 @@ class ModelRunner:
         self.block_size = block_size
         num_layers, num_kv_heads, head_dim = model_dims(model.config)
         if self.device.type == "cpu":
-            _tune_malloc()
+            tune_malloc()
         use_graphs = cuda_graphs and self.device.type == "cuda" and fast_forward and supports(model)
         use_compile = cpu_compile and self.device.type == "cpu" and fast_forward and supports(model)
         # One extra block that no sequence owns: graphs pad their batches into it, and tokens
@@ -138,23 +114,22 @@ class ModelRunner:
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
             )
         self.compiled = self._compiled_decode() if use_compile else None
-        self.decode_kernel = self._use_decode_kernel(cpu_attention_kernel, head_dim)
+        self.decode_kernel = self._use_kernels(use_kernels, head_dim)
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
-    def _use_decode_kernel(self, wanted: bool, head_dim: int) -> bool:
-        """Whether llmq's C++ kernel attends the decodes (built now if it must be)."""
-        use = (
-            wanted
-            and self.device.type == "cpu"
-            and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
-            and cpu_kernels.load()
-        )
+    def _use_kernels(self, wanted: bool, head_dim: int) -> bool:
+        """Turn on llmq's C++ kernels where they serve (built now if they must be): the small
+        steps' ops in the forward; whether the decode attention kernel runs."""
+        loaded = wanted and self.device.type == "cpu" and cpu_kernels.load()
+        if self.forward is not None:
+            self.forward.small_step_ops = loaded
+        attention = loaded and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
         log.info(
             "model runner: decode attention by %s",
-            "llmq's C++ kernel" if use else "torch (gather, batched matmuls)",
+            "llmq's C++ kernel" if attention else "torch (gather, batched matmuls)",
         )
-        return use
+        return attention
 
     def _compiled_decode(self):
         """The compiled decode step, compiled now: before the worker serves (and is ready)."""
