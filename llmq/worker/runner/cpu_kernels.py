@@ -25,7 +25,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
+KERNELS_DIR = Path(__file__).parent / "kernels"
+SOURCES = sorted(KERNELS_DIR.glob("*.cpp"))
+HEADERS = sorted(KERNELS_DIR.glob("*.h"))
 # -ffp-contract=off: no fused multiply-adds the source does not ask for (torch's float32 ops
 # round each product; the kernels that mirror them must too).
 FLAGS = [
@@ -74,7 +76,7 @@ def _command(compiler: str, output: Path) -> list[str]:
 
 def _library_path(cache_dir: Path, compiler: str) -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     for part in (torch.__version__, compiler, *FLAGS, sysconfig.get_platform()):
         digest.update(part.encode())

@@ -158,6 +158,9 @@ class DecoderForward:
                 )
             )
         self.small_step_ops = False  # set by the runner where the C++ ops are loaded
+        self._cpp_weights: list[torch.Tensor] | None = None  # decode_layers' weights, in order
+        # decode_layers takes one attention scale and one norm epsilon for all layers.
+        self._uniform_layers = len({(layer.scaling, layer.eps) for layer in self.layers}) == 1
         self.final_norm = self.inner.norm.weight
         self.final_eps = self.inner.norm.variance_epsilon
         _own_memory(model, fused)
@@ -200,6 +203,9 @@ class DecoderForward:
         keep: torch.Tensor,  # rows whose logits are wanted
         step: StepMetadata,
     ) -> torch.Tensor:
+        if self._whole_step_in_cpp(step, input_ids.shape[0]):
+            return self._decode_in_cpp(input_ids, positions, keep, step)
+
         def attend(layer: _Layer, query, key, value) -> torch.Tensor:
             out, _ = paged_attention(
                 layer.module, query, key, value, None, scaling=layer.scaling, llmq_step=step
@@ -207,6 +213,56 @@ class DecoderForward:
             return out
 
         return self.run(input_ids, positions, keep, attend)
+
+    def _whole_step_in_cpp(self, step: StepMetadata, tokens: int) -> bool:
+        """A small decode-only step whose decodes the attention kernel serves: every layer in
+        one C++ call (``kernels/decode_step.cpp``), bit-equal to this loop with the small-step
+        ops."""
+        return (
+            self._uniform_layers
+            and step.decode_tables is not None
+            and not step.prefills
+            and step.num_decodes == tokens
+            and self._small(tokens)
+        )
+
+    def _decode_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
+        if self._cpp_weights is None:
+            self._cpp_weights = [
+                t if t is not None else torch.empty(0)
+                for layer in self.layers
+                for t in (
+                    layer.input_norm,
+                    layer.post_norm,
+                    *(
+                        p.weight
+                        for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                    ),
+                    *(
+                        p.bias
+                        for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                    ),
+                )
+            ]
+        h, cos, sin = self.embed(input_ids, positions)
+        tables, first = step.decode_tables, self.layers[0]
+        h = torch.ops.llmq.decode_layers(
+            h,
+            cos,
+            sin,
+            self._cpp_weights,
+            self.packed,
+            step.pool.kv,
+            step.slot_mapping,
+            tables.block_tables,
+            tables.context_lens,
+            step.pool.block_size,
+            self.num_heads,
+            self.num_kv_heads,
+            first.scaling,
+            first.eps,
+        )
+        return self.head(h, keep)
 
     def run(
         self,

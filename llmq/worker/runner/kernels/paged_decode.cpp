@@ -23,6 +23,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -153,6 +155,10 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv,
 // out [n, Hq, D] (head rows contiguous), query [n, Hq, D] (last dim contiguous), kv [2 * Hkv,
 // slots, D] (one layer of the pool: keys then values), block_tables [n, max_blocks] int32,
 // context_lens [n] int32 (every one at least 1).
+}  // namespace
+
+namespace llmq {
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t block_size, double scale) {
@@ -177,11 +183,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   }
 }
 
-}  // namespace
+}  // namespace llmq
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv, Tensor block_tables, "
       "Tensor context_lens, int block_size, float scale) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &llmq::paged_decode_attention);
 }

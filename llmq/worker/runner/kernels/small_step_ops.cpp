@@ -14,6 +14,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -89,6 +91,10 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
     default: TORCH_CHECK(false, "llmq small-step ops: float32, bfloat16 or float16"); \
   }
 
+}  // namespace
+
+namespace llmq {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "rms_norm: [rows, width]");
   TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(), "rms_norm: weight");
@@ -126,13 +132,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace llmq
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, int heads) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.impl("rotary", c10::DispatchKey::CPU, &rotary);
-  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &llmq::rms_norm);
+  m.impl("rotary", c10::DispatchKey::CPU, &llmq::rotary);
+  m.impl("silu_mul", c10::DispatchKey::CPU, &llmq::silu_mul);
 }

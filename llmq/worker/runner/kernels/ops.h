@@ -1,0 +1,15 @@
+// The kernels' entry points, for one another (decode_step.cpp calls the rest).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace llmq {
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t block_size, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+}  // namespace llmq

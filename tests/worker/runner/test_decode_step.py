@@ -1,0 +1,61 @@
+"""A small decode-only step's layers in one C++ call (``kernels/decode_step.cpp``) against the
+Python layer loop with the same small-step ops: bit-equal logits at every step, packed bfloat16
+and float32, Llama and Qwen2 (biased projections), with several sequences of ragged lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmq.common.model_loader import load_causal_lm
+from llmq.common.sampling_params import SamplingParams
+from llmq.worker.llm_engine import EngineConfig, LLMEngine
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [[5, 9, 13, 200, 31], list(range(40, 77)), [7] * 18]
+
+
+def logged_engine(path, dtype: str, in_cpp: bool):
+    """An engine whose runner keeps every step's logits, and the count of steps it ran in C++."""
+    engine = LLMEngine(load_causal_lm(str(path), dtype, "cpu"), EngineConfig(num_blocks=64))
+    forward = engine.runner.forward
+    assert forward.small_step_ops and engine.runner.decode_kernel
+    if not in_cpp:
+        forward._uniform_layers = False  # the Python loop: decode_layers takes uniform layers only
+    logits_seen: list[torch.Tensor] = []
+    in_cpp_steps = [0]
+    execute, decode_in_cpp = engine.runner.execute, forward._decode_in_cpp
+
+    def keep_logits(out):
+        logits, *rest = execute(out)
+        logits_seen.append(logits.clone())
+        return (logits, *rest)
+
+    def count(*args):
+        in_cpp_steps[0] += 1
+        return decode_in_cpp(*args)
+
+    engine.runner.execute = keep_logits
+    forward._decode_in_cpp = count
+    return engine, logits_seen, in_cpp_steps
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_layers_in_one_call_equal_the_python_loop(arch, dtype, request):
+    path = request.getfixturevalue(f"{arch}_dir")
+    runs = []
+    for in_cpp in (True, False):
+        engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        runs.append((logits, in_cpp_steps[0]))
+    (fused, fused_steps), (loop, loop_steps) = runs
+    assert loop_steps == 0 and fused_steps >= 20  # all but the prefill steps
+    assert len(fused) == len(loop)
+    for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
