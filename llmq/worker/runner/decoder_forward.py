@@ -27,9 +27,10 @@ from llmq.worker.runner.attention import StepMetadata, paged_attention
 from llmq.worker.runner.packed_linear import Linear, can_pack
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
-# Steps of fewer tokens than this run their norms, rotary embedding and activation through
-# llmq's C++ ops where loaded (``kernels/small_step_ops.cpp``: scalar loops, one call each);
-# larger steps keep torch's vectorized ops, whose per-call cost their rows amortize.
+# Where llmq's C++ ops are loaded, decode-only steps run every layer in one C++ call
+# (``kernels/decode_step.cpp``); other steps of fewer tokens than this run their norms, rotary
+# embedding and activation through the same ops (``kernels/small_step_ops.cpp``, one call
+# each), and larger ones (prompts) keep torch's ops, whose per-call cost their rows amortize.
 SMALL_STEP_OPS_TOKENS = 16
 
 
@@ -215,15 +216,15 @@ class DecoderForward:
         return self.run(input_ids, positions, keep, attend)
 
     def _whole_step_in_cpp(self, step: StepMetadata, tokens: int) -> bool:
-        """A small decode-only step whose decodes the attention kernel serves: every layer in
-        one C++ call (``kernels/decode_step.cpp``), bit-equal to this loop with the small-step
-        ops."""
+        """A decode-only step whose decodes the attention kernel serves: every layer in one C++
+        call (``kernels/decode_step.cpp``), bit-equal to this loop with the small-step ops."""
         return (
             self._uniform_layers
             and step.decode_tables is not None
             and not step.prefills
             and step.num_decodes == tokens
-            and self._small(tokens)
+            and self.small_step_ops
+            and not torch.compiler.is_compiling()
         )
 
     def _decode_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:

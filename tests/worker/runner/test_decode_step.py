@@ -1,6 +1,6 @@
-"""A small decode-only step's layers in one C++ call (``kernels/decode_step.cpp``) against the
-Python layer loop with the same small-step ops: bit-equal logits at every step, packed bfloat16
-and float32, Llama and Qwen2 (biased projections), with several sequences of ragged lengths."""
+"""A decode-only step's layers in one C++ call (``kernels/decode_step.cpp``) against the Python
+layer loop with the same C++ ops: bit-equal logits at every step, packed bfloat16 and float32,
+Llama and Qwen2 (biased projections), 3 and 24 sequences of ragged lengths."""
 
 from __future__ import annotations
 
@@ -10,15 +10,18 @@ import torch
 from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.runner import decoder_forward
 
 pytestmark = pytest.mark.unit
 
 PROMPTS = [[5, 9, 13, 200, 31], list(range(40, 77)), [7] * 18]
+# 24 sequences: decode steps of more rows than the packed matmuls run unpadded (16).
+MANY = [[3 + i, 60 + 2 * i, 9] + [11 + i] * i for i in range(24)]
 
 
 def logged_engine(path, dtype: str, in_cpp: bool):
     """An engine whose runner keeps every step's logits, and the count of steps it ran in C++."""
-    engine = LLMEngine(load_causal_lm(str(path), dtype, "cpu"), EngineConfig(num_blocks=64))
+    engine = LLMEngine(load_causal_lm(str(path), dtype, "cpu"), EngineConfig(num_blocks=128))
     forward = engine.runner.forward
     assert forward.small_step_ops and engine.runner.decode_kernel
     if not in_cpp:
@@ -41,15 +44,18 @@ def logged_engine(path, dtype: str, in_cpp: bool):
     return engine, logits_seen, in_cpp_steps
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS, MANY], ids=["3", "24"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_layers_in_one_call_equal_the_python_loop(arch, dtype, request):
+def test_layers_in_one_call_equal_the_python_loop(arch, dtype, prompts, request, monkeypatch):
     path = request.getfixturevalue(f"{arch}_dir")
+    # The Python loop with the C++ ops at every step size, as decode_layers runs them.
+    monkeypatch.setattr(decoder_forward, "SMALL_STEP_OPS_TOKENS", 1 << 20)
     runs = []
     for in_cpp in (True, False):
         engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         while engine.has_unfinished():
             engine.step()
@@ -57,5 +63,6 @@ def test_layers_in_one_call_equal_the_python_loop(arch, dtype, request):
     (fused, fused_steps), (loop, loop_steps) = runs
     assert loop_steps == 0 and fused_steps >= 20  # all but the prefill steps
     assert len(fused) == len(loop)
+    assert max(len(step) for step in fused) == len(prompts)  # every sequence in one step
     for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
         assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"

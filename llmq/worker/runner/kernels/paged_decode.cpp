@@ -9,48 +9,26 @@
 // ATen's Vectorized types, compiled with -march=native on the machine that runs it (AVX-512,
 // AVX2, or their scalar fallback elsewhere); built on first use by cpu_kernels.py.
 
-// ATen's vector types at the widest ISA the compiler targets (-march=native).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-#define CPU_CAPABILITY native
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
-
-#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
+
+#include "ops.h"
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kWidth = Vec::size();
+using llmq::kWidth;
+using llmq::load_float;
+using llmq::sum_lanes;
+using llmq::Vec;
 constexpr int64_t kMaxChunks = 512 / kWidth;  // head_dim up to 512
 constexpr int64_t kParallelKeys = 512;
-
-template <typename T>
-inline Vec load_float(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(p, out);
-    return out;
-  }
-}
-
-inline float sum_lanes(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
-}
 
 struct Shape {
   int64_t group;       // query heads per KV head

@@ -5,19 +5,22 @@
 // is seven of them, the rotary embedding nine. Each op here does the same arithmetic as the
 // torch ops it replaces, rounding to the model's dtype where they do, so a bfloat16 step
 // differs from the torch path only in the order of a float32 sum (the norm's mean of squares).
-// Scalar loops over rows: meant for a handful of tokens (the caller keeps torch's vectorized
-// ops for larger steps).
+// Rows split across torch's threads once there are enough of them; sums and exp vectorized.
 
+#include "vec.h"
+
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "ops.h"
-
 #include <cmath>
 #include <cstdint>
+#include <vector>
+
+#include "ops.h"
 
 namespace {
 
@@ -33,13 +36,16 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t wi
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * width;
     T* o = out + r * width;
-    float squares = 0.0f;
-    for (int64_t i = 0; i < width; ++i) {
-      const float v = static_cast<float>(xr[i]);
-      squares += v * v;
+    llmq::Vec acc(0.0f);
+    int64_t i = 0;
+    for (; i + llmq::kWidth <= width; i += llmq::kWidth) {
+      const llmq::Vec v = llmq::load_float(xr + i);
+      acc = at::vec::fmadd(v, v, acc);
     }
+    float squares = llmq::sum_lanes(acc);
+    for (; i < width; ++i) squares += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
     const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
-    for (int64_t i = 0; i < width; ++i) {
+    for (i = 0; i < width; ++i) {
       const T scaled = round_to<T>(static_cast<float>(xr[i]) * inv);
       o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(scaled));
     }
@@ -68,19 +74,36 @@ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, i
   }
 }
 
-// silu(gate) * up, gate and up the two halves of each row of [rows, 2 * width].
+// silu(gate) * up, gate and up the two halves of each row of [rows, 2 * width]. silu as
+// torch's vectorized kernel computes it (x / (1 + exp(-x)) with ATen's exp), rounded to the
+// dtype, then times up.
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  std::vector<float> act(width);
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * width;
     const T* u = g + width;
     T* o = out + r * width;
-    for (int64_t i = 0; i < width; ++i) {
+    int64_t i = 0;
+    for (; i + llmq::kWidth <= width; i += llmq::kWidth) {
+      const llmq::Vec x = llmq::load_float(g + i);
+      (x / (llmq::Vec(1.0f) + x.neg().exp())).store(act.data() + i);
+    }
+    for (; i < width; ++i) {
       const float x = static_cast<float>(g[i]);
-      const T act = round_to<T>(x / (1.0f + std::exp(-x)));
-      o[i] = round_to<T>(static_cast<float>(act) * static_cast<float>(u[i]));
+      act[i] = x / (1.0f + std::exp(-x));
+    }
+    for (i = 0; i < width; ++i) {
+      o[i] = round_to<T>(static_cast<float>(round_to<T>(act[i])) * static_cast<float>(u[i]));
     }
   }
+}
+
+// Rows split across torch's threads where each thread gets at least ~16k elements of work.
+template <typename F>
+void over_rows(int64_t rows, int64_t row_elements, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { body(begin, end - begin); });
 }
 
 #define LLMQ_DISPATCH(dtype, CALL)                                       \
@@ -100,8 +123,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(), "rms_norm: weight");
   at::Tensor out = at::empty(x.sizes(), x.options());
   LLMQ_DISPATCH(x.scalar_type(),
-                rms_norm_rows<T>(x.const_data_ptr<T>(), weight.const_data_ptr<T>(),
-                                 out.mutable_data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps)))
+                over_rows(x.size(0), x.size(1), [&](int64_t first, int64_t n) {
+                  rms_norm_rows<T>(x.const_data_ptr<T>() + first * x.size(1), weight.const_data_ptr<T>(),
+                                   out.mutable_data_ptr<T>() + first * x.size(1), n, x.size(1),
+                                   static_cast<float>(eps));
+                }))
   return out;
 }
 
@@ -117,8 +143,11 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               "rotary: cos and sin [rows, dim]");
   at::Tensor out = at::empty({rows, heads, dim}, x.options());
   LLMQ_DISPATCH(x.scalar_type(),
-                rotary_rows<T>(x.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(),
-                               out.mutable_data_ptr<T>(), rows, heads, dim, x.stride(0)))
+                over_rows(rows, heads * dim, [&](int64_t first, int64_t n) {
+                  rotary_rows<T>(x.const_data_ptr<T>() + first * x.stride(0), cos.const_data_ptr<T>() + first * dim,
+                                 sin.const_data_ptr<T>() + first * dim, out.mutable_data_ptr<T>() + first * heads * dim,
+                                 n, heads, dim, x.stride(0));
+                }))
   return out;
 }
 
@@ -128,7 +157,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
   LLMQ_DISPATCH(gate_up.scalar_type(),
-                silu_mul_rows<T>(gate_up.const_data_ptr<T>(), out.mutable_data_ptr<T>(), rows, width))
+                over_rows(rows, 2 * width, [&](int64_t first, int64_t n) {
+                  silu_mul_rows<T>(gate_up.const_data_ptr<T>() + first * 2 * width,
+                                   out.mutable_data_ptr<T>() + first * width, n, width);
+                }))
   return out;
 }
 
