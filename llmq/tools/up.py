@@ -64,17 +64,19 @@ def plan_workers(
 ) -> list[dict[str, str]]:
     """The environment of each worker `llmq up` starts.
 
-    CUDA: one worker per GPU, each seeing its own. CPU: two workers by default where there are
-    two cores or more. A decode step's Python (op dispatch, sampling, scheduling) runs on one
-    thread while the others wait, so one process kept about 1.35 of 2 cores busy; two
-    single-threaded workers keep both busy (1.4-1.6x the output at 32-64 streams, measured).
-    Each worker gets an equal share of the cores as torch threads unless LLMQ_TORCH_THREADS
-    says otherwise."""
+    CUDA: one worker per GPU, each seeing its own. CPU: one worker with every core as its torch
+    threads. With decode steps in C++ (``worker/runner/kernels/``) one worker keeps 1.7 of 2
+    cores busy; two single-threaded workers made 1.09-1.11x its output on prompts seen for the
+    first time (32 and 64 streams), but each cached only the prompts it served: on the same
+    prompts again one worker made 1.18-1.40x theirs with a third of their TTFT p50 (107 against
+    359 ms at 32 streams), a lone stream 1.11x, at 0.65x their peak RSS (`bench/compare.py
+    --servers llmq --llmq-env LLMQ_WORKERS=1|2`). ``workers`` (LLMQ_WORKERS) asks for more,
+    sharing the cores as torch threads unless LLMQ_TORCH_THREADS says otherwise."""
     on_cuda = device == "cuda" or (device == "auto" and gpus > 0)
     if on_cuda:
         n = workers or max(1, gpus)
         return [{"CUDA_VISIBLE_DEVICES": str(i % max(1, gpus))} for i in range(n)]
-    n = workers or (2 if cores >= 2 else 1)
+    n = workers or 1
     threads = torch_threads or max(1, cores // n)
     # A worker with few streams (steps of few tokens) takes all the cores: the others are
     # then mostly idle, and a lone stream's latency is what matters.

@@ -29,13 +29,14 @@ from tests.harness import (
 
 
 # ---- 6. llmq up ------------------------------------------------------------------------------
-def test_llmq_up_plans_workers_per_gpu_or_two_on_a_cpu():
+def test_llmq_up_plans_workers_per_gpu_or_one_on_a_cpu():
     def cpu(threads: int, cores: int) -> dict[str, str]:
         return {"LLMQ_TORCH_THREADS": str(threads), "LLMQ_SMALL_STEP_THREADS": str(cores)}
 
-    assert plan_workers(None, "auto", 2, 0, None) == [cpu(1, 2)] * 2
-    assert plan_workers(None, "cpu", 16, 4, None) == [cpu(8, 16)] * 2
+    assert plan_workers(None, "auto", 2, 0, None) == [cpu(2, 2)]
+    assert plan_workers(None, "cpu", 16, 4, None) == [cpu(16, 16)]
     assert plan_workers(None, "auto", 1, 0, None) == [cpu(1, 1)]
+    assert plan_workers(2, "cpu", 2, 0, None) == [cpu(1, 2)] * 2
     assert plan_workers(3, "cpu", 8, 0, 4) == [cpu(4, 8)] * 3
     assert plan_workers(None, "auto", 16, 2, None) == [
         {"CUDA_VISIBLE_DEVICES": "0"},
