@@ -32,9 +32,17 @@ def served(llama_dir, tmp_path_factory):
     """One Redis and one worker shared by the tests of this module that need nothing special."""
     logs = tmp_path_factory.mktemp("logs")
     with RedisServer() as server:
-        # A long heartbeat TTL: one test freezes this worker for a moment (SIGSTOP).
+        # A long heartbeat TTL: one test freezes this worker for a moment (SIGSTOP). With
+        # torch's ops, not llmq's C++ kernels: with those the tiny model makes one test's 1,500
+        # tokens in under the second a heartbeat takes to show the request running.
         worker = start_worker(
-            server.url, llama_dir, "w-main", logs, request_ttl=2, heartbeat_ttl=30
+            server.url,
+            llama_dir,
+            "w-main",
+            logs,
+            request_ttl=2,
+            heartbeat_ttl=30,
+            cpu_kernels=False,
         )
         try:
             yield server, worker
@@ -200,11 +208,16 @@ def test_a_fresh_request_costs_no_record_read_and_no_pending_count(served, llama
     def calls(name: str) -> int:
         return client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
 
-    before = {name: calls(name) for name in ("lrange", "xpending", "hmget")}
+    before: dict[str, int] = {}
 
     async def run():
         async with open_pipeline(server.url, llama_dir) as p:
             params = SamplingParams(max_tokens=12, **GREEDY)
+            # A request first: a worker's first write after its log is new or gone (its TTL
+            # here is 2 s) checks every request it holds apart (StepWriter._write_alone), an
+            # owner check more for each, whichever of the batch it holds then.
+            await p.all_tokens(prompts(1, seed=22)[0], params)
+            before.update({name: calls(name) for name in ("lrange", "xpending", "hmget")})
             return await asyncio.gather(*[p.all_tokens(q, params) for q in batch])
 
     results = asyncio.run(run())

@@ -232,9 +232,12 @@ def test_two_models_on_one_redis(llama_dir, qwen2_dir, tmp_path):
 # ---- 3. two API replicas --------------------------------------------------------------------
 def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path):
     with RedisServer() as server:
+        # torch's ops, not llmq's C++ kernels: with those the tiny model makes its long
+        # requests (1,500 tokens) in under the second a heartbeat takes to show them running.
         worker = start_worker(
-            server.url, llama_dir, "w-rep", tmp_path, heartbeat_ttl=60, max_batch_size=1
-        )
+            server.url, llama_dir, "w-rep", tmp_path, heartbeat_ttl=60, max_batch_size=1,
+            cpu_kernels=False,
+        )  # fmt: skip
         limit = 10
         a, url_a = start_api(server.url, llama_dir, tmp_path, max_queue=limit)
         b, url_b = start_api(server.url, llama_dir, tmp_path, max_queue=limit)
