@@ -11,7 +11,10 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first, pinned: the local CPU build (an unpinned torch pulls gigabytes of CUDA packages).
+# g++ builds llmq's CPU kernels on a worker's first start (without it they fall back to torch).
 $(STAMP): $(BIN)/python pyproject.toml
+	command -v g++ >/dev/null || (apt-get update -q && apt-get install -y -q g++) \
+		|| echo "llmq: no g++: the CPU kernels will fall back to torch's ops"
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
