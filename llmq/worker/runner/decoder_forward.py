@@ -227,31 +227,27 @@ class DecoderForward:
             and not torch.compiler.is_compiling()
         )
 
-    def _decode_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
+    def _layer_tensors(self) -> list[torch.Tensor]:
+        """decode_layers' weights: per layer its two norms, then the weights and the biases
+        (an empty tensor: none) of its qkv, o, gate_up and down projections."""
         if self._cpp_weights is None:
-            self._cpp_weights = [
-                t if t is not None else torch.empty(0)
-                for layer in self.layers
-                for t in (
-                    layer.input_norm,
-                    layer.post_norm,
-                    *(
-                        p.weight
-                        for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-                    ),
-                    *(
-                        p.bias
-                        for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-                    ),
-                )
-            ]
+            tensors = []
+            for layer in self.layers:
+                projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                tensors += [layer.input_norm, layer.post_norm]
+                tensors += [p.weight for p in projections]
+                tensors += [p.bias if p.bias is not None else torch.empty(0) for p in projections]
+            self._cpp_weights = tensors
+        return self._cpp_weights
+
+    def _decode_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
         h, cos, sin = self.embed(input_ids, positions)
         tables, first = step.decode_tables, self.layers[0]
         h = torch.ops.llmq.decode_layers(
             h,
             cos,
             sin,
-            self._cpp_weights,
+            self._layer_tensors(),
             self.packed,
             step.pool.kv,
             step.slot_mapping,
