@@ -2,9 +2,9 @@
 
 The sources are built with the system's C++ compiler against torch's headers (``-O3
 -march=native``: the compiler vectorizes their loops for the CPU it runs on) into a cache
-directory keyed by the sources, torch's version and the flags, so a machine compiles them once
-(about 10 s on 2 cores) and every later worker loads the library in milliseconds. Concurrent
-workers wait on one file lock. Without a compiler, or when the build fails, ``load`` says why
+directory keyed by the sources, torch's version, the flags and the CPU's features, so a
+machine compiles them once (about 15 s on 2 cores) and every later worker loads the library in
+milliseconds. Concurrent workers wait on one file lock. Without a compiler, or when the build fails, ``load`` says why
 in the log and returns False: the callers keep their torch paths.
 """
 
@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sysconfig
@@ -74,11 +75,22 @@ def _command(compiler: str, output: Path) -> list[str]:
     ]
 
 
+def _cpu_features() -> str:
+    """What -march=native compiles for: a library built on one CPU may not run on another
+    (an AVX-512 build on an AVX2 machine dies of SIGILL), and a cache may be shared (an NFS
+    home)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
 def _library_path(cache_dir: Path, compiler: str) -> Path:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    for part in (torch.__version__, compiler, *FLAGS, sysconfig.get_platform()):
+    for part in (torch.__version__, compiler, *FLAGS, sysconfig.get_platform(), _cpu_features()):
         digest.update(part.encode())
     return cache_dir / f"llmq_kernels_{digest.hexdigest()[:16]}.so"
 
@@ -109,8 +121,8 @@ def load(cache_dir: Path | None = None) -> bool:
     if compiler is None:
         log.warning("cpu kernels: no C++ compiler (g++) found; torch's attention path serves")
         return False
-    library = _library_path(cache_dir or default_cache_dir(), compiler)
     try:
+        library = _library_path(cache_dir or default_cache_dir(), compiler)
         if not library.exists():
             _build(library, compiler)
         torch.ops.load_library(str(library))

@@ -42,7 +42,48 @@ struct Shape {
 // known to the compiler: the G query vectors and the G running sums stay in registers (at
 // D = 64, G = 3: 12 AVX-512 registers each), where the generic pass reloads them per key.
 // One thread, 32 sequences at context 256 (G = 3, D = 64): 705 -> 251 us a layer (gather and
-// bmm: 395 us); one sequence: 21.8 -> 8.4 us.
+// bmm: 395 us), 222 us with 16 keys' scores summed at once (sum_lanes_16); one sequence: 21.8
+// -> 8.4 -> 6.8 us.
+#if defined(CPU_CAPABILITY_AVX512)
+// The lane sums of 16 vectors as one vector (v[j]'s sum in lane j): 45 shuffles and adds where
+// 16 separate reductions take about 130.
+inline __m512 sum_lanes_16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// Scores of 16 keys from t on, for every query head: one vector of 16 a head.
+template <typename T, int G, int C>
+void scores_of_16(const Vec (&q)[G][C], const T* keys, const int32_t* table, int64_t t,
+                  int64_t bs, int64_t context, float* scores) {
+  constexpr int D = C * kWidth;
+  __m512 dots[G][16];
+  for (int j = 0; j < 16; ++j) {
+    const T* k = keys + (static_cast<int64_t>(table[(t + j) / bs]) * bs + (t + j) % bs) * D;
+    Vec row[C];
+    for (int c = 0; c < C; ++c) row[c] = load_float(k + c * kWidth);
+    for (int g = 0; g < G; ++g) {
+      Vec dot = q[g][0] * row[0];
+      for (int c = 1; c < C; ++c) dot = at::vec::fmadd(q[g][c], row[c], dot);
+      dots[g][j] = dot;
+    }
+  }
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * context + t, sum_lanes_16(dots[g]));
+}
+#endif
+
 template <typename T, int G, int D>
 void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t context,
                   int64_t bs, float* scores) {
@@ -50,9 +91,13 @@ void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t 
   Vec q[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) q[g][c] = Vec::loadu(qf + (g * C + c) * kWidth);
-  for (int64_t t = 0, b = 0; t < context; ++b) {
-    const T* k = keys + static_cast<int64_t>(table[b]) * bs * D;
-    for (const int64_t end = std::min(context, t + bs); t < end; ++t, k += D) {
+  int64_t t = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; t + 16 <= context; t += 16) scores_of_16<T, G, C>(q, keys, table, t, bs, context, scores);
+#endif
+  for (int64_t b = t / bs; t < context; ++b) {
+    const T* k = keys + (static_cast<int64_t>(table[b]) * bs + t % bs) * D;
+    for (const int64_t end = std::min(context, (b + 1) * bs); t < end; ++t, k += D) {
       Vec row[C];
       for (int c = 0; c < C; ++c) row[c] = load_float(k + c * kWidth);
       for (int g = 0; g < G; ++g) {
