@@ -27,11 +27,14 @@ from llmq.worker.runner.attention import StepMetadata, paged_attention
 from llmq.worker.runner.packed_linear import Linear, can_pack
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
-# Where llmq's C++ ops are loaded, decode-only steps run every layer in one C++ call
-# (``kernels/decode_step.cpp``); other steps of fewer tokens than this run their norms, rotary
-# embedding and activation through the same ops (``kernels/small_step_ops.cpp``, one call
-# each), and larger ones (prompts) keep torch's ops, whose per-call cost their rows amortize.
+# Where llmq's C++ ops are loaded, a step runs every layer in one C++ call
+# (``kernels/step_layers.cpp``). The Python loop below serves where they are not (and the
+# tests, as the reference): with them, steps of fewer tokens than this run their norms, rotary
+# embedding and activation through the same ops (``kernels/small_step_ops.cpp``), larger ones
+# torch's.
 SMALL_STEP_OPS_TOKENS = 16
+_NO_TABLE = torch.zeros(0, 1, dtype=torch.int32)  # step_layers' tables without decodes
+_NO_CONTEXT = torch.zeros(0, dtype=torch.int32)
 
 
 @dataclass(slots=True)
@@ -159,8 +162,8 @@ class DecoderForward:
                 )
             )
         self.small_step_ops = False  # set by the runner where the C++ ops are loaded
-        self._cpp_weights: list[torch.Tensor] | None = None  # decode_layers' weights, in order
-        # decode_layers takes one attention scale and one norm epsilon for all layers.
+        self._cpp_weights: list[torch.Tensor] | None = None  # step_layers' weights, in order
+        # step_layers takes one attention scale and one norm epsilon for all layers.
         self._uniform_layers = len({(layer.scaling, layer.eps) for layer in self.layers}) == 1
         self.final_norm = self.inner.norm.weight
         self.final_eps = self.inner.norm.variance_epsilon
@@ -216,19 +219,17 @@ class DecoderForward:
         return self.run(input_ids, positions, keep, attend)
 
     def _whole_step_in_cpp(self, step: StepMetadata, tokens: int) -> bool:
-        """A decode-only step whose decodes the attention kernel serves: every layer in one C++
-        call (``kernels/decode_step.cpp``), bit-equal to this loop with the small-step ops."""
+        """Every layer in one C++ call (``kernels/step_layers.cpp``), bit-equal to this loop
+        with the C++ ops, where they are loaded and the attention kernel serves the decodes."""
         return (
             self._uniform_layers
-            and step.decode_tables is not None
-            and not step.prefills
-            and step.num_decodes == tokens
+            and (step.decode_tables is not None or not step.num_decodes)
             and self.small_step_ops
             and not torch.compiler.is_compiling()
         )
 
     def _layer_tensors(self) -> list[torch.Tensor]:
-        """decode_layers' weights: per layer its two norms, then the weights and the biases
+        """step_layers' weights: per layer its two norms, then the weights and the biases
         (an empty tensor: none) of its qkv, o, gate_up and down projections."""
         if self._cpp_weights is None:
             tensors = []
@@ -242,8 +243,8 @@ class DecoderForward:
 
     def _decode_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
         h, cos, sin = self.embed(input_ids, positions)
-        tables, first = step.decode_tables, self.layers[0]
-        h = torch.ops.llmq.decode_layers(
+        tables, first, prompts = step.decode_tables, self.layers[0], step.prefills
+        h = torch.ops.llmq.step_layers(
             h,
             cos,
             sin,
@@ -251,8 +252,14 @@ class DecoderForward:
             self.packed,
             step.pool.kv,
             step.slot_mapping,
-            tables.block_tables,
-            tables.context_lens,
+            step.num_decodes,
+            tables.block_tables if tables is not None else _NO_TABLE,
+            tables.context_lens if tables is not None else _NO_CONTEXT,
+            [p.q_start for p in prompts],
+            [p.q_len for p in prompts],
+            [p.ctx_len for p in prompts],
+            [p.block_ids for p in prompts],
+            [p.mask for p in prompts],
             step.pool.block_size,
             self.num_heads,
             self.num_kv_heads,

@@ -1,4 +1,4 @@
-// The kernels' entry points, for one another (decode_step.cpp calls the rest).
+// The kernels' entry points, for one another (step_layers.cpp calls the rest).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,7 @@
-"""A decode-only step's layers in one C++ call (``kernels/decode_step.cpp``) against the Python
-layer loop with the same C++ ops: bit-equal logits at every step, packed bfloat16 and float32,
-Llama and Qwen2 (biased projections), 3 and 24 sequences of ragged lengths."""
+"""A step's layers in one C++ call (``kernels/step_layers.cpp``) against the Python layer loop
+with the same C++ ops: bit-equal logits at every step (prompts alone, prompts beside decodes,
+decodes alone; prompts in chunks over a cached prefix), packed bfloat16 and float32, Llama and
+Qwen2 (biased projections), 3 and 24 sequences of ragged lengths."""
 
 from __future__ import annotations
 
@@ -17,15 +18,23 @@ pytestmark = pytest.mark.unit
 PROMPTS = [[5, 9, 13, 200, 31], list(range(40, 77)), [7] * 18]
 # 24 sequences: decode steps of more rows than the packed matmuls run unpadded (16).
 MANY = [[3 + i, 60 + 2 * i, 9] + [11 + i] * i for i in range(24)]
+# A 40-token prefix shared by four prompts, 24 prompt tokens a step: chunks over cached blocks
+# (their context gathered from the pool, masked), prompt chunks beside decodes.
+SHARED = [list(range(100, 140)) + [7 + i] * (3 + 5 * i) for i in range(4)]
+CASES = {
+    "3": (PROMPTS, EngineConfig(num_blocks=128)),
+    "24": (MANY, EngineConfig(num_blocks=128)),
+    "chunked": (SHARED, EngineConfig(num_blocks=128, max_batch_tokens=24)),
+}
 
 
-def logged_engine(path, dtype: str, in_cpp: bool):
+def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig):
     """An engine whose runner keeps every step's logits, and the count of steps it ran in C++."""
-    engine = LLMEngine(load_causal_lm(str(path), dtype, "cpu"), EngineConfig(num_blocks=128))
+    engine = LLMEngine(load_causal_lm(str(path), dtype, "cpu"), config)
     forward = engine.runner.forward
     assert forward.small_step_ops and engine.runner.decode_kernel
     if not in_cpp:
-        forward._uniform_layers = False  # the Python loop: decode_layers takes uniform layers only
+        forward._uniform_layers = False  # the Python loop: step_layers takes uniform layers only
     logits_seen: list[torch.Tensor] = []
     in_cpp_steps = [0]
     execute, decode_in_cpp = engine.runner.execute, forward._decode_in_cpp
@@ -44,16 +53,17 @@ def logged_engine(path, dtype: str, in_cpp: bool):
     return engine, logits_seen, in_cpp_steps
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS, MANY], ids=["3", "24"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_layers_in_one_call_equal_the_python_loop(arch, dtype, prompts, request, monkeypatch):
+def test_layers_in_one_call_equal_the_python_loop(arch, dtype, case, request, monkeypatch):
     path = request.getfixturevalue(f"{arch}_dir")
-    # The Python loop with the C++ ops at every step size, as decode_layers runs them.
+    prompts, config = CASES[case]
+    # The Python loop with the C++ ops at every step size, as step_layers runs them.
     monkeypatch.setattr(decoder_forward, "SMALL_STEP_OPS_TOKENS", 1 << 20)
     runs = []
     for in_cpp in (True, False):
-        engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp)
+        engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp, config)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
@@ -61,8 +71,10 @@ def test_layers_in_one_call_equal_the_python_loop(arch, dtype, prompts, request,
             engine.step()
         runs.append((logits, in_cpp_steps[0]))
     (fused, fused_steps), (loop, loop_steps) = runs
-    assert loop_steps == 0 and fused_steps >= 20  # all but the prefill steps
-    assert len(fused) == len(loop)
-    assert max(len(step) for step in fused) == len(prompts)  # every sequence in one step
+    assert loop_steps == 0 and fused_steps == len(fused) == len(loop)  # every step in C++
+    if case == "chunked":
+        assert engine.block_manager.prefix_hits > 0  # chunks over cached blocks
+    else:
+        assert max(len(step) for step in fused) == len(prompts)  # every sequence in one step
     for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
         assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"

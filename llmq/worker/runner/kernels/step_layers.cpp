@@ -1,0 +1,179 @@
+// Every decoder layer of a step in one call.
+//
+// With the attention kernel and the small-step ops, a lone stream's step on 2 cores still
+// spent about 2.3 ms of its 9.6 outside the projections, most of it in the ~25 Python-level
+// torch calls (views, KV writes, adds) each layer makes (with it: 7.1 ms). Here the layer loop
+// runs in C++: the same projections (oneDNN's packed matmul, or at::linear), the same small-step
+// ops, the decodes' attention kernel, the prompts' SDPA, the KV written by plain copies, so its
+// output is bit-equal to the Python loop's with those ops.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kTensorsPerLayer = 10;  // 2 norms, 4 weights (qkv, o, gate_up, down), 4 biases
+
+std::optional<at::Tensor> bias_of(const at::Tensor& b) {
+  return b.defined() && b.numel() ? std::optional<at::Tensor>(b) : std::nullopt;
+}
+
+// packed_linear.padded_rows: the row counts oneDNN's packed matmul runs (each one a primitive it
+// builds and keeps), up to 16 as they are, above in four steps per doubling.
+int64_t padded_rows(int64_t rows) {
+  if (rows <= 16) return rows;
+  int64_t bits = 0;
+  for (int64_t r = rows - 1; r > 0; r >>= 1) ++bits;
+  const int64_t step = int64_t{1} << (bits - 3);
+  return (rows + step - 1) / step * step;
+}
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool packed) {
+  if (!packed) return at::linear(x, w, bias_of(b));
+  const int64_t rows = x.size(0), padded = padded_rows(rows);
+  if (padded != rows) {
+    return project(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, packed).narrow(0, 0, rows);
+  }
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(bias_of(b));
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::optional<std::string>("") );
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// Keys [T, Hkv, D] and values into their slots of one layer of the pool [2 * Hkv, slots, D].
+void write_kv(const at::Tensor& keys, const at::Tensor& values, at::Tensor& layer_kv,
+              const int64_t* slots, int64_t kv_heads) {
+  const int64_t tokens = keys.size(0), dim = keys.size(2), width = dim * keys.element_size();
+  auto* pool = static_cast<char*>(layer_kv.data_ptr());
+  const int64_t slot_bytes = width, head_bytes = layer_kv.size(1) * width;
+  const auto* k = static_cast<const char*>(keys.const_data_ptr());
+  const auto* v = static_cast<const char*>(values.const_data_ptr());
+  const int64_t k_row = keys.stride(0) * keys.element_size(), k_head = keys.stride(1) * keys.element_size();
+  const int64_t v_row = values.stride(0) * values.element_size(), v_head = values.stride(1) * values.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(pool + h * head_bytes + slots[t] * slot_bytes, k + t * k_row + h * k_head, width);
+      std::memcpy(pool + (kv_heads + h) * head_bytes + slots[t] * slot_bytes, v + t * v_row + h * v_head, width);
+    }
+  }
+}
+
+// A step's prompt chunks, as attention.PrefillChunk holds them: rows [start, start + len) of
+// the step, `context` tokens in the cache after it, the blocks covering them, and a mask
+// (none: a fresh prompt, causal over its own keys).
+struct Prompts {
+  at::IntArrayRef starts, lens, contexts;
+  at::TensorList blocks;
+  const c10::List<std::optional<at::Tensor>>& masks;
+};
+
+// SDPA for each prompt chunk, as attention.paged_attention runs it: over the chunk's own keys
+// and values, or over its context gathered from the pool by whole blocks.
+void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qkv, const at::Tensor& layer_kv,
+                    const Prompts& p, int64_t heads, int64_t kv_heads, int64_t bs, double scale) {
+  const int64_t dim = layer_kv.size(2), pool_blocks = layer_kv.size(1) / bs;
+  for (size_t i = 0; i < p.starts.size(); ++i) {
+    const int64_t s = p.starts[i], n = p.lens[i];
+    const at::Tensor q = qk.narrow(0, s, n).narrow(1, 0, heads).transpose(0, 1).unsqueeze(0);
+    const std::optional<at::Tensor> mask = p.masks.get(i);
+    at::Tensor k, v;
+    if (!mask.has_value()) {
+      k = qk.narrow(0, s, n).narrow(1, heads, kv_heads).transpose(0, 1).unsqueeze(0);
+      v = qkv.narrow(0, s, n).narrow(1, heads + kv_heads, kv_heads).transpose(0, 1).unsqueeze(0);
+    } else {
+      const at::Tensor context = layer_kv.view({2 * kv_heads, pool_blocks, bs, dim})
+                                     .index_select(1, p.blocks[i])
+                                     .view({2 * kv_heads, -1, dim})
+                                     .narrow(1, 0, p.contexts[i]);
+      k = context.narrow(0, 0, kv_heads).unsqueeze(0);
+      v = context.narrow(0, kv_heads, kv_heads).unsqueeze(0);
+    }
+    const at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, true);
+    attn.narrow(0, s, n).copy_(out[0].transpose(0, 1));
+  }
+}
+
+}  // namespace
+
+namespace llmq {
+
+// h [T, hidden] (the tokens' embeddings: decodes first, then prompt chunks), cos and sin
+// [T, 1, D]; weights: kTensorsPerLayer per layer (an empty tensor: no bias); kv: the whole pool
+// [layers, 2 * Hkv, slots, D]; slots [T] int64; the decodes' block tables and context lengths as
+// for paged_decode_attention; the prompt chunks as Prompts holds them. Returns the last layer's
+// hidden states.
+at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
+                       at::TensorList weights, bool packed, at::Tensor kv, const at::Tensor& slots,
+                       int64_t num_decodes, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       at::IntArrayRef prompt_starts, at::IntArrayRef prompt_lens,
+                       at::IntArrayRef prompt_contexts, at::TensorList prompt_blocks,
+                       const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
+                       int64_t heads, int64_t kv_heads, double scale, double eps) {
+  TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 10 tensors a layer");
+  const int64_t layers = weights.size() / kTensorsPerLayer;
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) >= layers && kv.size(1) == 2 * kv_heads && kv.is_contiguous(),
+              "step_layers: pool [layers, 2 * kv_heads, slots, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == h_in.size(0),
+              "step_layers: one int64 slot a token");
+  const Prompts prompts{prompt_starts, prompt_lens, prompt_contexts, prompt_blocks, prompt_masks};
+  TORCH_CHECK(prompt_lens.size() == prompt_starts.size() && prompt_contexts.size() == prompt_starts.size() &&
+                  prompt_blocks.size() == prompt_starts.size() && prompt_masks.size() == prompt_starts.size(),
+              "step_layers: one start, length, context, block list and mask a prompt chunk");
+  const int64_t tokens = h_in.size(0), dim = kv.size(3);
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t rows = kv.size(2);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "step_layers: slot out of the pool");
+  at::Tensor h = h_in;
+  at::Tensor attn = at::empty({tokens, heads, dim}, h.options());
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
+    at::Tensor x = rms_norm(h, w[0], eps);
+    at::Tensor qkv = project(x, w[2], w[6], packed).view({tokens, heads + 2 * kv_heads, dim});
+    at::Tensor qk = rotary(qkv, cos, sin, heads + kv_heads);
+    at::Tensor layer_kv = kv[l];
+    write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv, slot, kv_heads);
+    if (num_decodes > 0) {
+      at::Tensor decoded = attn.narrow(0, 0, num_decodes);
+      paged_decode_attention(decoded, qk.narrow(0, 0, num_decodes).narrow(1, 0, heads), layer_kv,
+                             block_tables, context_lens, block_size, scale);
+    }
+    attend_prompts(attn, qk, qkv, layer_kv, prompts, heads, kv_heads, block_size, scale);
+    h = at::add(h, project(attn.view({tokens, heads * dim}), w[3], w[7], packed));
+    x = rms_norm(h, w[1], eps);
+    h = at::add(h, project(silu_mul(project(x, w[4], w[8], packed)), w[5], w[9], packed));
+  }
+  return h;
+}
+
+}  // namespace llmq
+
+TORCH_LIBRARY_FRAGMENT(llmq, m) {
+  m.def(
+      "step_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, bool packed, Tensor(a!) kv, "
+      "Tensor slots, int num_decodes, Tensor block_tables, Tensor context_lens, int[] prompt_starts, "
+      "int[] prompt_lens, int[] prompt_contexts, Tensor[] prompt_blocks, Tensor?[] prompt_masks, "
+      "int block_size, int heads, int kv_heads, float scale, float eps) -> Tensor");
+  m.impl("step_layers", c10::DispatchKey::CPU, &llmq::step_layers);
+  m.impl("step_layers", c10::DispatchKey::MkldnnCPU, &llmq::step_layers);  // packed weights
+}
