@@ -31,8 +31,8 @@ constexpr int64_t kMaxChunks = 512 / kWidth;  // head_dim up to 512
 constexpr int64_t kParallelKeys = 512;
 
 struct Shape {
-  int64_t group;       // query heads per KV head
-  int64_t head_dim;    // a multiple of kWidth
+  int64_t group;     // query heads per KV head
+  int64_t head_dim;  // a multiple of kWidth
   int64_t block_size;
   int64_t kv_heads;
   int64_t max_blocks;  // columns of the block table
@@ -61,13 +61,14 @@ inline __m512 sum_lanes_16(const __m512* v) {
                                    _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
   const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
                                     _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88),
+                       _mm512_shuffle_f32x4(low, high, 0xDD));
 }
 
 // Scores of 16 keys from t on, for every query head: one vector of 16 a head.
 template <typename T, int G, int C>
-void scores_of_16(const Vec (&q)[G][C], const T* keys, const int32_t* table, int64_t t,
-                  int64_t bs, int64_t context, float* scores) {
+void scores_of_16(const Vec (&q)[G][C], const T* keys, const int32_t* table, int64_t t, int64_t bs,
+                  int64_t context, float* scores) {
   constexpr int D = C * kWidth;
   __m512 dots[G][16];
   for (int j = 0; j < 16; ++j) {
@@ -85,8 +86,8 @@ void scores_of_16(const Vec (&q)[G][C], const T* keys, const int32_t* table, int
 #endif
 
 template <typename T, int G, int D>
-void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t context,
-                  int64_t bs, float* scores) {
+void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t context, int64_t bs,
+                  float* scores) {
   constexpr int C = D / kWidth;
   Vec q[G][C];
   for (int g = 0; g < G; ++g)
@@ -110,8 +111,8 @@ void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t 
 }
 
 template <typename T, int G, int D>
-void weighted_sum_fixed(const float* probs, const T* values, const int32_t* table,
-                        int64_t context, int64_t bs, float* out) {
+void weighted_sum_fixed(const float* probs, const T* values, const int32_t* table, int64_t context,
+                        int64_t bs, float* out) {
   constexpr int C = D / kWidth;
   Vec acc[G][C];
   for (int g = 0; g < G; ++g)
@@ -133,8 +134,8 @@ void weighted_sum_fixed(const float* probs, const T* values, const int32_t* tabl
 
 // Any group size and head dim (a multiple of kWidth): the same passes, reloading per key.
 template <typename T>
-void scores_any(const float* qf, const T* keys, const int32_t* table, int64_t context,
-                int64_t bs, float* scores, int64_t G, int64_t D) {
+void scores_any(const float* qf, const T* keys, const int32_t* table, int64_t context, int64_t bs,
+                float* scores, int64_t G, int64_t D) {
   const int64_t chunks = D / kWidth;
   Vec row[kMaxChunks];
   for (int64_t t = 0; t < context; ++t) {
@@ -143,7 +144,8 @@ void scores_any(const float* qf, const T* keys, const int32_t* table, int64_t co
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
       Vec dot = Vec::loadu(qg) * row[0];
-      for (int64_t c = 1; c < chunks; ++c) dot = at::vec::fmadd(Vec::loadu(qg + c * kWidth), row[c], dot);
+      for (int64_t c = 1; c < chunks; ++c)
+        dot = at::vec::fmadd(Vec::loadu(qg + c * kWidth), row[c], dot);
       scores[g * context + t] = sum_lanes(dot);
     }
   }
@@ -177,6 +179,7 @@ struct Passes {
 // The fixed passes for group sizes 1-8 at head dims 64 and 128; none elsewhere.
 template <typename T>
 Passes<T> fixed_passes(int64_t G, int64_t D) {
+  // clang-format off
 #define LLMQ_FIXED(g, d) \
   if (G == g && D == d) return {&scores_fixed<T, g, d>, &weighted_sum_fixed<T, g, d>};
 #define LLMQ_FIXED_D(d) \
@@ -186,6 +189,7 @@ Passes<T> fixed_passes(int64_t G, int64_t D) {
   LLMQ_FIXED_D(128)
 #undef LLMQ_FIXED_D
 #undef LLMQ_FIXED
+  // clang-format on
   return {};
 }
 
@@ -213,9 +217,11 @@ void attend_task(const T* q, int64_t q_head_stride, T* out, const T* keys, const
   std::vector<float> inv_sum(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * context;
-    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, context);
+    const float top = at::vec::reduce_all<float>(
+        [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, context);
     at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, sg, sg, context);
-    inv_sum[g] = 1.0f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, context);
+    inv_sum[g] =
+        1.0f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, context);
   }
   if (fixed.weighted_sum != nullptr) {
     fixed.weighted_sum(scores, values, table, context, bs, acc);
@@ -228,8 +234,8 @@ void attend_task(const T* q, int64_t q_head_stride, T* out, const T* keys, const
 }
 
 template <typename T>
-void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv,
-         const at::Tensor& tables, const at::Tensor& contexts, const Shape& s, double scale) {
+void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const at::Tensor& tables,
+         const at::Tensor& contexts, const Shape& s, double scale) {
   const int64_t n = query.size(0);
   const int64_t slots = kv.size(1);
   const T* q = query.const_data_ptr<T>();
@@ -262,9 +268,10 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv,
       const int64_t i = task / s.kv_heads, h = task % s.kv_heads;
       const T* keys_h = pool + h * slots * s.head_dim;
       const T* values_h = pool + (s.kv_heads + h) * slots * s.head_dim;
-      attend_task<T>(q + i * q_seq + h * s.group * q_head, q_head, o + i * o_seq + h * s.group * o_head,
-                     keys_h, values_h, table + i * s.max_blocks, ctx[i], s,
-                     static_cast<float>(scale), fixed, scratch);
+      attend_task<T>(q + i * q_seq + h * s.group * q_head, q_head,
+                     o + i * o_seq + h * s.group * o_head, keys_h, values_h,
+                     table + i * s.max_blocks, ctx[i], s, static_cast<float>(scale), fixed,
+                     scratch);
     }
   });
 }
@@ -289,14 +296,20 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.scalar_type() == kv.scalar_type() && out.scalar_type() == kv.scalar_type(),
               "paged_decode_attention: one dtype");
   const int64_t heads = query.size(1), kv_heads = kv.size(0) / 2;
-  TORCH_CHECK(heads % kv_heads == 0 && kv.size(2) == query.size(2), "paged_decode_attention: heads");
-  TORCH_CHECK(query.size(2) % kWidth == 0 && query.size(2) <= 512, "paged_decode_attention: head_dim");
+  TORCH_CHECK(heads % kv_heads == 0 && kv.size(2) == query.size(2),
+              "paged_decode_attention: heads");
+  TORCH_CHECK(query.size(2) % kWidth == 0 && query.size(2) <= 512,
+              "paged_decode_attention: head_dim");
   const Shape s{heads / kv_heads, query.size(2), block_size, kv_heads, block_tables.size(1)};
   switch (kv.scalar_type()) {
-    case at::kFloat: return run<float>(out, query, kv, block_tables, context_lens, s, scale);
-    case at::kBFloat16: return run<c10::BFloat16>(out, query, kv, block_tables, context_lens, s, scale);
-    case at::kHalf: return run<c10::Half>(out, query, kv, block_tables, context_lens, s, scale);
-    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16");
+    case at::kFloat:
+      return run<float>(out, query, kv, block_tables, context_lens, s, scale);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(out, query, kv, block_tables, context_lens, s, scale);
+    case at::kHalf:
+      return run<c10::Half>(out, query, kv, block_tables, context_lens, s, scale);
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16");
   }
 }
 

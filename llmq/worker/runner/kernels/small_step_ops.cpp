@@ -65,9 +65,11 @@ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, i
       const T* xh = x + r * row_stride + h * dim;
       T* o = out + (r * heads + h) * dim;
       for (int64_t i = 0; i < dim; ++i) {
-        const float rotated = i < half ? -static_cast<float>(xh[i + half]) : static_cast<float>(xh[i - half]);
+        const float rotated =
+            i < half ? -static_cast<float>(xh[i + half]) : static_cast<float>(xh[i - half]);
         const T a = round_to<T>(static_cast<float>(xh[i]) * static_cast<float>(c[i]));
-        const T b = round_to<T>(static_cast<float>(round_to<T>(rotated)) * static_cast<float>(s[i]));
+        const T b =
+            round_to<T>(static_cast<float>(round_to<T>(rotated)) * static_cast<float>(s[i]));
         o[i] = round_to<T>(static_cast<float>(a) + static_cast<float>(b));
       }
     }
@@ -106,6 +108,7 @@ void over_rows(int64_t rows, int64_t row_elements, const F& body) {
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { body(begin, end - begin); });
 }
 
+// clang-format off
 #define LLMQ_DISPATCH(dtype, CALL)                                       \
   switch (dtype) {                                                       \
     case at::kFloat: { using T = float; CALL; break; }                   \
@@ -113,18 +116,21 @@ void over_rows(int64_t rows, int64_t row_elements, const F& body) {
     case at::kHalf: { using T = c10::Half; CALL; break; }                \
     default: TORCH_CHECK(false, "llmq small-step ops: float32, bfloat16 or float16"); \
   }
+// clang-format on
 
 }  // namespace
 
 namespace llmq {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "rms_norm: [rows, width]");
-  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(), "rms_norm: weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(),
+              "rms_norm: [rows, width]");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight");
   at::Tensor out = at::empty(x.sizes(), x.options());
-  LLMQ_DISPATCH(x.scalar_type(),
-                over_rows(x.size(0), x.size(1), [&](int64_t first, int64_t n) {
-                  rms_norm_rows<T>(x.const_data_ptr<T>() + first * x.size(1), weight.const_data_ptr<T>(),
+  LLMQ_DISPATCH(x.scalar_type(), over_rows(x.size(0), x.size(1), [&](int64_t first, int64_t n) {
+                  rms_norm_rows<T>(x.const_data_ptr<T>() + first * x.size(1),
+                                   weight.const_data_ptr<T>(),
                                    out.mutable_data_ptr<T>() + first * x.size(1), n, x.size(1),
                                    static_cast<float>(eps));
                 }))
@@ -133,20 +139,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // x [rows, >= heads, dim] (rows may be strided: the first heads of a packed qkv row), cos and
 // sin [rows, dim]: a new [rows, heads, dim].
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t heads) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(1) >= heads,
               "rotary: x [rows, heads, dim] with contiguous heads");
   const int64_t rows = x.size(0), dim = x.size(2);
-  TORCH_CHECK(dim % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * dim &&
-                  sin.numel() == rows * dim && cos.scalar_type() == x.scalar_type() &&
-                  sin.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(dim % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == rows * dim && sin.numel() == rows * dim &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: cos and sin [rows, dim]");
   at::Tensor out = at::empty({rows, heads, dim}, x.options());
-  LLMQ_DISPATCH(x.scalar_type(),
-                over_rows(rows, heads * dim, [&](int64_t first, int64_t n) {
-                  rotary_rows<T>(x.const_data_ptr<T>() + first * x.stride(0), cos.const_data_ptr<T>() + first * dim,
-                                 sin.const_data_ptr<T>() + first * dim, out.mutable_data_ptr<T>() + first * heads * dim,
-                                 n, heads, dim, x.stride(0));
+  LLMQ_DISPATCH(x.scalar_type(), over_rows(rows, heads * dim, [&](int64_t first, int64_t n) {
+                  rotary_rows<T>(
+                      x.const_data_ptr<T>() + first * x.stride(0),
+                      cos.const_data_ptr<T>() + first * dim, sin.const_data_ptr<T>() + first * dim,
+                      out.mutable_data_ptr<T>() + first * heads * dim, n, heads, dim, x.stride(0));
                 }))
   return out;
 }
@@ -156,8 +163,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
               "silu_mul: [rows, 2 * width]");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
-  LLMQ_DISPATCH(gate_up.scalar_type(),
-                over_rows(rows, 2 * width, [&](int64_t first, int64_t n) {
+  LLMQ_DISPATCH(gate_up.scalar_type(), over_rows(rows, 2 * width, [&](int64_t first, int64_t n) {
                   silu_mul_rows<T>(gate_up.const_data_ptr<T>() + first * 2 * width,
                                    out.mutable_data_ptr<T>() + first * width, n, width);
                 }))

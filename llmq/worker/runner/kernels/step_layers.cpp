@@ -45,7 +45,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   if (!packed) return at::linear(x, w, bias_of(b));
   const int64_t rows = x.size(0), padded = padded_rows(rows);
   if (padded != rows) {
-    return project(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, packed).narrow(0, 0, rows);
+    return project(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, packed)
+        .narrow(0, 0, rows);
   }
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -56,7 +57,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   stack.emplace_back(bias_of(b));
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::optional<std::string>("") );
+  stack.emplace_back(std::optional<std::string>(""));
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
@@ -69,12 +70,15 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, at::Tensor& laye
   const int64_t slot_bytes = width, head_bytes = layer_kv.size(1) * width;
   const auto* k = static_cast<const char*>(keys.const_data_ptr());
   const auto* v = static_cast<const char*>(values.const_data_ptr());
-  const int64_t k_row = keys.stride(0) * keys.element_size(), k_head = keys.stride(1) * keys.element_size();
-  const int64_t v_row = values.stride(0) * values.element_size(), v_head = values.stride(1) * values.element_size();
+  const int64_t k_row = keys.stride(0) * keys.element_size(),
+                k_head = keys.stride(1) * keys.element_size();
+  const int64_t v_row = values.stride(0) * values.element_size(),
+                v_head = values.stride(1) * values.element_size();
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       std::memcpy(pool + h * head_bytes + slots[t] * slot_bytes, k + t * k_row + h * k_head, width);
-      std::memcpy(pool + (kv_heads + h) * head_bytes + slots[t] * slot_bytes, v + t * v_row + h * v_head, width);
+      std::memcpy(pool + (kv_heads + h) * head_bytes + slots[t] * slot_bytes,
+                  v + t * v_row + h * v_head, width);
     }
   }
 }
@@ -90,8 +94,9 @@ struct Prompts {
 
 // SDPA for each prompt chunk, as attention.paged_attention runs it: over the chunk's own keys
 // and values, or over its context gathered from the pool by whole blocks.
-void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qkv, const at::Tensor& layer_kv,
-                    const Prompts& p, int64_t heads, int64_t kv_heads, int64_t bs, double scale) {
+void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qkv,
+                    const at::Tensor& layer_kv, const Prompts& p, int64_t heads, int64_t kv_heads,
+                    int64_t bs, double scale) {
   const int64_t dim = layer_kv.size(2), pool_blocks = layer_kv.size(1) / bs;
   for (size_t i = 0; i < p.starts.size(); ++i) {
     const int64_t s = p.starts[i], n = p.lens[i];
@@ -109,7 +114,8 @@ void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qk
       k = context.narrow(0, 0, kv_heads).unsqueeze(0);
       v = context.narrow(0, kv_heads, kv_heads).unsqueeze(0);
     }
-    const at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, true);
+    const at::Tensor out =
+        at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, true);
     attn.narrow(0, s, n).copy_(out[0].transpose(0, 1));
   }
 }
@@ -125,25 +131,31 @@ namespace llmq {
 // hidden states.
 at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
                        at::TensorList weights, bool packed, at::Tensor kv, const at::Tensor& slots,
-                       int64_t num_decodes, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                       at::IntArrayRef prompt_starts, at::IntArrayRef prompt_lens,
-                       at::IntArrayRef prompt_contexts, at::TensorList prompt_blocks,
+                       int64_t num_decodes, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, at::IntArrayRef prompt_starts,
+                       at::IntArrayRef prompt_lens, at::IntArrayRef prompt_contexts,
+                       at::TensorList prompt_blocks,
                        const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
                        int64_t heads, int64_t kv_heads, double scale, double eps) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 10 tensors a layer");
   const int64_t layers = weights.size() / kTensorsPerLayer;
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) >= layers && kv.size(1) == 2 * kv_heads && kv.is_contiguous(),
-              "step_layers: pool [layers, 2 * kv_heads, slots, head_dim]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == h_in.size(0),
-              "step_layers: one int64 slot a token");
+  TORCH_CHECK(
+      kv.dim() == 4 && kv.size(0) >= layers && kv.size(1) == 2 * kv_heads && kv.is_contiguous(),
+      "step_layers: pool [layers, 2 * kv_heads, slots, head_dim]");
+  TORCH_CHECK(
+      slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == h_in.size(0),
+      "step_layers: one int64 slot a token");
   const Prompts prompts{prompt_starts, prompt_lens, prompt_contexts, prompt_blocks, prompt_masks};
-  TORCH_CHECK(prompt_lens.size() == prompt_starts.size() && prompt_contexts.size() == prompt_starts.size() &&
-                  prompt_blocks.size() == prompt_starts.size() && prompt_masks.size() == prompt_starts.size(),
+  TORCH_CHECK(prompt_lens.size() == prompt_starts.size() &&
+                  prompt_contexts.size() == prompt_starts.size() &&
+                  prompt_blocks.size() == prompt_starts.size() &&
+                  prompt_masks.size() == prompt_starts.size(),
               "step_layers: one start, length, context, block list and mask a prompt chunk");
   const int64_t tokens = h_in.size(0), dim = kv.size(3);
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   const int64_t rows = kv.size(2);
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "step_layers: slot out of the pool");
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "step_layers: slot out of the pool");
   at::Tensor h = h_in;
   at::Tensor attn = at::empty({tokens, heads, dim}, h.options());
   for (int64_t l = 0; l < layers; ++l) {
@@ -152,7 +164,8 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
     at::Tensor qkv = project(x, w[2], w[6], packed).view({tokens, heads + 2 * kv_heads, dim});
     at::Tensor qk = rotary(qkv, cos, sin, heads + kv_heads);
     at::Tensor layer_kv = kv[l];
-    write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv, slot, kv_heads);
+    write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv,
+             slot, kv_heads);
     if (num_decodes > 0) {
       at::Tensor decoded = attn.narrow(0, 0, num_decodes);
       paged_decode_attention(decoded, qk.narrow(0, 0, num_decodes).narrow(1, 0, heads), layer_kv,
@@ -171,7 +184,8 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def(
       "step_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, bool packed, Tensor(a!) kv, "
-      "Tensor slots, int num_decodes, Tensor block_tables, Tensor context_lens, int[] prompt_starts, "
+      "Tensor slots, int num_decodes, Tensor block_tables, Tensor context_lens, int[] "
+      "prompt_starts, "
       "int[] prompt_lens, int[] prompt_contexts, Tensor[] prompt_blocks, Tensor?[] prompt_masks, "
       "int block_size, int heads, int kv_heads, float scale, float eps) -> Tensor");
   m.impl("step_layers", c10::DispatchKey::CPU, &llmq::step_layers);
