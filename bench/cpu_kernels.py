@@ -1,0 +1,113 @@
+"""llmq's C++ CPU kernels (LLMQ_CPU_KERNELS) against torch's ops, side by side in one run.
+
+Two runners of the engine on the same model in one process (random KV at ``--step-context``
+tokens for 64 sequences each): one with the kernels (the decode attention kernel and every
+layer of a step in one C++ call), one with torch's ops (the gathered KV and two batched
+matmuls, the Python layer loop). Decode steps at each batch alternate between the two (median
+of each); then the attention alone at the same shapes, the kernel against the gather and
+``bmm``. Peak RSS of the run at the end.
+
+    .venv/bin/python bench/cpu_kernels.py                 # bfloat16, batches 1,4,16,32,64
+    .venv/bin/python bench/cpu_kernels.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import engine as bench_engine  # noqa: E402
+
+
+def attention_us(batch: int, context: int, repeats: int = 50) -> dict[str, float]:
+    """One layer's decode attention (SmolLM2-135M's heads: 9 query, 3 KV, dim 64), in us."""
+    import torch
+
+    from llmq.worker.runner.attention import attend_gathered
+
+    heads, kv_heads, dim, bs, blocks = 9, 3, 64, 16, 4000
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2 * kv_heads, blocks * bs, dim, generator=g).to(torch.bfloat16)
+    per_seq = -(-context // bs)
+    tables = torch.randperm(blocks, generator=g)[: batch * per_seq].view(batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(heads, batch, dim, generator=g).to(torch.bfloat16).transpose(0, 1)
+    out = torch.empty(batch, heads, dim, dtype=torch.bfloat16)
+    flat = kv.view(2 * kv_heads * blocks, bs * dim)
+    ids = (torch.arange(2 * kv_heads)[:, None] * blocks + tables.view(1, -1)).view(-1)
+    gathered = torch.empty(ids.shape[0], bs * dim, dtype=torch.bfloat16)
+    grouped = q.transpose(0, 1).unflatten(0, (kv_heads, heads // kv_heads)).permute(0, 2, 1, 3)
+    grouped = grouped.reshape(kv_heads * batch, heads // kv_heads, dim).contiguous()
+    no_mask = torch.zeros(1, 1, 1, dtype=torch.bfloat16)
+    tables32 = tables.to(torch.int32)
+
+    def torch_ops():
+        torch.index_select(flat, 0, ids, out=gathered)
+        view = gathered.view(2, kv_heads * batch, per_seq * bs, dim)
+        attend_gathered(grouped, view, no_mask, dim**-0.5)
+
+    def kernel():
+        torch.ops.llmq.paged_decode_attention(out, q, kv, tables32, lens, bs, dim**-0.5)
+
+    times = {}
+    for name, fn in (("torch", torch_ops), ("kernel", kernel)):
+        for _ in range(5):
+            fn()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        times[name] = (time.perf_counter() - start) / repeats * 1e6
+    return times
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=str(ROOT / "bench/out/models/smollm2-135m"))
+    p.add_argument("--batches", default="1,4,16,32,64")
+    p.add_argument("--step-context", type=int, default=256)
+    p.add_argument("--step-repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    import torch
+
+    from llmq.worker.runner import cpu_kernels
+
+    threads = args.threads or bench_engine.cores()
+    torch.set_num_threads(threads)
+    if not cpu_kernels.load():
+        print("the kernels did not build (is g++ installed?)")
+        return 1
+    model_dir = bench_engine.ensure_model(Path(args.model_dir))
+    batches = [int(b) for b in args.batches.split(",")]
+    paths = {}
+    for name in ("torch", "kernels"):
+        path = bench_engine.EngineDecode(
+            bench_engine.load(model_dir, "bfloat16"), max(batches), args.step_context
+        )
+        path.runner.decode_kernel = path.runner.forward.small_step_ops = name == "kernels"
+        paths[name] = path
+    print(f"bfloat16, {threads} threads, context {args.step_context}, interleaved medians")
+    print(f"{'batch':<7}{'torch tok/s':>12}{'kernels tok/s':>15}{'ratio':>8}"
+          f"{'attention torch us':>20}{'kernel us':>11}{'ratio':>8}")  # fmt: skip
+    for b in batches:
+        for path in paths.values():
+            path.use_batch(b)
+        secs = bench_engine.time_interleaved(paths, args.step_repeats)
+        t, k = secs["torch"]["wall"], secs["kernels"]["wall"]
+        att = attention_us(b, args.step_context)
+        print(f"{b:<7}{b / t:>12.1f}{b / k:>15.1f}{t / k:>7.2f}x"
+              f"{att['torch']:>20.1f}{att['kernel']:>11.1f}{att['torch'] / att['kernel']:>7.2f}x")  # fmt: skip
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS of the run {peak:.0f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
