@@ -176,14 +176,14 @@ class DecoderForward:
         if pack and not tied:
             head.weight.data = head.weight.new_empty(0)
 
+    def _cpp_ops(self) -> bool:
+        """Whether llmq's C++ ops serve: loaded, and not while torch.compile traces the layers
+        (it cannot see into them)."""
+        return self.small_step_ops and not torch.compiler.is_compiling()
+
     def _small(self, tokens: int) -> bool:
-        """Whether a step of ``tokens`` runs the C++ small-step ops (never while torch.compile
-        traces the layers: it cannot see into them)."""
-        return (
-            self.small_step_ops
-            and tokens < SMALL_STEP_OPS_TOKENS
-            and not torch.compiler.is_compiling()
-        )
+        """Whether the Python loop runs a step of ``tokens`` through the C++ small-step ops."""
+        return tokens < SMALL_STEP_OPS_TOKENS and self._cpp_ops()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self._small(x.shape[0]):
@@ -207,8 +207,8 @@ class DecoderForward:
         keep: torch.Tensor,  # rows whose logits are wanted
         step: StepMetadata,
     ) -> torch.Tensor:
-        if self._whole_step_in_cpp(step, input_ids.shape[0]):
-            return self._decode_in_cpp(input_ids, positions, keep, step)
+        if self._whole_step_in_cpp(step):
+            return self._step_in_cpp(input_ids, positions, keep, step)
 
         def attend(layer: _Layer, query, key, value) -> torch.Tensor:
             out, _ = paged_attention(
@@ -218,14 +218,13 @@ class DecoderForward:
 
         return self.run(input_ids, positions, keep, attend)
 
-    def _whole_step_in_cpp(self, step: StepMetadata, tokens: int) -> bool:
+    def _whole_step_in_cpp(self, step: StepMetadata) -> bool:
         """Every layer in one C++ call (``kernels/step_layers.cpp``), bit-equal to this loop
-        with the C++ ops, where they are loaded and the attention kernel serves the decodes."""
+        with the C++ ops, where they serve and the attention kernel serves the decodes."""
         return (
             self._uniform_layers
             and (step.decode_tables is not None or not step.num_decodes)
-            and self.small_step_ops
-            and not torch.compiler.is_compiling()
+            and self._cpp_ops()
         )
 
     def _layer_tensors(self) -> list[torch.Tensor]:
@@ -241,7 +240,7 @@ class DecoderForward:
             self._cpp_weights = tensors
         return self._cpp_weights
 
-    def _decode_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
+    def _step_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
         h, cos, sin = self.embed(input_ids, positions)
         tables, first, prompts = step.decode_tables, self.layers[0], step.prefills
         h = torch.ops.llmq.step_layers(

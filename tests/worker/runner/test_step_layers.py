@@ -37,7 +37,7 @@ def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig):
         forward._uniform_layers = False  # the Python loop: step_layers takes uniform layers only
     logits_seen: list[torch.Tensor] = []
     in_cpp_steps = [0]
-    execute, decode_in_cpp = engine.runner.execute, forward._decode_in_cpp
+    execute, step_in_cpp = engine.runner.execute, forward._step_in_cpp
 
     def keep_logits(out):
         logits, *rest = execute(out)
@@ -46,10 +46,10 @@ def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig):
 
     def count(*args):
         in_cpp_steps[0] += 1
-        return decode_in_cpp(*args)
+        return step_in_cpp(*args)
 
     engine.runner.execute = keep_logits
-    forward._decode_in_cpp = count
+    forward._step_in_cpp = count
     return engine, logits_seen, in_cpp_steps
 
 
