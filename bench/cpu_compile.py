@@ -73,7 +73,7 @@ class MatmulCeiling:
         self.dtype = dtype
         self.kinds = {"f_linear": [lambda x, w=w: F.linear(x, w) for w in self.weights]}
         if can_pack(self.weights[0]):
-            self.kinds["packed"] = [Linear(w, None, True) for w in self.weights]
+            self.kinds["packed"] = [Linear(w, None, "onednn") for w in self.weights]
 
     def gflops(self, rows: int, repeats: int = 5) -> dict[str, float]:
         import torch

@@ -54,11 +54,11 @@ def preload(settings: Settings) -> bool:
     try:
         tokenizer = load_tokenizer(settings.model)
         model = load_causal_lm(settings.model, settings.dtype, settings.device)
-        forward = build_forward(model, settings.fast_forward, settings.pack_weights)
+        # Built and loaded once, before the workers fork (the forward's packing may use them).
+        kernels = settings.cpu_kernels and cpu_kernels.load()
+        forward = build_forward(model, settings.fast_forward, settings.pack_weights, kernels)
         if forward is not None:
             attach(model, forward)
-        if settings.cpu_kernels:
-            cpu_kernels.load()  # built and loaded once, before the workers fork
     finally:
         torch.set_num_threads(threads)
     _preloaded = Preloaded(settings.model, tokenizer, model)

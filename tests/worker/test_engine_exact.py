@@ -284,17 +284,18 @@ def test_repetition_penalty_matches_generate(arch_case):
 
 
 def test_packed_bfloat16_weights_give_the_unpacked_tokens(arch_case):
-    """bfloat16 on CPU packs the projection weights for oneDNN: the same tokens (and logits,
-    bit for bit) as the unpacked projections, and the model's own weight copies released."""
+    """bfloat16 on CPU without llmq's kernels packs the projection weights for oneDNN: the same
+    tokens (and logits, bit for bit) as the unpacked projections, and the model's own weight
+    copies released."""
     _, path, prompts, max_tokens, _, _ = arch_case
     unpacked = LLMEngine(
         load_causal_lm(path, "bfloat16", "cpu"),
-        EngineConfig(num_blocks=256, pack_weights=False),
+        EngineConfig(num_blocks=256, pack_weights=False, cpu_kernels=False),
         eos_token_ids={EOS},
     )
     model = load_causal_lm(path, "bfloat16", "cpu")
-    packed = LLMEngine(model, EngineConfig(num_blocks=256), eos_token_ids={EOS})
-    if not packed.runner.forward.packed:
+    packed = LLMEngine(model, EngineConfig(num_blocks=256, cpu_kernels=False), eos_token_ids={EOS})
+    if packed.runner.forward.layout != "onednn":
         pytest.skip("this CPU's oneDNN has no bfloat16 matmul with F.linear's bits")
     assert not unpacked.runner.forward.packed
     attn = model.model.layers[0].self_attn

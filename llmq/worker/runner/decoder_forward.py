@@ -7,7 +7,8 @@ per layer, which measured about two thirds of a batch-1 decode step on 2 cores. 
 layers itself with the models' own weights: query, key and value projections in one matmul
 (one read of the activations, one kernel launch), gate and up in another, rotary embedding
 applied to queries and keys together, and attention through the paged kernel. In bfloat16 on
-CPU the projections' weights are packed once for oneDNN (``packed_linear``). The elementwise
+CPU the projections' weights are packed once (``packed_linear``: llmq's own matmul where its
+kernels are loaded, else oneDNN's). The elementwise
 arithmetic is transformers' own, so float32 greedy output stays equal to ``generate``.
 
 Models it does not know (other architectures, or options such as sliding windows that it does
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llmq.worker.runner.attention import StepMetadata, paged_attention
-from llmq.worker.runner.packed_linear import Linear, can_pack
+from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout, Linear, can_pack, panels_fit
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 # Where llmq's C++ ops are loaded, a step runs every layer in one C++ call
@@ -68,10 +69,22 @@ def supports(model: torch.nn.Module) -> bool:
     return inner is not None and hasattr(inner, "layers") and hasattr(model, "lm_head")
 
 
-def build_forward(model: torch.nn.Module, fast_forward: bool, pack: bool) -> DecoderForward | None:
+def build_forward(
+    model: torch.nn.Module, fast_forward: bool, pack: bool, kernels: bool = False
+) -> DecoderForward | None:
     """llmq's forward for ``model`` where it is asked for and supports the architecture; None:
-    transformers' own."""
-    return DecoderForward(model, pack=pack) if fast_forward and supports(model) else None
+    transformers' own. ``kernels``: llmq's C++ kernels are loaded (packing may use its matmul)."""
+    if not (fast_forward and supports(model)):
+        return None
+    return DecoderForward(model, pack=pack, kernels=kernels)
+
+
+def _layout(weight: torch.Tensor, pack: bool, kernels: bool) -> Layout:
+    """How the projections of a model whose down projection is ``weight`` are packed."""
+    if pack and kernels and panels_fit(weight):
+        return "panels"
+    # oneDNN's packing only where it gives F.linear's bits.
+    return "onednn" if pack and can_pack(weight) else "plain"
 
 
 def attach(model: torch.nn.Module, forward: DecoderForward) -> None:
@@ -97,7 +110,7 @@ def _own_memory(model: torch.nn.Module, fused: set[int]) -> None:
             param.data = param.data.clone()
 
 
-def _fuse(*linears: torch.nn.Linear, pack: bool, fused_storages: set[int]) -> Linear:
+def _fuse(*linears: torch.nn.Linear, layout: Layout, fused_storages: set[int]) -> Linear:
     """One projection for several of the same input (one read of the activations, one kernel).
 
     Unpacked, the modules' own weights become views of the fused one, so the model's memory does
@@ -112,6 +125,7 @@ def _fuse(*linears: torch.nn.Linear, pack: bool, fused_storages: set[int]) -> Li
                 for b, lin in zip(biases, linears, strict=True)
             ]
         )
+    pack = layout != "plain"
     if not pack:
         fused_storages.add(fused.untyped_storage().data_ptr())
     row = 0
@@ -119,13 +133,13 @@ def _fuse(*linears: torch.nn.Linear, pack: bool, fused_storages: set[int]) -> Li
         n = lin.out_features
         lin.weight.data = fused.new_empty(0) if pack else fused[row : row + n]
         row += n
-    return Linear(fused, bias, pack)
+    return Linear(fused, bias, layout)
 
 
 class DecoderForward:
     """``__call__(input_ids, positions, keep, step)`` -> logits of the kept rows."""
 
-    def __init__(self, model: torch.nn.Module, pack: bool = True):
+    def __init__(self, model: torch.nn.Module, pack: bool = True, kernels: bool = False):
         config = model.config
         self.model = model
         self.inner = model.model
@@ -139,9 +153,9 @@ class DecoderForward:
         self.split = (q, kv, kv)
         self.intermediate = config.intermediate_size
         layers = self.inner.layers[: config.num_hidden_layers]
-        # bfloat16 on CPU: weights packed once for oneDNN, where that gives F.linear's bits.
-        self.packed = pack and can_pack(layers[0].mlp.down_proj.weight)
-        pack = self.packed
+        # bfloat16 on CPU: weights packed once, for llmq's matmul or oneDNN's.
+        self.layout = layout = _layout(layers[0].mlp.down_proj.weight, pack, kernels)
+        self.packed = layout != "plain"
         fused: set[int] = set()  # storages of the fused weights (unpacked)
         self.layers: list[_Layer] = []
         for layer in layers:
@@ -153,11 +167,13 @@ class DecoderForward:
                     post_norm=layer.post_attention_layernorm.weight,
                     eps=layer.input_layernorm.variance_epsilon,
                     qkv_proj=_fuse(
-                        attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, fused_storages=fused
+                        attn.q_proj, attn.k_proj, attn.v_proj, layout=layout, fused_storages=fused
                     ),
-                    o_proj=_fuse(attn.o_proj, pack=pack, fused_storages=fused),
-                    gate_up_proj=_fuse(mlp.gate_proj, mlp.up_proj, pack=pack, fused_storages=fused),
-                    down_proj=_fuse(mlp.down_proj, pack=pack, fused_storages=fused),
+                    o_proj=_fuse(attn.o_proj, layout=layout, fused_storages=fused),
+                    gate_up_proj=_fuse(
+                        mlp.gate_proj, mlp.up_proj, layout=layout, fused_storages=fused
+                    ),
+                    down_proj=_fuse(mlp.down_proj, layout=layout, fused_storages=fused),
                     scaling=attn.scaling,
                 )
             )
@@ -165,6 +181,11 @@ class DecoderForward:
         self._cpp_weights: list[torch.Tensor] | None = None  # step_layers' weights, in order
         # step_layers takes one attention scale and one norm epsilon for all layers.
         self._uniform_layers = len({(layer.scaling, layer.eps) for layer in self.layers}) == 1
+        first = self.layers[0]  # and one output width per projection (qkv, o, gate_up, down)
+        self._out_features = [
+            p.out_features
+            for p in (first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj)
+        ]
         self.final_norm = self.inner.norm.weight
         self.final_eps = self.inner.norm.variance_epsilon
         _own_memory(model, fused)
@@ -172,8 +193,8 @@ class DecoderForward:
         tied = head.weight.data_ptr() == self.inner.embed_tokens.weight.data_ptr()
         # A head tied to the embedding keeps its weight (the embedding reads it); packed, the
         # head holds a copy in the blocked layout.
-        self.lm_head = Linear(head.weight.detach(), head.bias, pack)
-        if pack and not tied:
+        self.lm_head = Linear(head.weight.detach(), head.bias, layout)
+        if self.packed and not tied:
             head.weight.data = head.weight.new_empty(0)
 
     def _cpp_ops(self) -> bool:
@@ -248,7 +269,8 @@ class DecoderForward:
             cos,
             sin,
             self._layer_tensors(),
-            self.packed,
+            LAYOUT_CODES[self.layout],
+            self._out_features,
             step.pool.kv,
             step.slot_mapping,
             step.num_decodes,

@@ -88,21 +88,18 @@ class ModelRunner:
         # whose KV is already cached write theirs there (see pack_step).
         self.scratch_slot = num_blocks * block_size
         self.pool = KVPool(
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            num_blocks + 1,
-            block_size,
-            self.dtype,
-            self.device,
+            num_layers, num_kv_heads, head_dim, num_blocks + 1, block_size, self.dtype, self.device
         )
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.forward = take_attached(model) or build_forward(model, fast_forward, pack_weights)
+        kernels = use_kernels and self.device.type == "cpu" and cpu_kernels.load()
+        self.forward = take_attached(model) or build_forward(
+            model, fast_forward, pack_weights, kernels
+        )
         log.info(
             "model runner: %s forward%s",
             "llmq's lean decoder" if self.forward is not None else "transformers'",
-            ", weights packed for oneDNN"
+            f", weights packed ({self.forward.layout})"
             if self.forward is not None and self.forward.packed
             else "",
         )
@@ -114,14 +111,13 @@ class ModelRunner:
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
             )
         self.compiled = self._compiled_decode() if use_compile else None
-        self.decode_kernel = self._use_kernels(use_kernels, head_dim)
+        self.decode_kernel = self._use_kernels(kernels, head_dim)
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
-    def _use_kernels(self, wanted: bool, head_dim: int) -> bool:
-        """Turn on llmq's C++ kernels where they serve (built now if they must be): the small
-        steps' ops in the forward; whether the decode attention kernel runs."""
-        loaded = wanted and self.device.type == "cpu" and cpu_kernels.load()
+    def _use_kernels(self, loaded: bool, head_dim: int) -> bool:
+        """Turn on llmq's C++ kernels where they serve (``loaded``): the small steps' ops in the
+        forward; whether the decode attention kernel runs."""
         if self.forward is not None:
             self.forward.small_step_ops = loaded
         attention = loaded and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0

@@ -1,4 +1,6 @@
-"""Projections with their weights packed once in oneDNN's blocked layout (bfloat16 on CPU).
+"""Projections with their weights packed once (bfloat16 on CPU): in oneDNN's blocked layout, or
+in the panels of llmq's own matmul (``kernels/gemv.cpp``) where the C++ kernels are loaded and
+the CPU has AVX512-BF16.
 
 ``F.linear`` on a bfloat16 CPU tensor goes to oneDNN too, but reorders the plain row-major
 weight into oneDNN's blocked layout inside every call. At decode batch sizes the matmul itself
@@ -7,12 +9,20 @@ at load measured 1.5-3.5x faster at one row and 1.2-1.4x at 32-64 rows on 2 core
 same bits as ``F.linear`` (the same kernel, minus the reorder). Packing is used only where it
 gives the same bits; float32 keeps ``F.linear`` (its oneDNN kernel rounds differently from the
 default one, and float32 is where output must equal transformers' ``generate``).
+
+llmq's panels: the weights in the pair-interleaved order vdpbf16ps reads, 32 output columns a
+panel, each panel one contiguous run. On 2 cores against the packed oneDNN matmul on
+SmolLM2-135M's projections (weights cycled through 30 copies so they come from memory, as in
+a step): 1.5-3.7x faster at one row, 1.1-2.6x at 4-32 rows, 1.0-1.4x at 48-256 rows
+(``/tmp``-free: ``bench/cpu_kernels.py --projections``). Not F.linear's bits (another
+summation order): float32 keeps F.linear; bfloat16 output differs by roundings.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +37,47 @@ _LIB = torch.library.Library("llmq", "DEF")
 _LIB.define("linear(Tensor x, Tensor key) -> Tensor")
 
 
-class Linear:
-    """``y = x @ weight.T + bias`` for 2-D ``x``, packed where that gives the same bits."""
+# plain: F.linear on the row-major weight; onednn: oneDNN's packed matmul; panels: llmq's.
+Layout = Literal["plain", "onednn", "panels"]
+LAYOUT_CODES: dict[Layout, int] = {"plain": 0, "onednn": 1, "panels": 2}  # step_layers.cpp's
+PANEL_COLUMNS = 32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as llmq's matmul reads it: [ceil(N / 32), K / 2, 32, 2], zero-padded."""
+    n, k = weight.shape
+    count = -(-n // PANEL_COLUMNS)
+    padded = F.pad(weight, (0, 0, 0, count * PANEL_COLUMNS - n))
+    return padded.view(count, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panels_fit(weight: torch.Tensor) -> bool:
+    """Whether llmq's matmul serves ``weight``: bfloat16 on CPU, pairs of input columns, the
+    kernels loaded with AVX512-BF16."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.shape[1] % 2 == 0
+        and hasattr(torch.ops.llmq, "gemv_available")
+        and torch.ops.llmq.gemv_available()
+    )
+
+
+class Linear:
+    """``y = x @ weight.T + bias`` for 2-D ``x``, its weight in ``layout``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: Layout):
         self.out_features = weight.shape[0]
         self.bias = bias
+        self.layout = layout
+        pack = layout != "plain"
         self.packed = pack
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack else weight
+        if layout == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        elif layout == "panels":
+            self.weight = panels(weight)
+        else:
+            self.weight = weight
         # Packed: one element, viewed in the weight's shape (a compiled graph reads only that).
         self.key = torch.empty(1, dtype=weight.dtype).expand(weight.shape) if pack else weight
         _BY_KEY[self.key.data_ptr()] = self
@@ -42,6 +85,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.llmq.linear(x, self.key)
+        if self.layout == "panels":
+            return torch.ops.llmq.gemv(x, self.weight, self.out_features, self.bias)
         if self.packed:
             rows = x.shape[0]
             padded = padded_rows(rows)
@@ -90,7 +135,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     try:
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
         probe = probe.to(weight.dtype)
-        packed = Linear(weight, None, pack=True)(probe)
+        packed = Linear(weight, None, "onednn")(probe)
         same = torch.equal(packed, F.linear(probe, weight))
     except RuntimeError as exc:  # a torch built without these oneDNN ops
         log.info("packed weights unavailable: %s", exc)

@@ -25,7 +25,7 @@ def test_padded_rows_give_the_bits_of_the_unpadded_projection(shape):
     weight = (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
     if not can_pack(weight):
         pytest.skip("no packed bf16 projection on this CPU")
-    linear = Linear(weight, None, pack=True)
+    linear = Linear(weight, None, "onednn")
     assert linear.packed
     for rows in (1, 9, 17, 23, 33, 63, 65, 100, 333, 511):
         x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
@@ -41,7 +41,7 @@ def test_varied_step_sizes_build_one_kernel_per_bucket():
     weight = (torch.randn(1536, 576, generator=gen) * 0.05).to(torch.bfloat16)
     if not can_pack(weight):
         pytest.skip("no packed bf16 projection on this CPU")
-    linear = Linear(weight, None, pack=True)
+    linear = Linear(weight, None, "onednn")
     xs = [torch.randn(rows, 576, generator=gen).to(torch.bfloat16) for rows in range(17, 513)]
     linear(xs[-1])
 

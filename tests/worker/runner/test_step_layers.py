@@ -1,7 +1,8 @@
 """A step's layers in one C++ call (``kernels/step_layers.cpp``) against the Python layer loop
 with the same C++ ops: bit-equal logits at every step (prompts alone, prompts beside decodes,
-decodes alone; prompts in chunks over a cached prefix), packed bfloat16 and float32, Llama and
-Qwen2 (biased projections), 3 and 24 sequences of ragged lengths."""
+decodes alone; prompts in chunks over a cached prefix), bfloat16 with its weights in llmq's
+panels or packed for oneDNN, and float32, Llama and Qwen2 (biased projections), 3 and 24
+sequences of ragged lengths."""
 
 from __future__ import annotations
 
@@ -55,15 +56,23 @@ def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_layers_in_one_call_equal_the_python_loop(arch, dtype, case, request, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, layout",
+    [("bfloat16", "panels"), ("bfloat16", "onednn"), ("float32", "plain")],
+    ids=["bfloat16-panels", "bfloat16-onednn", "float32"],
+)
+def test_layers_in_one_call_equal_the_python_loop(arch, dtype, layout, case, request, monkeypatch):
     path = request.getfixturevalue(f"{arch}_dir")
     prompts, config = CASES[case]
+    if layout == "onednn":
+        monkeypatch.setattr(decoder_forward, "panels_fit", lambda weight: False)
     # The Python loop with the C++ ops at every step size, as step_layers runs them.
     monkeypatch.setattr(decoder_forward, "SMALL_STEP_OPS_TOKENS", 1 << 20)
     runs = []
     for in_cpp in (True, False):
         engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp, config)
+        if engine.runner.forward.layout != layout:
+            pytest.skip(f"{layout} weights do not serve on this CPU")
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)

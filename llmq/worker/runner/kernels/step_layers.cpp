@@ -3,7 +3,7 @@
 // With the attention kernel and the small-step ops, a lone stream's step on 2 cores still
 // spent about 2.3 ms of its 9.6 outside the projections, most of it in the ~25 Python-level
 // torch calls (views, KV writes, adds) each layer makes (with it: 7.1 ms). Here the layer loop
-// runs in C++: the same projections (oneDNN's packed matmul, or at::linear), the same small-step
+// runs in C++: the same projections (llmq's panels, oneDNN's packed matmul, or at::linear), the same small-step
 // ops, the decodes' attention kernel, the prompts' SDPA, the KV written by plain copies, so its
 // output is bit-equal to the Python loop's with those ops.
 
@@ -41,11 +41,16 @@ int64_t padded_rows(int64_t rows) {
   return (rows + step - 1) / step * step;
 }
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool packed) {
-  if (!packed) return at::linear(x, w, bias_of(b));
+// packed_linear.LAYOUT_CODES: how a step's projection weights are held.
+enum Layout : int64_t { kPlain = 0, kOneDnn = 1, kPanels = 2 };
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t layout,
+                   int64_t out_features) {
+  if (layout == kPanels) return llmq::gemv(x, w, out_features, bias_of(b));
+  if (layout == kPlain) return at::linear(x, w, bias_of(b));
   const int64_t rows = x.size(0), padded = padded_rows(rows);
   if (padded != rows) {
-    return project(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, packed)
+    return project(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, layout, out_features)
         .narrow(0, 0, rows);
   }
   static const c10::OperatorHandle op =
@@ -130,7 +135,8 @@ namespace llmq {
 // for paged_decode_attention; the prompt chunks as Prompts holds them. Returns the last layer's
 // hidden states.
 at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
-                       at::TensorList weights, bool packed, at::Tensor kv, const at::Tensor& slots,
+                       at::TensorList weights, int64_t layout, at::IntArrayRef out_features,
+                       at::Tensor kv, const at::Tensor& slots,
                        int64_t num_decodes, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, at::IntArrayRef prompt_starts,
                        at::IntArrayRef prompt_lens, at::IntArrayRef prompt_contexts,
@@ -138,6 +144,8 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
                        const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
                        int64_t heads, int64_t kv_heads, double scale, double eps) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 10 tensors a layer");
+  TORCH_CHECK(layout >= kPlain && layout <= kPanels, "step_layers: layout 0, 1 or 2");
+  TORCH_CHECK(out_features.size() == 4, "step_layers: the qkv, o, gate_up, down widths");
   const int64_t layers = weights.size() / kTensorsPerLayer;
   TORCH_CHECK(
       kv.dim() == 4 && kv.size(0) >= layers && kv.size(1) == 2 * kv_heads && kv.is_contiguous(),
@@ -161,7 +169,8 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
     at::Tensor x = rms_norm(h, w[0], eps);
-    at::Tensor qkv = project(x, w[2], w[6], packed).view({tokens, heads + 2 * kv_heads, dim});
+    at::Tensor qkv = project(x, w[2], w[6], layout, out_features[0])
+                         .view({tokens, heads + 2 * kv_heads, dim});
     at::Tensor qk = rotary(qkv, cos, sin, heads + kv_heads);
     at::Tensor layer_kv = kv[l];
     write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv,
@@ -172,9 +181,10 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
                              block_tables, context_lens, block_size, scale);
     }
     attend_prompts(attn, qk, qkv, layer_kv, prompts, heads, kv_heads, block_size, scale);
-    h = at::add(h, project(attn.view({tokens, heads * dim}), w[3], w[7], packed));
+    h = at::add(h, project(attn.view({tokens, heads * dim}), w[3], w[7], layout, out_features[1]));
     x = rms_norm(h, w[1], eps);
-    h = at::add(h, project(silu_mul(project(x, w[4], w[8], packed)), w[5], w[9], packed));
+    const at::Tensor gate_up = project(x, w[4], w[8], layout, out_features[2]);
+    h = at::add(h, project(silu_mul(gate_up), w[5], w[9], layout, out_features[3]));
   }
   return h;
 }
@@ -183,7 +193,8 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def(
-      "step_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, bool packed, Tensor(a!) kv, "
+      "step_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int layout, int[] "
+      "out_features, Tensor(a!) kv, "
       "Tensor slots, int num_decodes, Tensor block_tables, Tensor context_lens, int[] "
       "prompt_starts, "
       "int[] prompt_lens, int[] prompt_contexts, Tensor[] prompt_blocks, Tensor?[] prompt_masks, "
