@@ -260,11 +260,16 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const a
   // Waking the other threads costs a few us: below 512 keys of work in all, one thread runs
   // every task (thresholds of 512, 1024 and 4096 measured alike at batch 1-64, context 256;
   // 16384 kept batch 16 on one thread, 0.85x torch's path).
-  const int64_t grain = keys * s.kv_heads < kParallelKeys ? tasks : 1;
+  const bool serial = keys * s.kv_heads < kParallelKeys || at::in_parallel_region();
+  const int threads = serial ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
   const Passes<T> fixed = fixed_passes<T>(s.group, s.head_dim);
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  // Tasks handed out as threads ask (dynamic): a thread another process preempts holds up the
+  // step by the task it holds, not by the rest of a static share.
+#pragma omp parallel num_threads(threads)
+  {
     std::vector<float> scratch;
-    for (int64_t task = begin; task < end; ++task) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
       const int64_t i = task / s.kv_heads, h = task % s.kv_heads;
       const T* keys_h = pool + h * slots * s.head_dim;
       const T* values_h = pool + (s.kv_heads + h) * slots * s.head_dim;
@@ -273,7 +278,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const a
                      table + i * s.max_blocks, ctx[i], s, static_cast<float>(scale), fixed,
                      scratch);
     }
-  });
+  }
 }
 
 // out [n, Hq, D] (head rows contiguous), query [n, Hq, D] (last dim contiguous), kv [2 * Hkv,
