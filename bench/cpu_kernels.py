@@ -1,14 +1,18 @@
 """llmq's C++ CPU kernels (LLMQ_CPU_KERNELS) against torch's ops, side by side in one run.
 
 Two runners of the engine on the same model in one process (random KV at ``--step-context``
-tokens for 64 sequences each): one with the kernels (the decode attention kernel and every
-layer of a step in one C++ call), one with torch's ops (the gathered KV and two batched
-matmuls, the Python layer loop). Decode steps at each batch alternate between the two (median
-of each); then the attention alone at the same shapes, the kernel against the gather and
-``bmm``. Peak RSS of the run at the end.
+tokens for 64 sequences each): one with the kernels (weights in llmq's panels, the decode
+attention kernel, every layer of a step in one C++ call), one with torch's ops (oneDNN-packed
+weights, the gathered KV and two batched matmuls, the Python layer loop). Decode steps at each
+batch alternate between the two (median of each); then the attention alone at the same shapes,
+the kernel against the gather and ``bmm``. ``--projections``: instead, each projection of the
+model's shape on llmq's panels against oneDNN's packed matmul at 1-256 rows, the weights cycled
+through 256 MB of copies so that they come from memory, as in a step. Peak RSS of the run at
+the end.
 
     .venv/bin/python bench/cpu_kernels.py                 # bfloat16, batches 1,4,16,32,64
     .venv/bin/python bench/cpu_kernels.py --threads 1
+    .venv/bin/python bench/cpu_kernels.py --projections
 """
 
 from __future__ import annotations
@@ -67,6 +71,40 @@ def attention_us(batch: int, context: int, repeats: int = 50) -> dict[str, float
     return times
 
 
+# SmolLM2-135M's projections (qkv, o, gate_up, down) and its head, (out, in) features.
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
+    """Each projection on llmq's panels against oneDNN's packed matmul, weights from memory:
+    cycled through copies of ``bytes_cycled`` in all, far more than a cache holds."""
+    import torch
+
+    from llmq.worker.runner.packed_linear import Linear
+
+    print(f"{'projection':<12}{'rows':>6}{'oneDNN us':>11}{'panels us':>11}{'ratio':>8}"
+          f"{'panels GB/s':>13}{'GFLOP/s':>9}")  # fmt: skip
+    for out_f, in_f in PROJECTIONS:
+        n = max(2, bytes_cycled // (2 * out_f * in_f))
+        weights = [torch.randn(out_f, in_f).bfloat16() for _ in range(n)]
+        kinds = {k: [Linear(w, None, k) for w in weights] for k in ("onednn", "panels")}
+        for rows in rows_list:
+            x = torch.randn(rows, in_f).bfloat16()
+            us = {}
+            for kind, linears in kinds.items():
+                for lin in linears[:2]:
+                    lin(x)
+                start = time.perf_counter()
+                for _ in range(3):
+                    for lin in linears:
+                        lin(x)
+                us[kind] = (time.perf_counter() - start) / (3 * n) * 1e6
+            gbs = out_f * in_f * 2 / us["panels"] / 1e3
+            gflops = 2 * rows * out_f * in_f / us["panels"] / 1e3
+            print(f"{out_f}x{in_f:<7}{rows:>6}{us['onednn']:>11.1f}{us['panels']:>11.1f}"
+                  f"{us['onednn'] / us['panels']:>7.2f}x{gbs:>13.1f}{gflops:>9.0f}")  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=str(ROOT / "bench/out/models/smollm2-135m"))
@@ -74,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-context", type=int, default=256)
     p.add_argument("--step-repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--projections", action="store_true", help="the projections alone")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128,256", help="with --projections")
     args = p.parse_args(argv)
     import torch
 
@@ -84,14 +124,26 @@ def main(argv=None) -> int:
     if not cpu_kernels.load():
         print("the kernels did not build (is g++ installed?)")
         return 1
+    if args.projections:
+        if not torch.ops.llmq.gemv_available():
+            print("this CPU has no AVX512-BF16: llmq's panels do not serve")
+            return 1
+        print(f"bfloat16, {threads} threads, each projection's weights cycled through copies")
+        projections([int(r) for r in args.rows.split(",")])
+        print(
+            f"peak RSS of the run {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+        )
+        return 0
     model_dir = bench_engine.ensure_model(Path(args.model_dir))
     batches = [int(b) for b in args.batches.split(",")]
     paths = {}
     for name in ("torch", "kernels"):
         path = bench_engine.EngineDecode(
-            bench_engine.load(model_dir, "bfloat16"), max(batches), args.step_context
+            bench_engine.load(model_dir, "bfloat16"),
+            max(batches),
+            args.step_context,
+            use_kernels=name == "kernels",
         )
-        path.runner.decode_kernel = path.runner.forward.small_step_ops = name == "kernels"
         paths[name] = path
     print(f"bfloat16, {threads} threads, context {args.step_context}, interleaved medians")
     print(f"{'batch':<7}{'torch tok/s':>12}{'kernels tok/s':>15}{'ratio':>8}"

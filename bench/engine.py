@@ -423,9 +423,12 @@ class HFDecode:
 class EngineDecode:
     """One decode step of the engine's runner and sampler: ``batch`` sequences whose KV (random)
     sits in a paged pool of the engine's default size, ``context`` tokens each counting the new
-    one. ``cpu_compile``: decode steps through the compiled forward (compiled here)."""
+    one. ``cpu_compile``: decode steps through the compiled forward (compiled here);
+    ``use_kernels``: llmq's C++ kernels (off: torch's ops, oneDNN-packed weights)."""
 
-    def __init__(self, model, batch: int, context: int, cpu_compile: bool = False):
+    def __init__(
+        self, model, batch: int, context: int, cpu_compile: bool = False, use_kernels: bool = True
+    ):
         import torch
 
         from llmq.common.sampling_params import SamplingParams
@@ -443,7 +446,9 @@ class EngineDecode:
         per_block = KVPool.bytes_per_block(*model_dims(model.config), bs, model.dtype)
         needed = batch * (-(-context // bs))
         num_blocks = max(needed + 1, int(DEFAULT_KV_BUDGET_GB * 2**30) // per_block)
-        self.runner = ModelRunner(model, num_blocks, bs, cpu_compile=cpu_compile)
+        self.runner = ModelRunner(
+            model, num_blocks, bs, cpu_compile=cpu_compile, use_kernels=use_kernels
+        )
         # The block manager hands out blocks from the pool's front: random KV there.
         g = torch.Generator().manual_seed(0)
         used = self.runner.pool.kv[:, :, : needed * bs]
