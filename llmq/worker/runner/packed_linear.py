@@ -11,11 +11,12 @@ gives the same bits; float32 keeps ``F.linear`` (its oneDNN kernel rounds differ
 default one, and float32 is where output must equal transformers' ``generate``).
 
 llmq's panels: the weights in the pair-interleaved order vdpbf16ps reads, 32 output columns a
-panel, each panel one contiguous run. On 2 cores against the packed oneDNN matmul on
-SmolLM2-135M's projections (weights cycled through 30 copies so they come from memory, as in
-a step): 1.5-3.7x faster at one row, 1.1-2.6x at 4-32 rows, 1.0-1.4x at 48-256 rows
-(``/tmp``-free: ``bench/cpu_kernels.py --projections``). Not F.linear's bits (another
-summation order): float32 keeps F.linear; bfloat16 output differs by roundings.
+panel, each panel one contiguous run. Against the packed oneDNN matmul on SmolLM2-135M's
+projections and head, 2 cores, weights cycled through 256 MB of copies so they come from
+memory as in a step (``bench/cpu_kernels.py --projections``): 1.2-1.8x faster at one row (21-29
+GB/s, the memory's pace), 1.04-1.66x at 4-32 rows, 1.01-1.26x at 64-256 rows (up to 436
+GFLOP/s). Not F.linear's bits (another summation order): float32 keeps F.linear; bfloat16
+output differs by roundings.
 """
 
 from __future__ import annotations

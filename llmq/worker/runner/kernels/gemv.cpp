@@ -2,13 +2,16 @@
 // llmq's own, on CPUs with AVX512-BF16.
 //
 // A decode step of one row reads every weight once and does two flops per weight read: its time
-// is memory bandwidth plus what each call costs besides. oneDNN's packed matmul read the weights
-// at 16-38 GB/s on 2 cores where a plain sum of them reads 28 (25-40 us a call for the
-// 576-column projections of SmolLM2-135M, 3.6 ms for its 49,152-row head). Here each projection
-// is one parallel loop over panels of 32 output columns whose weights lie in one contiguous run,
-// in the pair-interleaved order vdpbf16ps reads: [panel][K / 2][32 columns][2]. Panels are
-// handed out as threads ask for them (dynamic), so a thread that another process preempts
-// holds up only the panels it took, not the whole team at a static split's end.
+// is memory bandwidth plus what each call costs besides. On 2 cores whose memory a plain sum
+// reads at 28 GB/s, oneDNN's packed matmul took 50 us for a 576 x 576 projection of
+// SmolLM2-135M at one row (13 GB/s) and 2.35 ms for its 49,152-row head; here 28 us and 1.95
+// ms (bench/cpu_kernels.py --projections). Each projection is one parallel loop over panels of
+// 32 output columns whose weights lie in one contiguous run, in the pair-interleaved order
+// vdpbf16ps reads: [panel][K / 2][32 columns][2]. Panels are handed out as threads ask for them
+// (dynamic), so a thread that another process preempts holds up only the panel it holds, not
+// the whole team at a static share's end. Rows go eight at a time through a panel (two float32
+// sums each in registers); the panel stays in cache for the next eight, so the same loop serves
+// prompt chunks at oneDNN's pace or better (up to 436 GFLOP/s at 256 rows).
 //
 // Sums in float32 (vdpbf16ps: pairs of bfloat16 products added to a float32 lane), then the bias,
 // one rounding to bfloat16. Not oneDNN's summation order: its output differs from F.linear's by
@@ -31,7 +34,7 @@
 namespace llmq {
 namespace {
 
-constexpr int64_t kPanel = 32;  // output columns per panel: two vectors of 16 float32 lanes
+constexpr int64_t kPanel = 32;   // output columns per panel: two vectors of 16 float32 lanes
 constexpr int64_t kMaxRows = 8;  // rows a panel's pass keeps in registers (2 sums each)
 
 #if defined(__AVX512BF16__)
@@ -67,15 +70,14 @@ void panel_pass(const uint32_t* w, const uint32_t* x, int64_t x_stride, int64_t 
   }
 }
 
-void panel_rows(int64_t rows, const uint32_t* w, const uint32_t* x, int64_t x_stride,
-                int64_t pairs, const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride,
-                int64_t cols) {
+void panel_rows(int64_t rows, const uint32_t* w, const uint32_t* x, int64_t x_stride, int64_t pairs,
+                const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t cols) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     const uint32_t* xr = x + r0 * x_stride;
     at::BFloat16* o = out + r0 * out_stride;
     switch (std::min(rows - r0, kMaxRows)) {
-#define LLMQ_PASS(R)                                                           \
-  case R:                                                                      \
+#define LLMQ_PASS(R)                                                  \
+  case R:                                                             \
     panel_pass<R>(w, xr, x_stride, pairs, bias, o, out_stride, cols); \
     break;
       LLMQ_PASS(1)

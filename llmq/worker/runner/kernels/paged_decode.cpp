@@ -261,7 +261,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const a
   // every task (thresholds of 512, 1024 and 4096 measured alike at batch 1-64, context 256;
   // 16384 kept batch 16 on one thread, 0.85x torch's path).
   const bool serial = keys * s.kv_heads < kParallelKeys || at::in_parallel_region();
-  const int threads = serial ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+  const int threads =
+      serial ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
   const Passes<T> fixed = fixed_passes<T>(s.group, s.head_dim);
   // Tasks handed out as threads ask (dynamic): a thread another process preempts holds up the
   // step by the task it holds, not by the rest of a static share.

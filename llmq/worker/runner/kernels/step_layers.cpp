@@ -3,9 +3,9 @@
 // With the attention kernel and the small-step ops, a lone stream's step on 2 cores still
 // spent about 2.3 ms of its 9.6 outside the projections, most of it in the ~25 Python-level
 // torch calls (views, KV writes, adds) each layer makes (with it: 7.1 ms). Here the layer loop
-// runs in C++: the same projections (llmq's panels, oneDNN's packed matmul, or at::linear), the same small-step
-// ops, the decodes' attention kernel, the prompts' SDPA, the KV written by plain copies, so its
-// output is bit-equal to the Python loop's with those ops.
+// runs in C++: the same projections (llmq's panels, oneDNN's packed matmul, or at::linear), the
+// same small-step ops, the decodes' attention kernel, the prompts' SDPA, the KV written by plain
+// copies, so its output is bit-equal to the Python loop's with those ops.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -136,11 +136,10 @@ namespace llmq {
 // hidden states.
 at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
                        at::TensorList weights, int64_t layout, at::IntArrayRef out_features,
-                       at::Tensor kv, const at::Tensor& slots,
-                       int64_t num_decodes, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, at::IntArrayRef prompt_starts,
-                       at::IntArrayRef prompt_lens, at::IntArrayRef prompt_contexts,
-                       at::TensorList prompt_blocks,
+                       at::Tensor kv, const at::Tensor& slots, int64_t num_decodes,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       at::IntArrayRef prompt_starts, at::IntArrayRef prompt_lens,
+                       at::IntArrayRef prompt_contexts, at::TensorList prompt_blocks,
                        const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
                        int64_t heads, int64_t kv_heads, double scale, double eps) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 10 tensors a layer");
@@ -169,8 +168,8 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
     at::Tensor x = rms_norm(h, w[0], eps);
-    at::Tensor qkv = project(x, w[2], w[6], layout, out_features[0])
-                         .view({tokens, heads + 2 * kv_heads, dim});
+    at::Tensor qkv =
+        project(x, w[2], w[6], layout, out_features[0]).view({tokens, heads + 2 * kv_heads, dim});
     at::Tensor qk = rotary(qkv, cos, sin, heads + kv_heads);
     at::Tensor layer_kv = kv[l];
     write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv,
