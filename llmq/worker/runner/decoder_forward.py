@@ -7,9 +7,9 @@ per layer, which measured about two thirds of a batch-1 decode step on 2 cores. 
 layers itself with the models' own weights: query, key and value projections in one matmul
 (one read of the activations, one kernel launch), gate and up in another, rotary embedding
 applied to queries and keys together, and attention through the paged kernel. In bfloat16 on
-CPU the projections' weights are packed once (``packed_linear``: llmq's own matmul where its
-kernels are loaded, else oneDNN's). The elementwise
-arithmetic is transformers' own, so float32 greedy output stays equal to ``generate``.
+CPU the projections' weights are packed once (``packed_linear``: for llmq's own matmul where
+its kernels are loaded, else for oneDNN's). The elementwise arithmetic is transformers' own, so
+float32 greedy output stays equal to ``generate``.
 
 Models it does not know (other architectures, or options such as sliding windows that it does
 not implement) keep transformers' forward with the paged attention registered through
@@ -79,12 +79,13 @@ def build_forward(
     return DecoderForward(model, pack=pack, kernels=kernels)
 
 
-def _layout(weight: torch.Tensor, pack: bool, kernels: bool) -> Layout:
-    """How the projections of a model whose down projection is ``weight`` are packed."""
-    if pack and kernels and panels_fit(weight):
+def _layout(layer: torch.nn.Module, pack: bool, kernels: bool) -> Layout:
+    """How the projections of a model whose first decoder layer is ``layer`` are packed."""
+    down, query = layer.mlp.down_proj.weight, layer.self_attn.q_proj.weight
+    if pack and kernels and panels_fit(down) and panels_fit(query):  # both input widths
         return "panels"
     # oneDNN's packing only where it gives F.linear's bits.
-    return "onednn" if pack and can_pack(weight) else "plain"
+    return "onednn" if pack and can_pack(down) else "plain"
 
 
 def attach(model: torch.nn.Module, forward: DecoderForward) -> None:
@@ -154,7 +155,7 @@ class DecoderForward:
         self.intermediate = config.intermediate_size
         layers = self.inner.layers[: config.num_hidden_layers]
         # bfloat16 on CPU: weights packed once, for llmq's matmul or oneDNN's.
-        self.layout = layout = _layout(layers[0].mlp.down_proj.weight, pack, kernels)
+        self.layout = layout = _layout(layers[0], pack, kernels)
         self.packed = layout != "plain"
         fused: set[int] = set()  # storages of the fused weights (unpacked)
         self.layers: list[_Layer] = []
