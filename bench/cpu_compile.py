@@ -58,15 +58,17 @@ def flops_per_token(config, context: int) -> float:
 
 
 class MatmulCeiling:
-    """GFLOP/s of the model's projections alone at a row count, F.linear and packed: one weight
-    per layer, as in the model (a weight reused 30 times would be timed from the cache, not
-    from memory as a decode step reads it)."""
+    """GFLOP/s of the model's projections alone at a row count, F.linear, packed for oneDNN and
+    in llmq's panels (where its kernels serve): one weight per layer, as in the model (a weight
+    reused 30 times would be timed from the cache, not from memory as a decode step reads
+    it)."""
 
     def __init__(self, config, dtype):
         import torch
         import torch.nn.functional as F
 
-        from llmq.worker.runner.packed_linear import Linear, can_pack
+        from llmq.worker.runner import cpu_kernels
+        from llmq.worker.runner.packed_linear import Linear, can_pack, panels_fit
 
         shapes = projection_shapes(config)
         self.weights = [torch.randn(o, i).to(dtype) for o, i, k in shapes for _ in range(k)]
@@ -74,6 +76,8 @@ class MatmulCeiling:
         self.kinds = {"f_linear": [lambda x, w=w: F.linear(x, w) for w in self.weights]}
         if can_pack(self.weights[0]):
             self.kinds["packed"] = [Linear(w, None, "onednn") for w in self.weights]
+        if cpu_kernels.load() and all(panels_fit(w) for w in self.weights):
+            self.kinds["panels"] = [Linear(w, None, "panels") for w in self.weights]
 
     def gflops(self, rows: int, repeats: int = 5) -> dict[str, float]:
         import torch
@@ -140,14 +144,20 @@ def run(args, model_dir: Path) -> dict:
     return res
 
 
+def _percents(fractions: dict[str, float]) -> str:
+    """A step's share of each matmul ceiling: F.linear / packed / panels (0: not measured)."""
+    kinds = ("f_linear", "packed", "panels")
+    return " / ".join(f"{100 * fractions.get(k, 0):.0f}%" for k in kinds)
+
+
 def print_table(res: dict, dtype: str, threads: int) -> None:
     lines = [
         "",
         f"decode step, eager vs compiled (LLMQ_CPU_COMPILE), {dtype}, {threads} threads, context "
         f"{res['context']}, interleaved, median; compile warm-up {res['warm_up_s']:.1f} s",
         f"{'batch':<7}{'eager t/s':>11}{'compiled t/s':>14}{'ratio':>8}{'ratio cpu':>11}"
-        f"{'F.linear GF/s':>15}{'packed GF/s':>13}{'eager % of F.linear/packed':>28}"
-        f"{'compiled %':>12}",
+        f"{'F.linear GF/s':>15}{'packed GF/s':>13}{'panels GF/s':>13}"
+        f"{'eager % of F.linear/packed/panels':>35}{'compiled %':>18}",
     ]
     for b, r in res["batches"].items():
         c = r["ceiling_gflops"]
@@ -155,8 +165,7 @@ def print_table(res: dict, dtype: str, threads: int) -> None:
         lines.append(
             f"{b:<7}{r['eager']['tok_s']:>11.1f}{r['compiled']['tok_s']:>14.1f}{r['ratio']:>7.2f}x"
             f"{r['ratio_cpu']:>10.2f}x{c['f_linear']:>15.1f}{c.get('packed', 0):>13.1f}"
-            f"{100 * fe['f_linear']:>20.0f}% /{100 * fe.get('packed', 0):>4.0f}%"
-            f"{100 * fc['f_linear']:>6.0f}% /{100 * fc.get('packed', 0):>4.0f}%"
+            f"{c.get('panels', 0):>13.1f}{_percents(fe):>35}{_percents(fc):>18}"
         )
     lines.append(
         f"RSS growth: eager runner {res['rss_growth_mb_eager']:.0f} MB, compiled runner "
