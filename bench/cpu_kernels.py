@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         print("the kernels did not build (is g++ installed?)")
         return 1
     if args.projections:
-        if not torch.ops.llmq.gemv_available():
+        if not torch.ops.llmq.panel_matmul_available():
             print("this CPU has no AVX512-BF16: llmq's panels do not serve")
             return 1
         print(f"bfloat16, {threads} threads, each projection's weights cycled through copies")

@@ -1,6 +1,6 @@
 """Projections with their weights packed once (bfloat16 on CPU): in oneDNN's blocked layout, or
-in the panels of llmq's own matmul (``kernels/gemv.cpp``) where the C++ kernels are loaded and
-the CPU has AVX512-BF16.
+in the panels of llmq's own matmul (``kernels/panel_matmul.cpp``) where the C++ kernels are
+loaded and the CPU has AVX512-BF16.
 
 ``F.linear`` on a bfloat16 CPU tensor goes to oneDNN too, but reorders the plain row-major
 weight into oneDNN's blocked layout inside every call. At decode batch sizes the matmul itself
@@ -59,8 +59,8 @@ def panels_fit(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.shape[1] % 2 == 0
-        and hasattr(torch.ops.llmq, "gemv_available")
-        and torch.ops.llmq.gemv_available()
+        and hasattr(torch.ops.llmq, "panel_matmul_available")
+        and torch.ops.llmq.panel_matmul_available()
     )
 
 
@@ -87,7 +87,7 @@ class Linear:
         if torch.compiler.is_compiling():
             return torch.ops.llmq.linear(x, self.key)
         if self.layout == "panels":
-            return torch.ops.llmq.gemv(x, self.weight, self.out_features, self.bias)
+            return torch.ops.llmq.panel_matmul(x, self.weight, self.out_features, self.bias)
         if self.packed:
             rows = x.shape[0]
             padded = padded_rows(rows)

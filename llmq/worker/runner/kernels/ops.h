@@ -13,7 +13,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
-                const std::optional<at::Tensor>& bias);
+at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                        const std::optional<at::Tensor>& bias);
 
 }  // namespace llmq

@@ -46,7 +46,7 @@ enum Layout : int64_t { kPlain = 0, kOneDnn = 1, kPanels = 2 };
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t layout,
                    int64_t out_features) {
-  if (layout == kPanels) return llmq::gemv(x, w, out_features, bias_of(b));
+  if (layout == kPanels) return llmq::panel_matmul(x, w, out_features, bias_of(b));
   if (layout == kPlain) return at::linear(x, w, bias_of(b));
   const int64_t rows = x.size(0), padded = padded_rows(rows);
   if (padded != rows) {

@@ -1,5 +1,5 @@
-// Projections of a few rows (a lone stream's decode, small batches) over a weight layout of
-// llmq's own, on CPUs with AVX512-BF16.
+// bfloat16 projections over a weight layout of llmq's own, on CPUs with AVX512-BF16: any row
+// count, from a lone stream's decode to a prompt chunk.
 //
 // A decode step of one row reads every weight once and does two flops per weight read: its time
 // is memory bandwidth plus what each call costs besides. On 2 cores whose memory a plain sum
@@ -96,7 +96,7 @@ void panel_rows(int64_t rows, const uint32_t* w, const uint32_t* x, int64_t x_st
 
 }  // namespace
 
-bool gemv_available() {
+bool panel_matmul_available() {
 #if defined(__AVX512BF16__)
   return true;
 #else
@@ -104,22 +104,24 @@ bool gemv_available() {
 #endif
 }
 
-// x [M, K] bfloat16 times the panels of gemv_pack(W [N, K]) [P, K / 2, 32, 2] (+ bias [N]):
-// [M, N] bfloat16.
-at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& panels, int64_t out_features,
-                const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(gemv_available(), "gemv: this build has no AVX512-BF16");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "gemv: x is [M, K] bf16");
+// x [M, K] bfloat16 times W [N, K] in panels (packed_linear.panels: [P, K / 2, 32, 2]), plus bias
+// [N]: [M, N] bfloat16.
+at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& panels, int64_t out_features,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(panel_matmul_available(), "panel_matmul: this build has no AVX512-BF16");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              "panel_matmul: x is [M, K] bf16");
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
                   panels.size(2) == kPanel && panels.size(3) == 2 && panels.is_contiguous(),
-              "gemv: panels are [P, K / 2, 32, 2] bf16, contiguous");
+              "panel_matmul: panels are [P, K / 2, 32, 2] bf16, contiguous");
   const int64_t rows = x_in.size(0), pairs = panels.size(1), count = panels.size(0);
-  TORCH_CHECK(x_in.size(1) == 2 * pairs, "gemv: x has ", x_in.size(1), " columns, W ", 2 * pairs);
+  TORCH_CHECK(x_in.size(1) == 2 * pairs, "panel_matmul: x has ", x_in.size(1), " columns, W ",
+              2 * pairs);
   TORCH_CHECK(out_features > (count - 1) * kPanel && out_features <= count * kPanel,
-              "gemv: ", out_features, " outputs do not fill ", count, " panels");
+              "panel_matmul: ", out_features, " outputs do not fill ", count, " panels");
   TORCH_CHECK(!bias || (bias->numel() == out_features && bias->scalar_type() == at::kBFloat16 &&
                         bias->is_contiguous()),
-              "gemv: the bias is [N] bf16");
+              "panel_matmul: the bias is [N] bf16");
   at::Tensor out = at::empty({rows, out_features}, x_in.options());
 #if defined(__AVX512BF16__)
   const at::Tensor x = x_in.contiguous();
@@ -147,7 +149,7 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& panels, int64_t out_fe
 }  // namespace llmq
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
-  m.def("gemv_available() -> bool", &llmq::gemv_available);
-  m.def("gemv(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
-  m.impl("gemv", c10::DispatchKey::CPU, &llmq::gemv);
+  m.def("panel_matmul_available() -> bool", &llmq::panel_matmul_available);
+  m.def("panel_matmul(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.impl("panel_matmul", c10::DispatchKey::CPU, &llmq::panel_matmul);
 }

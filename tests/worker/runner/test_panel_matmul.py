@@ -1,8 +1,8 @@
-"""llmq's bfloat16 matmul over its own weight panels (``kernels/gemv.cpp``): within one bfloat16
-rounding (plus float32 summation error) of the product in float64, for every row count around
-its 8-row passes, widths that end inside a panel, biases, strided inputs, one and two threads;
-malformed operands refused; and a forward whose projections use it as close to float32 as the
-oneDNN-packed one."""
+"""llmq's bfloat16 matmul over its own weight panels (``kernels/panel_matmul.cpp``): within one
+bfloat16 rounding (plus float32 summation error) of the product in float64, for every row count
+around its 8-row passes, widths that end inside a panel, biases, strided inputs, one and two
+threads; malformed operands refused; and a forward whose projections use it as close to float32
+as the oneDNN-packed one."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     assert cpu_kernels.load(), "the kernels did not build (is g++ installed?)"
-    if not torch.ops.llmq.gemv_available():
+    if not torch.ops.llmq.panel_matmul_available():
         pytest.skip("this CPU has no AVX512-BF16")
 
 
@@ -50,7 +50,7 @@ def test_matches_the_exact_product(rows, out_features, in_features, with_bias, t
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = torch.ops.llmq.gemv(x, panels(w), out_features, bias)
+        got = torch.ops.llmq.panel_matmul(x, panels(w), out_features, bias)
     finally:
         torch.set_num_threads(before)
     assert_close_to_exact(got, x, w, bias)
@@ -58,14 +58,14 @@ def test_matches_the_exact_product(rows, out_features, in_features, with_bias, t
     wide = torch.zeros(2 * rows, in_features + 6, dtype=torch.bfloat16)
     wide[::2, 3 : 3 + in_features] = x
     strided = wide[::2, 3 : 3 + in_features]
-    assert torch.equal(torch.ops.llmq.gemv(strided, panels(w), out_features, bias), got)
+    assert torch.equal(torch.ops.llmq.panel_matmul(strided, panels(w), out_features, bias), got)
 
 
 def test_linear_with_panels_is_the_kernel():
     w, x = torch.randn(96, 64).bfloat16(), torch.randn(5, 64).bfloat16()
     linear = Linear(w, None, "panels")
     assert linear.packed and linear.weight.shape == (3, 32, 32, 2)
-    assert torch.equal(linear(x), torch.ops.llmq.gemv(x, panels(w), 96, None))
+    assert torch.equal(linear(x), torch.ops.llmq.panel_matmul(x, panels(w), 96, None))
     assert panels_fit(w) and not panels_fit(torch.randn(8, 63).bfloat16())
     assert not panels_fit(w.float())
 
@@ -74,13 +74,13 @@ def test_malformed_operands_are_refused():
     w = panels(torch.randn(64, 32).bfloat16())
     x = torch.randn(2, 32).bfloat16()
     with pytest.raises(RuntimeError, match="columns"):
-        torch.ops.llmq.gemv(torch.randn(2, 30).bfloat16(), w, 64, None)
+        torch.ops.llmq.panel_matmul(torch.randn(2, 30).bfloat16(), w, 64, None)
     with pytest.raises(RuntimeError, match="panels"):
-        torch.ops.llmq.gemv(x, w, 65, None)
+        torch.ops.llmq.panel_matmul(x, w, 65, None)
     with pytest.raises(RuntimeError, match="bias"):
-        torch.ops.llmq.gemv(x, w, 64, torch.zeros(63).bfloat16())
+        torch.ops.llmq.panel_matmul(x, w, 64, torch.zeros(63).bfloat16())
     with pytest.raises(RuntimeError, match="bf16"):
-        torch.ops.llmq.gemv(x.float(), w, 64, None)
+        torch.ops.llmq.panel_matmul(x.float(), w, 64, None)
 
 
 PROMPTS = [[5, 9, 13, 200, 31], list(range(40, 77)), [7] * 18, [3, 1, 4, 1, 5, 9, 2, 6]]
