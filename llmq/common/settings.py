@@ -71,7 +71,8 @@ class Settings(BaseSettings):
         ge=0,
         description="CPU: the KV pool is resident only where written; freed blocks kept for "
         "prefix reuse may add this many blocks per block of the busiest moment's before a new "
-        "block evicts the oldest of them rather than write more of the pool.",
+        "block evicts the oldest of them rather than write more of the pool (the cache may "
+        "always fill a sixteenth of the pool).",
     )
     torch_threads: int | None = Field(
         None,

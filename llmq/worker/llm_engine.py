@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # 32-stream ITL p99 from 0.76-0.97 s to 0.27-0.29 s (`bench/compare.py`, 2 cores), with the
 # same output and a lower TTFT p50. A GPU step of 512 tokens is hardly longer than one of 128.
 CPU_PREFILL_TOKENS_WITH_DECODES = 128
+# The prefix cache may always fill this fraction of the pool, however few blocks the busiest
+# moment used (block_manager.py): 1/16 of the SmolLM2-135M-shaped pool is 250 blocks, 90 MB,
+# the prompts of 8 lone requests of 128 + 64 tokens several times over.
+CACHE_FLOOR_DIVISOR = 16
 # How long an otherwise idle step waits for a grammar being built (a build finishing sooner
 # ends the wait): the engine loop pulls new requests and cancels between steps.
 GRAMMAR_WAIT_S = 0.05
@@ -156,6 +160,7 @@ class LLMEngine:
             config.enable_prefix_caching,
             # A pool allocated whole (GPU) costs the same cached or not.
             config.prefix_cache_share if self.runner.pool.lazily_resident else None,
+            cache_floor=num_blocks // CACHE_FLOOR_DIVISOR,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -338,6 +338,20 @@ def test_cache_grows_into_unwritten_blocks_only_within_its_share(share):
     assert bm.num_written_blocks == (80 if share is None else 16)
 
 
+def test_the_cache_floor_keeps_a_quiet_servers_prompts():
+    """One prompt at a time (2 blocks at once): the share alone keeps 4 blocks written, so eight
+    prompts sent again all miss; with a floor of 16 blocks all eight are served from the
+    cache, and the pool is written no further than the floor."""
+    prompts = _prompts(0, 8)
+    for floor, hits in ((0, 0), (16, 8 * (2 * BS - 1))):
+        bm = BlockManager(num_blocks=100, block_size=BS, cache_share=1.0, cache_floor=floor)
+        for prompt in prompts:
+            _serve_round(bm, [prompt])
+        assert bm.most_used == 2 and bm.num_written_blocks == max(4, floor)
+        assert sum(_serve_round(bm, [prompt]) for prompt in prompts) == hits
+        bm.check_invariants([])
+
+
 def test_a_repeated_round_within_the_share_is_served_from_the_cache():
     bm = BlockManager(num_blocks=100, block_size=BS, cache_share=1.0)
     assert _serve_round(bm, _prompts(0, 4)) == 0

@@ -45,8 +45,9 @@ class Workload:
         caching,
         prefill_cap=None,
         cache_share=None,
+        cache_floor=0,
     ):
-        self.bm = BlockManager(num_blocks, block_size, caching, cache_share)
+        self.bm = BlockManager(num_blocks, block_size, caching, cache_share, cache_floor)
         # As LLMEngine does: one sequence alone always fits, every decode fits the budget.
         self.max_model_len = min(model_len_cap, num_blocks * block_size)
         self.sched = Scheduler(
@@ -159,7 +160,7 @@ class Workload:
         self.bm.check_invariants(live)
         if self.bm.cache_share is not None:  # the cache grows past its share into no new block
             bound = math.ceil(self.bm.most_used * (1 + self.bm.cache_share))
-            assert self.bm.num_written_blocks <= max(bound, 1)
+            assert self.bm.num_written_blocks <= max(bound, 1, self.bm.cache_floor)
         for s in live:
             assert (s in self.sched.running) != (s in self.sched.waiting)
             if s.status is SequenceStatus.WAITING:
@@ -200,6 +201,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         model_len_cap=st.integers(2, 120),
         caching=st.booleans(),
         cache_share=st.none() | st.sampled_from([0.0, 0.5, 1.0]),
+        cache_floor=st.sampled_from([0, 3, 8]),
     )
     def setup(self, **kw):
         self.w = Workload(**kw)
@@ -262,6 +264,7 @@ def test_random_workloads_seeded():
             r.random() < 0.7,
             prefill_cap=[None, 1, 3, 16][trial % 4],
             cache_share=[None, 0.0, 1.0][trial % 3],
+            cache_floor=[0, 5][trial % 2],
         )
         for _ in range(40):
             x = r.random()
