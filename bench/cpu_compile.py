@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import engine as bench_engine  # noqa: E402
+import engine_paths as bench_engine  # noqa: E402
 
 
 def rss_mb() -> float:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import engine as bench_engine  # noqa: E402
+import engine_paths as bench_engine  # noqa: E402
 
 
 def attention_us(batch: int, context: int, repeats: int = 50) -> dict[str, float]:
