@@ -25,11 +25,9 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,21 +36,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from transport_paths import CpuMeter, InProcess, ThroughWorker  # noqa: E402  (bench/)
+from engine_paths import cores, log, make_prompts  # noqa: E402  (bench/, the engine bench's)
+from transport_paths import CpuMeter, InProcess, ThroughWorker  # noqa: E402
 
 TARGET_THROUGHPUT_RATIO = 0.9
 TARGET_ADDED_TTFT_MS = 5.0
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,13 +93,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.min_prompt, args.max_prompt = 32, 128
         args.output_tokens = min(args.output_tokens, 32)
     return args
-
-
-def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    """The engine benchmark's prompts (bench/engine.py): random ids from 3 up (the special
-    tokens sit at the bottom of make_model's vocabulary)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def ensure_model(path: Path, tiny: bool) -> Path:
