@@ -24,8 +24,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
