@@ -1,8 +1,9 @@
 """The engine loop: requests in, model steps, outputs out. Runs in its own thread in the worker.
 
 Each turn: pull as many requests as the engine has room for (blocking only when idle), drain
-cancels, run one engine step, publish every sequence's new tokens in one round trip, refresh
-the heartbeat's status, and now and then take over the requests of workers whose heartbeat
+cancels, run one engine step, publish every sequence's new tokens in one script (sent at once,
+its answer read after the next step: the round trip overlaps that step), refresh the
+heartbeat's status, and now and then take over the requests of workers whose heartbeat
 expired. The heartbeat itself is written by a thread of its own (``heartbeat.py``). A write
 the transport refuses because another worker took a request over stops the request here.
 """
@@ -14,11 +15,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, EngineRequest, OutputMessage
+from llmq.common.protocol import EngineError, OutputMessage
 from llmq.common.transport import Emission, PulledRequest, Refusal
+from llmq.worker.active_request import Active
 from llmq.worker.backends import Backend
 from llmq.worker.coalescer import Coalescer
 from llmq.worker.engine_queue import EngineQueue
@@ -27,23 +28,6 @@ from llmq.worker.heartbeat import Heartbeat
 from llmq.worker.request_error import RequestError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Active:
-    request: EngineRequest
-    request_id: str
-    entry_id: str
-    deadline: float | None
-    created: float
-    started: float
-    priority: int = PRIORITY_INTERACTIVE
-    held: OutputMessage | None = None  # batch-priority tokens not yet sent
-
-
-# Batch-job requests publish (and record) their tokens in groups: nobody watches them token by
-# token, and every message costs the worker process Python time that interactive requests need.
-BATCH_EMIT_EVERY = 16
 
 
 class EngineLoop:
@@ -81,6 +65,7 @@ class EngineLoop:
         self._last_deadline_check = 0.0
         self.grace_period = 5.0
         self._unsent: list[Emission] = []  # emissions a Redis outage kept from going out
+        self._sending: list[Emission] = []  # sent after the last step, not yet answered
         self.coalescer = Coalescer(stream_interval_s, clock)
         self._set_up = False  # the transport is set up (false at start and after an outage)
 
@@ -133,6 +118,7 @@ class EngineLoop:
         except self.transport.transient_errors as exc:
             self.transport.close()
             self._set_up = False
+            self._unsent[:0], self._sending = self._sending, []  # their answer is lost: again
             return exc
         return None
 
@@ -150,6 +136,7 @@ class EngineLoop:
                 self._step()
                 self.heartbeat.progress()
                 self._refresh_status(self.clock())
+            self._settle()
             left = list(self.active)
             for rid in left:
                 self.backend.abort(rid)
@@ -168,6 +155,8 @@ class EngineLoop:
         """Pull, cancel, check deadlines, step and emit, heartbeat, claim orphans."""
         now = self.clock()
         busy = self.backend.has_unfinished()
+        if not busy:
+            self._settle()  # the last step's write, before waiting for work
         room = self.backend.room()
         if room > 0:
             alone = self.transport.live_peers == 0
@@ -202,18 +191,35 @@ class EngineLoop:
         except Exception:  # one bad request must not fail everyone's
             log.exception("engine step failed; stepping its requests one by one")
             news = self._step_one_by_one()
-        emissions = [e for rid, msg in news if (e := self._emission(rid, msg)) is not None]
-        if emissions or self._unsent or self.coalescer.due():
-            self._publish(emissions)
+        try:
+            self._settle()  # the previous step's write, answered while this step ran
+        finally:  # this step's news kept for the next try, should Redis fail now
+            emissions = [
+                e
+                for rid, msg in news
+                if rid in self.active and (e := self._emission(rid, msg)) is not None
+            ]
+            self._unsent.extend(self.coalescer.take(emissions))
+        if self._unsent or self.coalescer.due():
+            self._publish([], later=True)
 
-    def _publish(self, emissions: list[Emission]) -> None:
+    def _publish(self, emissions: list[Emission], later: bool = False) -> None:
         """Send emissions, after any an outage held back; on failure keep them all for the
-        next try (writes are idempotent and clients drop repeats)."""
+        next try (writes are idempotent and clients drop repeats). ``later``: their refusals
+        come at the next ``_settle``."""
         self._unsent.extend(self.coalescer.take(emissions))
         if not self._unsent:
             return
-        refused = self.transport.emit(self._unsent)
+        refused = self.transport.emit(self._unsent, later)
+        self._sending = self._unsent if later else []
         self._unsent = []
+        for r in refused:
+            self._refused(r)
+
+    def _settle(self) -> None:
+        """The refusals of the writes sent ``later``."""
+        refused = self.transport.settle()
+        self._sending = []
         for r in refused:
             self._refused(r)
 
@@ -288,25 +294,10 @@ class EngineLoop:
         return result.news
 
     def _emission(self, request_id: str, msg: OutputMessage) -> Emission | None:
-        active = self.active[request_id]
-        if active.priority > PRIORITY_INTERACTIVE and msg.error is None:
-            if active.held is not None:
-                held = active.held
-                held.tokens = held.tokens + msg.tokens
-                if held.logprobs is not None or msg.logprobs is not None:
-                    held.logprobs = (held.logprobs or []) + (msg.logprobs or [])
-                held.finish_reason, held.usage = msg.finish_reason, msg.usage
-                msg = held
-            if not msg.done and len(msg.tokens) < BATCH_EMIT_EVERY:
-                active.held = msg
-                return None
-            active.held = None
+        emission = self.active[request_id].emission(msg, self.transport.worker)
         if msg.done:
             del self.active[request_id]
-            msg.worker = self.transport.worker
-            if msg.usage is not None and active.created:
-                msg.usage["queue_time"] = round(max(0.0, active.started - active.created), 4)
-        return Emission(request_id, active.entry_id, msg, active.request.reply_to)
+        return emission
 
     # ---- admission -----------------------------------------------------------------------
     def _resume(self, pulled: list[PulledRequest]) -> None:

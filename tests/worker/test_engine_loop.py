@@ -8,7 +8,7 @@ import pytest
 
 from llmq.common.protocol import PRIORITY_BATCH, EngineError
 from llmq.common.transport import PulledRequest
-from llmq.worker.engine_loop import BATCH_EMIT_EVERY
+from llmq.worker.active_request import BATCH_EMIT_EVERY
 from tests.worker.engine_loop_fakes import (
     T0,
     ScriptedBackend,
@@ -193,11 +193,30 @@ def test_a_transient_error_makes_the_loop_set_up_again_and_resend():
         (None, "NoneType", 2, 1, [0, 1, 2]),  # set up again; step 1 resent before step 2
         ("pull", "Outage", 2, 2, [0, 1, 2]),  # no step
         ("setup", "Outage", 2, 3, [0, 1, 2]),  # not set up: no step
-        (None, "NoneType", 3, 3, [0, 1, 2, 3]),
+        # Step 2's write was in flight when the pull failed (its answer never read): sent
+        # again before step 3's (clients drop repeats).
+        (None, "NoneType", 3, 3, [0, 1, 2, 2, 3]),
     ]
     # Each setup asked for the requests this worker holds; they were running already.
     assert [p for p in queue.pulls if p[2]] == [(64, None, True)] * 3
     assert sorted(loop.active) == ["r1", "r2"] and queue.running == ["r1", "r2"]
+
+
+def test_an_outage_while_the_last_write_is_answered_keeps_this_steps_tokens():
+    """The step's write is answered after the next step: when reading that answer fails, the
+    tokens of both steps go out again once Redis is back, none lost, in order."""
+    loop, queue, backend, clock = make_loop()
+    queue.waiting = [pulled(1, 6)]
+    turn(loop)
+    turn(loop)
+    queue.outage_in = "settle"
+    assert type(loop.turn()).__name__ == "Outage"
+    for _ in range(5):
+        turn(loop)
+    indices = [m.index for m in queue.messages("r1")]
+    assert indices == [0, 1, 1, 2, 3, 4, 5]  # step 1's write sent again with step 2's
+    assert queue.records["r1"] == [token("r1", i) for i in range(6)]
+    assert queue.acked == ["e1"] and loop.active == {}
 
 
 # ---- shutdown ----------------------------------------------------------------------------
