@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineRequest, OutputMessage
+from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, EngineRequest, OutputMessage
 from llmq.common.transport import Emission
 
 # Batch-job requests publish (and record) their tokens in groups: nobody watches them token by
@@ -43,3 +43,7 @@ class Active:
             if msg.usage is not None and self.created:
                 msg.usage["queue_time"] = round(max(0.0, self.started - self.created), 4)
         return Emission(self.request_id, self.entry_id, msg, self.request.reply_to)
+
+
+def deadline_error() -> EngineError:
+    return EngineError("the request passed its deadline", "timeout", "deadline_exceeded")

@@ -277,6 +277,7 @@ def make_loop(
     heartbeat_ttl: float = 5.0,
     stall_timeout: float = 0.0,
     stream_interval_s: float = 0.0,
+    busy_pull_interval_s: float = 0.0,
 ) -> tuple[EngineLoop, MemoryQueue, ScriptedBackend, Clock]:
     queue, clock = MemoryQueue(), Clock()
     backend = backend or ScriptedBackend()
@@ -289,6 +290,7 @@ def make_loop(
         clock=clock,
         stall_timeout=stall_timeout,
         stream_interval_s=stream_interval_s,
+        busy_pull_interval_s=busy_pull_interval_s,
     )
     return loop, queue, backend, clock
 

@@ -60,6 +60,31 @@ def test_an_engine_with_no_live_peer_pulls_all_it_has_room_for():
     assert [p[:2] for p in queue2.pulls if not p[2]] == [(2, 100)]
 
 
+def test_a_busy_engine_looks_for_new_requests_every_interval_or_while_it_finds_some():
+    """While busy, a pull that found nothing is repeated after busy_pull_interval_s, not every
+    step; one that found requests is repeated at once (more may wait); idle, every turn."""
+    loop, queue, backend, clock = make_loop(busy_pull_interval_s=0.025)
+    queue.waiting = [pulled(1, 50)]
+    table = []
+    for at, arrives in ((0.0, None), (0.005, None), (0.01, 2), (0.02, None), (0.03, None),
+                        (0.035, 3), (0.04, None), (0.05, None)):  # fmt: skip
+        clock.now = T0 + at
+        if arrives is not None:
+            queue.waiting.append(pulled(arrives, 50))
+        turn(loop)
+        table.append((at, len([p for p in queue.pulls if not p[2]]), sorted(loop.active)))
+    assert table == [
+        (0.0, 1, ["r1"]),  # idle: pulled
+        (0.005, 2, ["r1"]),  # the last pull found r1: again at once (none now)
+        (0.01, 2, ["r1"]),  # r2 arrives; the last pull found none 5 ms ago: not yet
+        (0.02, 2, ["r1"]),
+        (0.03, 3, ["r1", "r2"]),  # 25 ms since: r2 taken
+        (0.035, 4, ["r1", "r2", "r3"]),  # the last pull found r2: again at once, r3 taken
+        (0.04, 5, ["r1", "r2", "r3"]),  # found r3: again (none)
+        (0.05, 5, ["r1", "r2", "r3"]),
+    ]
+
+
 def test_admission_fails_what_cannot_run():
     loop, queue, backend, _ = make_loop()
     malformed = PulledRequest("e9", None, [])
