@@ -1,9 +1,8 @@
 """The engine loop: requests in, model steps, outputs out. Runs in its own thread in the worker.
 
 Each turn: pull as many requests as the engine has room for (blocking only when idle), drain
-cancels, run one engine step, publish every sequence's new tokens in one script (sent at once,
-its answer read after the next step: the round trip overlaps that step), refresh the
-heartbeat's status, and now and then take over the requests of workers whose heartbeat
+cancels, run one engine step, publish every sequence's new tokens in one round trip, refresh
+the heartbeat's status, and now and then take over the requests of workers whose heartbeat
 expired. The heartbeat itself is written by a thread of its own (``heartbeat.py``). A write
 the transport refuses because another worker took a request over stops the request here.
 """
@@ -15,11 +14,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.protocol import EngineError, OutputMessage
+from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, EngineRequest, OutputMessage
 from llmq.common.transport import Emission, PulledRequest, Refusal
-from llmq.worker.active_request import Active, deadline_error
 from llmq.worker.backends import Backend
 from llmq.worker.coalescer import Coalescer
 from llmq.worker.engine_queue import EngineQueue
@@ -30,11 +29,21 @@ from llmq.worker.request_error import RequestError
 log = logging.getLogger(__name__)
 
 
-# While the engine is busy, a look for new requests that found none is repeated after this long,
-# not every step: a pull is a Redis round trip the step waits for, and it waits behind the step
-# write just sent (measured: 0.43 ms a token of a lone stream's 13 ms on 2 cores). A request
-# that arrives meanwhile starts at most this much later.
-BUSY_PULL_INTERVAL_S = 0.025
+@dataclass(slots=True)
+class Active:
+    request: EngineRequest
+    request_id: str
+    entry_id: str
+    deadline: float | None
+    created: float
+    started: float
+    priority: int = PRIORITY_INTERACTIVE
+    held: OutputMessage | None = None  # batch-priority tokens not yet sent
+
+
+# Batch-job requests publish (and record) their tokens in groups: nobody watches them token by
+# token, and every message costs the worker process Python time that interactive requests need.
+BATCH_EMIT_EVERY = 16
 
 
 class EngineLoop:
@@ -49,7 +58,6 @@ class EngineLoop:
         clock: Callable[[], float] = time.time,
         stall_timeout: float = 0.0,
         stream_interval_s: float = 0.0,
-        busy_pull_interval_s: float = BUSY_PULL_INTERVAL_S,
     ):
         self.backend = backend
         self.transport = transport
@@ -64,9 +72,6 @@ class EngineLoop:
         # engine with no live peer takes all it has room for: one worker given 32 prompts it
         # had cached took them 8 a step, TTFT p99 0.33 s; all at once 0.17 s.
         self.pull_per_turn = max(1, backend.max_batch_size // 8)
-        self.busy_pull_interval_s = busy_pull_interval_s
-        self._last_pull = float("-inf")
-        self._pulled_some = False  # the last pull found requests: more may wait
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()
         self.stopped = threading.Event()
@@ -76,7 +81,6 @@ class EngineLoop:
         self._last_deadline_check = 0.0
         self.grace_period = 5.0
         self._unsent: list[Emission] = []  # emissions a Redis outage kept from going out
-        self._sending: list[Emission] = []  # sent after the last step, not yet answered
         self.coalescer = Coalescer(stream_interval_s, clock)
         self._set_up = False  # the transport is set up (false at start and after an outage)
 
@@ -129,7 +133,6 @@ class EngineLoop:
         except self.transport.transient_errors as exc:
             self.transport.close()
             self._set_up = False
-            self._unsent[:0], self._sending = self._sending, []  # their answer is lost: again
             return exc
         return None
 
@@ -147,7 +150,6 @@ class EngineLoop:
                 self._step()
                 self.heartbeat.progress()
                 self._refresh_status(self.clock())
-            self._settle()
             left = list(self.active)
             for rid in left:
                 self.backend.abort(rid)
@@ -166,18 +168,13 @@ class EngineLoop:
         """Pull, cancel, check deadlines, step and emit, heartbeat, claim orphans."""
         now = self.clock()
         busy = self.backend.has_unfinished()
-        if not busy:
-            self._settle()  # the last step's write, before waiting for work
         room = self.backend.room()
-        if room > 0 and (
-            not busy or self._pulled_some or now - self._last_pull >= self.busy_pull_interval_s
-        ):
+        if room > 0:
             alone = self.transport.live_peers == 0
             pulled = self.transport.pull(
                 room if alone else min(room, self.pull_per_turn),
                 None if busy else self.idle_block_ms,
             )
-            self._last_pull, self._pulled_some = now, bool(pulled)
             if pulled:
                 self._admit(pulled)
         cancelled = self.transport.drain_cancels()
@@ -205,35 +202,18 @@ class EngineLoop:
         except Exception:  # one bad request must not fail everyone's
             log.exception("engine step failed; stepping its requests one by one")
             news = self._step_one_by_one()
-        try:
-            self._settle()  # the previous step's write, answered while this step ran
-        finally:  # this step's news kept for the next try, should Redis fail now
-            emissions = [
-                e
-                for rid, msg in news
-                if rid in self.active and (e := self._emission(rid, msg)) is not None
-            ]
-            self._unsent.extend(self.coalescer.take(emissions))
-        if self._unsent or self.coalescer.due():
-            self._publish([], later=True)
+        emissions = [e for rid, msg in news if (e := self._emission(rid, msg)) is not None]
+        if emissions or self._unsent or self.coalescer.due():
+            self._publish(emissions)
 
-    def _publish(self, emissions: list[Emission], later: bool = False) -> None:
+    def _publish(self, emissions: list[Emission]) -> None:
         """Send emissions, after any an outage held back; on failure keep them all for the
-        next try (writes are idempotent and clients drop repeats). ``later``: their refusals
-        come at the next ``_settle``."""
+        next try (writes are idempotent and clients drop repeats)."""
         self._unsent.extend(self.coalescer.take(emissions))
         if not self._unsent:
             return
-        refused = self.transport.emit(self._unsent, later)
-        self._sending = self._unsent if later else []
+        refused = self.transport.emit(self._unsent)
         self._unsent = []
-        for r in refused:
-            self._refused(r)
-
-    def _settle(self) -> None:
-        """The refusals of the writes sent ``later``."""
-        refused = self.transport.settle()
-        self._sending = []
         for r in refused:
             self._refused(r)
 
@@ -308,10 +288,25 @@ class EngineLoop:
         return result.news
 
     def _emission(self, request_id: str, msg: OutputMessage) -> Emission | None:
-        emission = self.active[request_id].emission(msg, self.transport.worker)
+        active = self.active[request_id]
+        if active.priority > PRIORITY_INTERACTIVE and msg.error is None:
+            if active.held is not None:
+                held = active.held
+                held.tokens = held.tokens + msg.tokens
+                if held.logprobs is not None or msg.logprobs is not None:
+                    held.logprobs = (held.logprobs or []) + (msg.logprobs or [])
+                held.finish_reason, held.usage = msg.finish_reason, msg.usage
+                msg = held
+            if not msg.done and len(msg.tokens) < BATCH_EMIT_EVERY:
+                active.held = msg
+                return None
+            active.held = None
         if msg.done:
             del self.active[request_id]
-        return emission
+            msg.worker = self.transport.worker
+            if msg.usage is not None and active.created:
+                msg.usage["queue_time"] = round(max(0.0, active.started - active.created), 4)
+        return Emission(request_id, active.entry_id, msg, active.request.reply_to)
 
     # ---- admission -----------------------------------------------------------------------
     def _resume(self, pulled: list[PulledRequest]) -> None:
@@ -343,7 +338,7 @@ class EngineLoop:
                 )
                 continue
             if req.deadline is not None and now > req.deadline:
-                error = deadline_error()
+                error = _deadline_error()
                 self.transport.fail(req.id, p.entry_id, len(p.prior_tokens), error, req.reply_to)
                 continue
             try:
@@ -389,7 +384,7 @@ class EngineLoop:
         for rid, a in list(self.active.items()):
             if a.deadline is not None and now > a.deadline:
                 log.info("request %s passed its deadline", rid)
-                self._abort(rid, deadline_error())
+                self._abort(rid, _deadline_error())
 
     def _refresh_status(self, now: float) -> bool:
         """Hand the heartbeat a fresh status, once per heartbeat interval."""
@@ -398,3 +393,7 @@ class EngineLoop:
         self._last_status = now
         self.heartbeat.update(self.status, self.backend.stats(), now)
         return True
+
+
+def _deadline_error() -> EngineError:
+    return EngineError("the request passed its deadline", "timeout", "deadline_exceeded")

@@ -40,14 +40,10 @@ class EngineQueue(Protocol):
     def announce_handback(self) -> None:
         """Tell the other workers this one, shutting down, left requests for them."""
 
-    def emit(self, emissions: list[Emission], later: bool = False) -> list[Refusal]:
+    def emit(self, emissions: list[Emission]) -> list[Refusal]:
         """Record and publish one step's news; a final message finishes its request. Nothing
         is written for a request another worker owns now, nor past a record that lost its
-        tail: those come back refused. ``later``: the write is sent and its refusals come
-        from the next ``settle`` (a write still in flight is settled before any other)."""
-
-    def settle(self) -> list[Refusal]:
-        """The refusals of the writes sent ``later`` since the last call."""
+        tail: those come back refused."""
 
     def fail(
         self,

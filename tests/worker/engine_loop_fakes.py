@@ -42,7 +42,6 @@ class MemoryQueue:
     cancels: list[str] = field(default_factory=list)  # for the next drain
     pulls: list[tuple[int, int | None, bool]] = field(default_factory=list)
     emitted: list[Emission] = field(default_factory=list)
-    unanswered: list[Refusal] = field(default_factory=list)  # refusals of writes sent later
     acked: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     dead: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reason)
@@ -97,23 +96,10 @@ class MemoryQueue:
     def announce_handback(self) -> None:
         self.handback_announced = True
 
-    def emit(self, emissions: list[Emission], later: bool = False) -> list[Refusal]:
+    def emit(self, emissions: list[Emission]) -> list[Refusal]:
         """Like the Redis transport's: the owner checked, tokens recorded idempotently, and a
-        record shorter than a message's index (its tail lost) refused; ``later``: the
-        refusals kept for ``settle``."""
+        record shorter than a message's index (its tail lost) refused."""
         self._call("emit")
-        refused = self._write(emissions)
-        if later:
-            self.unanswered += refused
-            return []
-        return refused
-
-    def settle(self) -> list[Refusal]:
-        self._call("settle")
-        refused, self.unanswered = self.unanswered, []
-        return refused
-
-    def _write(self, emissions: list[Emission]) -> list[Refusal]:
         refused = []
         for e in emissions:
             msg, record = e.message, self.records.setdefault(e.request_id, [])
@@ -277,7 +263,6 @@ def make_loop(
     heartbeat_ttl: float = 5.0,
     stall_timeout: float = 0.0,
     stream_interval_s: float = 0.0,
-    busy_pull_interval_s: float = 0.0,
 ) -> tuple[EngineLoop, MemoryQueue, ScriptedBackend, Clock]:
     queue, clock = MemoryQueue(), Clock()
     backend = backend or ScriptedBackend()
@@ -290,7 +275,6 @@ def make_loop(
         clock=clock,
         stall_timeout=stall_timeout,
         stream_interval_s=stream_interval_s,
-        busy_pull_interval_s=busy_pull_interval_s,
     )
     return loop, queue, backend, clock
 

@@ -8,7 +8,7 @@ import pytest
 
 from llmq.common.protocol import PRIORITY_BATCH, EngineError
 from llmq.common.transport import PulledRequest
-from llmq.worker.active_request import BATCH_EMIT_EVERY
+from llmq.worker.engine_loop import BATCH_EMIT_EVERY
 from tests.worker.engine_loop_fakes import (
     T0,
     ScriptedBackend,
@@ -58,31 +58,6 @@ def test_an_engine_with_no_live_peer_pulls_all_it_has_room_for():
     queue2.waiting = [pulled(i) for i in range(8)]
     turn(loop2)
     assert [p[:2] for p in queue2.pulls if not p[2]] == [(2, 100)]
-
-
-def test_a_busy_engine_looks_for_new_requests_every_interval_or_while_it_finds_some():
-    """While busy, a pull that found nothing is repeated after busy_pull_interval_s, not every
-    step; one that found requests is repeated at once (more may wait); idle, every turn."""
-    loop, queue, backend, clock = make_loop(busy_pull_interval_s=0.025)
-    queue.waiting = [pulled(1, 50)]
-    table = []
-    for at, arrives in ((0.0, None), (0.005, None), (0.01, 2), (0.02, None), (0.03, None),
-                        (0.035, 3), (0.04, None), (0.05, None)):  # fmt: skip
-        clock.now = T0 + at
-        if arrives is not None:
-            queue.waiting.append(pulled(arrives, 50))
-        turn(loop)
-        table.append((at, len([p for p in queue.pulls if not p[2]]), sorted(loop.active)))
-    assert table == [
-        (0.0, 1, ["r1"]),  # idle: pulled
-        (0.005, 2, ["r1"]),  # the last pull found r1: again at once (none now)
-        (0.01, 2, ["r1"]),  # r2 arrives; the last pull found none 5 ms ago: not yet
-        (0.02, 2, ["r1"]),
-        (0.03, 3, ["r1", "r2"]),  # 25 ms since: r2 taken
-        (0.035, 4, ["r1", "r2", "r3"]),  # the last pull found r2: again at once, r3 taken
-        (0.04, 5, ["r1", "r2", "r3"]),  # found r3: again (none)
-        (0.05, 5, ["r1", "r2", "r3"]),
-    ]
 
 
 def test_admission_fails_what_cannot_run():
@@ -218,30 +193,11 @@ def test_a_transient_error_makes_the_loop_set_up_again_and_resend():
         (None, "NoneType", 2, 1, [0, 1, 2]),  # set up again; step 1 resent before step 2
         ("pull", "Outage", 2, 2, [0, 1, 2]),  # no step
         ("setup", "Outage", 2, 3, [0, 1, 2]),  # not set up: no step
-        # Step 2's write was in flight when the pull failed (its answer never read): sent
-        # again before step 3's (clients drop repeats).
-        (None, "NoneType", 3, 3, [0, 1, 2, 2, 3]),
+        (None, "NoneType", 3, 3, [0, 1, 2, 3]),
     ]
     # Each setup asked for the requests this worker holds; they were running already.
     assert [p for p in queue.pulls if p[2]] == [(64, None, True)] * 3
     assert sorted(loop.active) == ["r1", "r2"] and queue.running == ["r1", "r2"]
-
-
-def test_an_outage_while_the_last_write_is_answered_keeps_this_steps_tokens():
-    """The step's write is answered after the next step: when reading that answer fails, the
-    tokens of both steps go out again once Redis is back, none lost, in order."""
-    loop, queue, backend, clock = make_loop()
-    queue.waiting = [pulled(1, 6)]
-    turn(loop)
-    turn(loop)
-    queue.outage_in = "settle"
-    assert type(loop.turn()).__name__ == "Outage"
-    for _ in range(5):
-        turn(loop)
-    indices = [m.index for m in queue.messages("r1")]
-    assert indices == [0, 1, 1, 2, 3, 4, 5]  # step 1's write sent again with step 2's
-    assert queue.records["r1"] == [token("r1", i) for i in range(6)]
-    assert queue.acked == ["e1"] and loop.active == {}
 
 
 # ---- shutdown ----------------------------------------------------------------------------

@@ -97,7 +97,6 @@ class EngineTransport:
         self._pubsub.subscribe(self.keys.cancel)
 
     def close(self) -> None:
-        self.writer.reset()
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 self._pubsub.close()
@@ -240,15 +239,11 @@ class EngineTransport:
         self.r.publish(self.keys.cancel, HANDBACK_PREFIX + self.worker)
 
     # ---- outputs back ----------------------------------------------------------------
-    def emit(self, emissions: list[Emission], later: bool = False) -> list[Refusal]:
+    def emit(self, emissions: list[Emission]) -> list[Refusal]:
         """Record and publish one step's news for every request, one script a step
         (``StepWriter``). The writes refused: the requests another worker owns now, and
-        those whose record lost its tail; ``later``: sent, its refusals from ``settle``."""
-        return self.writer.emit(emissions, later) if emissions else []
-
-    def settle(self) -> list[Refusal]:
-        """The refusals of the writes sent ``later`` (and of any settled on the way)."""
-        return self.writer.settle()
+        those whose record lost its tail."""
+        return self.writer.emit(emissions) if emissions else []
 
     def fail(
         self,

@@ -76,15 +76,6 @@ class _Op:
 
 
 @dataclass(slots=True)
-class _InFlight:
-    """A step's write sent and not yet answered: what its answer settles."""
-
-    sent: list[_Sent]
-    ops: list[_Op]
-    move: bool
-
-
-@dataclass(slots=True)
 class _Sent:
     """One emission as it goes out: the request's channel and key there, its frame value."""
 
@@ -119,26 +110,10 @@ class StepWriter:
         self._length: int | None = None  # the log's length as this worker left it
         self._steps = 0
         self._refreshed = 0.0  # when the log's TTL was last set
-        # A step's write can go out unanswered and be settled after the next model step: its
-        # round trip (1.1 ms wall for 0.36 ms of CPU on a 2-core host, the rest waiting for a
-        # core while the API and the client take the token) then overlaps that step instead
-        # of delaying it. One connection of its own, so that nothing else reads its answer;
-        # none on a cluster (redis-py's cluster client hands out no connection).
-        self._pool = getattr(client, "connection_pool", None)
-        self._conn = None
-        self._in_flight: _InFlight | None = None
-        self._settled: list[Refusal] = []  # refusals of writes settled on the way
 
     def reset(self) -> None:
-        """After an outage: the log to check, a write in flight forgotten (the loop sends its
-        emissions again)."""
+        """After an outage: the log to check."""
         self._length = None
-        self._in_flight = None
-        self._settled = []
-        if self._conn is not None:
-            self._conn.disconnect()
-            self._pool.release(self._conn)
-            self._conn = None
 
     def hold(self, request_id: str, entry_id: str, reply_to: str, recorded: int) -> None:
         self.held[request_id] = self._held(request_id, entry_id, reply_to, recorded)
@@ -153,12 +128,7 @@ class StepWriter:
         self.held.pop(request_id, None)
 
     # ---- one step ------------------------------------------------------------------------
-    def emit(self, emissions: list[Emission], later: bool = False) -> list[Refusal]:
-        """Write one step's emissions; the refusals. ``later``: send the write and settle it
-        at the next call (``settle``), its refusals then; a write in flight is settled first
-        either way (its refusals kept for ``settle``)."""
-        if self._in_flight is not None:
-            self._settled += self._settle_in_flight()
+    def emit(self, emissions: list[Emission]) -> list[Refusal]:
         sent, ops = self._apply(emissions)
         if not sent and not ops:
             return []
@@ -172,28 +142,7 @@ class StepWriter:
             ]
         if self._length is None:
             return self._write_alone(sent, ops)
-        if later and self._pool is not None:
-            if self._conn is None:
-                self._conn = self._pool.get_connection()
-            self._conn.send_command("EVALSHA", *self._step_args(sent, ops, move))
-            self._in_flight = _InFlight(sent, ops, move)
-            return []
-        return self._answered(self.r.evalsha(*self._step_args(sent, ops, move)), sent, ops, move)
-
-    def settle(self) -> list[Refusal]:
-        """The refusals of the writes sent since the last call, the one in flight read."""
-        if self._in_flight is not None:
-            self._settled += self._settle_in_flight()
-        refused, self._settled = self._settled, []
-        return refused
-
-    def _settle_in_flight(self) -> list[Refusal]:
-        flight, self._in_flight = self._in_flight, None
-        return self._answered(self._conn.read_response(), flight.sent, flight.ops, flight.move)
-
-    def _answered(self, reply: list, sent: list[_Sent], ops: list[_Op], move: bool) -> list:
-        """A step's write answered: on from the log's new length, or every request written
-        alone where the log changed under this worker."""
+        reply = self._step(sent, ops, move)
         if as_text(reply[0]) == "check":
             return self._write_alone(sent, ops)
         self._length = int(reply[0])
@@ -221,8 +170,7 @@ class StepWriter:
                 ops.append(_Op(e.request_id, held, msg if msg.done else None, encoded))
         return sent, ops
 
-    def _step_args(self, sent: list[_Sent], ops: list[_Op], move: bool) -> list:
-        """STEP_SCRIPT's SHA, keys and arguments (scripts.py)."""
+    def _step(self, sent: list[_Sent], ops: list[_Op], move: bool) -> list:
         channels: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for s in sent:
             channels[s.channel].append((s.key, s.value))
@@ -242,7 +190,7 @@ class StepWriter:
             k = self.keys
             keys += [k.req(op.request_id), k.tokens(op.request_id)]
             args += _op_args(op)
-        return [self._sha(self._step_script), len(keys), *keys, *args]
+        return self.r.evalsha(self._sha(self._step_script), len(keys), *keys, *args)
 
     def _settle(self, ops: list[_Op], refused: dict[int, str]) -> list[Refusal]:
         """Bookkeeping after a step: tails moved, requests ended, refusals for the loop."""
