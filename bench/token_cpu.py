@@ -43,21 +43,10 @@ def roles(root: int) -> dict[str, list[int]]:
     return found
 
 
-def ticks(pids: list[int]) -> int:
-    now = tree_ticks()
-    return sum(now.get(p, 0) for p in pids)
-
-
-def tree_ticks() -> dict[int, int]:
-    out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                rest = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[int(d.name)] = int(rest[11]) + int(rest[12])
-    return out
+def cpu_ticks(root: int, procs: dict[str, list[int]]) -> dict[str, int]:
+    """CPU ticks each role has used, from one read of the server's process tree."""
+    now = tree(root)
+    return {role: sum(now.get(p, 0) for p in pids) for role, pids in procs.items()}
 
 
 def measure(server: Server, args, seed: int, requests: int) -> dict:
@@ -65,14 +54,14 @@ def measure(server: Server, args, seed: int, requests: int) -> dict:
     process); the CPU each role spent per output token."""
     load = {"concurrency": 1, "prompt": args.prompt, "output": args.output, "requests": requests}
     argv = bench_argv(server.base, server.model, load, f"token_cpu {seed}", seed)
-    procs = roles(server.proc.pid)
-    before = {role: ticks(pids) for role, pids in procs.items()}
+    root = server.proc.pid
+    procs = roles(root)
+    before = cpu_ticks(root, procs)
     cpu0 = time.thread_time()  # the client runs on this thread (the sampler on its own)
     summary = run_bench(argv, progress=False)["summary"]
     tokens = summary["output_tokens"]
-    per_token = {
-        role: (ticks(pids) - before[role]) / CLK * 1e3 / tokens for role, pids in procs.items()
-    }
+    after = cpu_ticks(root, procs)
+    per_token = {role: (after[role] - before[role]) / CLK * 1e3 / tokens for role in procs}
     per_token["client"] = (time.thread_time() - cpu0) * 1e3 / tokens
     return {"summary": summary, "cpu_ms_per_token": per_token}
 
