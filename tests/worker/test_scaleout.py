@@ -349,13 +349,13 @@ def test_three_workers_one_joining_late(llama_dir, tmp_path):
             took_work = asyncio.Event()
             async with httpx.AsyncClient(timeout=300) as http:
                 feeding = asyncio.create_task(feed(http, took_work))
-                await asyncio.to_thread(
-                    wait_for, lambda: r.xlen(stream) >= 30, 30, "a backlog", 0.05
-                )
-                w3 = await asyncio.to_thread(
-                    start_worker, server.url, llama_dir, "w3", tmp_path, wait=False, **settings
-                )
                 try:
+                    await asyncio.to_thread(
+                        wait_for, lambda: r.xlen(stream) >= 30, 30, "a backlog", 0.05
+                    )
+                    w3 = await asyncio.to_thread(
+                        start_worker, server.url, llama_dir, "w3", tmp_path, wait=False, **settings
+                    )
                     joined = await asyncio.to_thread(
                         wait_for,
                         lambda: r.exists("llmq:engines:w3") and time.monotonic(),
