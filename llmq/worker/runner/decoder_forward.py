@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from llmq.worker.runner.attention import StepMetadata, paged_attention
-from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout, Linear, can_pack, panels_fit
+from llmq.worker.runner.packed_linear import (
+    LAYOUT_CODES,
+    Layout,
+    Linear,
+    can_pack,
+    choose_panel_sums,
+    panels_fit,
+)
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "mistral"}
 # Where llmq's C++ ops are loaded, a step runs every layer in one C++ call
@@ -157,6 +164,8 @@ class DecoderForward:
         # bfloat16 on CPU: weights packed once, for llmq's matmul or oneDNN's.
         self.layout = layout = _layout(layers[0], pack, kernels)
         self.packed = layout != "plain"
+        if layout == "panels":
+            choose_panel_sums()
         fused: set[int] = set()  # storages of the fused weights (unpacked)
         self.layers: list[_Layer] = []
         for layer in layers:

@@ -1,8 +1,9 @@
 """llmq's bfloat16 matmul over its own weight panels (``kernels/panel_matmul.cpp``): within one
 bfloat16 rounding (plus float32 summation error) of the product in float64, for every row count
 around its 8-row passes, widths that end inside a panel, biases, strided inputs, one and two
-threads; malformed operands refused; and a forward whose projections use it as close to float32
-as the oneDNN-packed one."""
+threads, with either of its sums (vdpbf16ps or float32 FMAs), which give the same bits; the
+faster sums chosen once; malformed operands refused; and a forward whose projections use it as
+close to float32 as the oneDNN-packed one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.runner import cpu_kernels, decoder_forward
-from llmq.worker.runner.packed_linear import Linear, panels, panels_fit
+from llmq.worker.runner.packed_linear import Linear, choose_panel_sums, panels, panels_fit
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +25,15 @@ def kernels():
     assert cpu_kernels.load(), "the kernels did not build (is g++ installed?)"
     if not torch.ops.llmq.panel_matmul_available():
         pytest.skip("this CPU has no AVX512-BF16")
+
+
+@pytest.fixture
+def sums(request):
+    """The kernel's sums set to ``request.param`` ("dot" or "fma") for the test, then back."""
+    before = torch.ops.llmq.panel_matmul_fma()
+    torch.ops.llmq.panel_matmul_set_fma(request.param == "fma")
+    yield request.param
+    torch.ops.llmq.panel_matmul_set_fma(before)
 
 
 def assert_close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias) -> None:
@@ -38,11 +48,12 @@ def assert_close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b
     assert (error <= allowed).all(), f"worst excess {(error - allowed).max().item()}"
 
 
+@pytest.mark.parametrize("sums", ["dot", "fma"], indirect=True)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 40])
 @pytest.mark.parametrize("out_features, in_features", [(64, 576), (100, 64), (31, 2), (33, 258)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_the_exact_product(rows, out_features, in_features, with_bias, threads):
+def test_matches_the_exact_product(rows, out_features, in_features, with_bias, threads, sums):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
@@ -59,6 +70,34 @@ def test_matches_the_exact_product(rows, out_features, in_features, with_bias, t
     wide[::2, 3 : 3 + in_features] = x
     strided = wide[::2, 3 : 3 + in_features]
     assert torch.equal(torch.ops.llmq.panel_matmul(strided, panels(w), out_features, bias), got)
+
+
+@pytest.mark.parametrize("rows", [8, 9, 16, 23, 64, 130])
+@pytest.mark.parametrize("out_features, in_features", [(96, 576), (50, 1536), (33, 2)])
+def test_both_sums_give_the_same_bits(rows, out_features, in_features):
+    """The float32 FMAs add each pair's products in vdpbf16ps's order, one rounding each: the
+    same sums, so the same output, wherever no denormal occurs."""
+    g = torch.Generator().manual_seed(rows + in_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = (torch.randn(rows, in_features, generator=g) * 3).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    before = torch.ops.llmq.panel_matmul_fma()
+    try:
+        got = {}
+        for fma in (False, True):
+            torch.ops.llmq.panel_matmul_set_fma(fma)
+            got[fma] = torch.ops.llmq.panel_matmul(x, panels(w), out_features, bias)
+    finally:
+        torch.ops.llmq.panel_matmul_set_fma(before)
+    assert torch.equal(got[False], got[True])
+    assert_close_to_exact(got[True], x, w, bias)
+
+
+def test_the_faster_sums_are_chosen_once():
+    choice = choose_panel_sums()
+    assert choice in ("dot", "fma")
+    assert torch.ops.llmq.panel_matmul_fma() == (choice == "fma")
+    assert choose_panel_sums() == choice  # timed once per process
 
 
 def test_linear_with_panels_is_the_kernel():

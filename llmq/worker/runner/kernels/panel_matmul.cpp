@@ -25,7 +25,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -36,24 +40,18 @@ namespace {
 
 constexpr int64_t kPanel = 32;   // output columns per panel: two vectors of 16 float32 lanes
 constexpr int64_t kMaxRows = 8;  // rows a panel's pass keeps in registers (2 sums each)
+// Fewer rows than this take vdpbf16ps whichever sums were chosen: per weight read the FMAs cost
+// three times the instructions, and at 1-3 rows (a decode's, memory-bound) they were even to
+// 1.35x slower; from 8 rows they were 1.15-1.6x faster where they won (1536 x 576 at 8 rows:
+// 67 us against 92; at 128 rows 271 GFLOP/s against 167).
+constexpr int64_t kFmaMinRows = 8;
 
 #if defined(__AVX512BF16__)
-// Rows [0, R) of x (K / 2 pairs each, x_stride pairs apart) times one panel, into out's columns
-// [0, cols) (cols <= 32), plus the bias where given.
+// Each row's sums for one panel, rounded to bfloat16 with the bias added, into out's columns
+// [0, cols) (cols <= 32).
 template <int R>
-void panel_pass(const uint32_t* w, const uint32_t* x, int64_t x_stride, int64_t pairs,
-                const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t cols) {
-  __m512 sum[R][2];
-  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pairs; ++k) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * kPanel);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k * kPanel + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + k]));
-      sum[r][0] = _mm512_dpbf16_ps(sum[r][0], w0, xr);
-      sum[r][1] = _mm512_dpbf16_ps(sum[r][1], w1, xr);
-    }
-  }
+void store_rows(const __m512 (&sum)[R][2], const at::BFloat16* bias, at::BFloat16* out,
+                int64_t out_stride, int64_t cols) {
   for (int half = 0; half < 2; ++half) {
     const int64_t n = cols - half * 16;
     if (n <= 0) break;
@@ -70,15 +68,85 @@ void panel_pass(const uint32_t* w, const uint32_t* x, int64_t x_stride, int64_t 
   }
 }
 
-void panel_rows(int64_t rows, const uint32_t* w, const uint32_t* x, int64_t x_stride, int64_t pairs,
+// Rows [0, R) of x (K / 2 bfloat16 pairs each, x_stride pairs apart) times one panel, with
+// vdpbf16ps.
+template <int R>
+void panel_pass(const uint32_t* w, const uint32_t* x, int64_t x_stride, int64_t pairs,
+                const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t cols) {
+  __m512 sum[R][2];
+  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + k]));
+      sum[r][0] = _mm512_dpbf16_ps(sum[r][0], w0, xr);
+      sum[r][1] = _mm512_dpbf16_ps(sum[r][1], w1, xr);
+    }
+  }
+  store_rows<R>(sum, bias, out, out_stride, cols);
+}
+
+// The same with float32 FMAs: each bfloat16 widened to the float32 whose top half it is (exact),
+// x widened too, its eight rows interleaved (x[k * 8 + r]: a pair's broadcasts read one cache
+// line, not eight rows). vdpbf16ps adds a pair's odd product, then its even one, each product
+// exact in float32 and each add rounded once: so do these FMAs, and the sums equal vdpbf16ps's
+// wherever no denormal occurs (vdpbf16ps flushes those to zero).
+template <int R>
+void panel_pass_fma(const uint32_t* w, const float* x, int64_t pairs, const at::BFloat16* bias,
+                    at::BFloat16* out, int64_t out_stride, int64_t cols) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 sum[R][2];
+  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    const __m512i w0 = _mm512_loadu_si512(w + k * kPanel);
+    const __m512i w1 = _mm512_loadu_si512(w + k * kPanel + 16);
+    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+    const float* xe = x + 2 * k * kMaxRows;
+    const float* xo = xe + kMaxRows;
+    for (int r = 0; r < R; ++r) {
+      const __m512 o = _mm512_set1_ps(xo[r]), e = _mm512_set1_ps(xe[r]);
+      sum[r][0] = _mm512_fmadd_ps(even0, e, _mm512_fmadd_ps(odd0, o, sum[r][0]));
+      sum[r][1] = _mm512_fmadd_ps(even1, e, _mm512_fmadd_ps(odd1, o, sum[r][1]));
+    }
+  }
+  store_rows<R>(sum, bias, out, out_stride, cols);
+}
+
+// x [rows, K] bfloat16 widened to float32 in groups of eight rows, each group [K][8] (the
+// last one's missing rows left as they are: no pass reads them).
+void widen_rows(const at::BFloat16* x, int64_t rows, int64_t k, std::vector<float>& out) {
+  out.resize(((rows + kMaxRows - 1) / kMaxRows) * kMaxRows * k);
+  const auto* bits = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* group = out.data() + (r / kMaxRows) * kMaxRows * k + r % kMaxRows;
+    for (int64_t i = 0; i < k; ++i) {
+      const uint32_t f = static_cast<uint32_t>(bits[r * k + i]) << 16;
+      std::memcpy(group + i * kMaxRows, &f, sizeof f);
+    }
+  }
+}
+
+// Rows [0, rows) through one panel, eight at a time; X is uint32_t (bfloat16 pairs, for
+// vdpbf16ps) or float (for the FMAs).
+template <typename X>
+void panel_rows(int64_t rows, const uint32_t* w, const X* x, int64_t x_stride, int64_t pairs,
                 const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t cols) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const uint32_t* xr = x + r0 * x_stride;
+    // vdpbf16ps reads rows x_stride pairs apart; the FMAs their group of eight, [K][8].
+    const X* xr = x + r0 * x_stride;
     at::BFloat16* o = out + r0 * out_stride;
     switch (std::min(rows - r0, kMaxRows)) {
-#define LLMQ_PASS(R)                                                  \
-  case R:                                                             \
-    panel_pass<R>(w, xr, x_stride, pairs, bias, o, out_stride, cols); \
+#define LLMQ_PASS(R)                                                              \
+  case R:                                                                         \
+    if constexpr (std::is_same_v<X, float>) {                                     \
+      panel_pass_fma<R>(w, xr, pairs, bias, o, out_stride, cols);                 \
+    } else {                                                                      \
+      panel_pass<R>(w, xr, x_stride, pairs, bias, o, out_stride, cols);           \
+    }                                                                             \
     break;
       LLMQ_PASS(1)
       LLMQ_PASS(2)
@@ -95,6 +163,16 @@ void panel_rows(int64_t rows, const uint32_t* w, const uint32_t* x, int64_t x_st
 #endif
 
 }  // namespace
+
+// Which sums the panels take: vdpbf16ps, or float32 FMAs on widened halves (the same sums). The
+// faster one depends on the CPU: on a 2-core AVX512-BF16 host here one core ran 1.1-1.4 G
+// vdpbf16ps a second (72-87 GFLOP/s) and 5.5 G float32 FMAs (176 GFLOP/s); a prompt's
+// projections are compute-bound, so packed_linear.choose_panel_sums times both at load.
+std::atomic<bool> use_fma{false};
+
+void panel_matmul_set_fma(bool fma) { use_fma.store(fma); }
+
+bool panel_matmul_fma() { return use_fma.load(); }
 
 bool panel_matmul_available() {
 #if defined(__AVX512BF16__)
@@ -130,10 +208,21 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& panels, int64_
   const at::BFloat16* bp = bias ? bias->const_data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t panel_words = pairs * kPanel;
+  const bool fma = rows >= kFmaMinRows && use_fma.load(std::memory_order_relaxed);
+  // x widened once per call, into a buffer each calling thread keeps (a decode step's 120 calls
+  // would otherwise allocate 120 tensors).
+  thread_local std::vector<float> widened;
+  if (fma) widen_rows(x.const_data_ptr<at::BFloat16>(), rows, 2 * pairs, widened);
+  const float* xfp = widened.data();
   auto run = [&](int64_t p) {
-    const int64_t col = p * kPanel;
-    panel_rows(rows, wp + p * panel_words, xp, pairs, pairs, bp ? bp + col : nullptr, op + col,
-               out_features, std::min(kPanel, out_features - col));
+    const int64_t col = p * kPanel, cols = std::min(kPanel, out_features - col);
+    const at::BFloat16* b = bp ? bp + col : nullptr;
+    if (fma) {
+      panel_rows(rows, wp + p * panel_words, xfp, 2 * pairs, pairs, b, op + col, out_features,
+                 cols);
+    } else {
+      panel_rows(rows, wp + p * panel_words, xp, pairs, pairs, b, op + col, out_features, cols);
+    }
   };
   const int threads = std::min<int64_t>(at::get_num_threads(), count);
   if (threads <= 1 || at::in_parallel_region()) {
@@ -150,6 +239,8 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& panels, int64_
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def("panel_matmul_available() -> bool", &llmq::panel_matmul_available);
+  m.def("panel_matmul_set_fma(bool fma) -> ()", &llmq::panel_matmul_set_fma);
+  m.def("panel_matmul_fma() -> bool", &llmq::panel_matmul_fma);
   m.def("panel_matmul(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.impl("panel_matmul", c10::DispatchKey::CPU, &llmq::panel_matmul);
 }
