@@ -54,6 +54,7 @@ class RedisServer:
         port: int | None = None,
         host: str = "127.0.0.1",
         appendonly: bool = False,
+        appendfsync: str = "always",
         password: str | None = None,
         data_dir: str | Path | None = None,
         extra_args: list[str] | None = None,
@@ -66,6 +67,7 @@ class RedisServer:
         self.host = host
         self.port = port or free_port(host)
         self.appendonly = appendonly
+        self.appendfsync = appendfsync  # with appendonly: always, everysec or no
         self.password = password
         self._tmp = None
         if data_dir is None:
@@ -102,7 +104,7 @@ class RedisServer:
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "always" if self.appendonly else "everysec",
+            "--appendfsync", self.appendfsync,
             # With a password, protected mode stays on: nothing answers without it.
             "--protected-mode", "yes" if self.password else "no",
             "--daemonize", "no",

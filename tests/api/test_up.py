@@ -45,14 +45,18 @@ def test_llmq_up_plans_workers_per_gpu_or_one_on_a_cpu():
 
 
 def assert_embedded_redis_is_locked(state_dir: Path, cmdlines: str, log: str) -> None:
-    """`llmq up`'s Redis password is in its state file and in no command line (`ps`) or log.
-    (How that Redis refuses clients without it: tests/faults/test_unauthenticated_redis.py.)"""
+    """`llmq up`'s Redis password is in its state file and in no command line (`ps`) or log
+    (how that Redis refuses clients without it: tests/faults/test_unauthenticated_redis.py);
+    it keeps an AOF, written before each answer and fsynced once a second."""
     state_file = state_dir / f"llmq-up-{os.getuid()}.json"
     assert state_file.stat().st_mode & 0o777 == 0o600
     url = json.loads(state_file.read_text())["redis_url"]
     password = redis.connection.parse_url(url)["password"]
     assert len(password) >= 24 and password not in cmdlines and password not in log
-    assert redis.Redis.from_url(url).ping()
+    embedded = redis.Redis.from_url(url, decode_responses=True)
+    assert embedded.ping()
+    persistence = embedded.config_get("append*")
+    assert (persistence["appendonly"], persistence["appendfsync"]) == ("yes", "everysec")
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
