@@ -13,9 +13,10 @@
 // sums each in registers); the panel stays in cache for the next eight, so the same loop serves
 // prompt chunks at oneDNN's pace or better (up to 436 GFLOP/s at 256 rows).
 //
-// Sums in float32 (vdpbf16ps: pairs of bfloat16 products added to a float32 lane), then the bias,
-// one rounding to bfloat16. Not oneDNN's summation order: its output differs from F.linear's by
-// roundings, as any other bfloat16 matmul's does.
+// Sums in float32 (vdpbf16ps: pairs of bfloat16 products added to a float32 lane; or, where the
+// CPU runs them faster, float32 FMAs that add the same products in the same order), then the
+// bias, one rounding to bfloat16. Not oneDNN's summation order: its output differs from
+// F.linear's by roundings, as any other bfloat16 matmul's does.
 
 #include "vec.h"  // first: it sets the ISA ATen's headers compile for
 
@@ -209,8 +210,8 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& panels, int64_
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t panel_words = pairs * kPanel;
   const bool fma = rows >= kFmaMinRows && use_fma.load(std::memory_order_relaxed);
-  // x widened once per call, into a buffer each calling thread keeps (a decode step's 120 calls
-  // would otherwise allocate 120 tensors).
+  // x widened once per call, into a buffer each calling thread keeps (a step's 121 projections
+  // would otherwise allocate as many).
   thread_local std::vector<float> widened;
   if (fma) widen_rows(x.const_data_ptr<at::BFloat16>(), rows, 2 * pairs, widened);
   const float* xfp = widened.data();
