@@ -82,11 +82,10 @@ def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
     a cache holds. GB/s and GFLOP/s: the faster sums'."""
     import torch
 
-    from llmq.worker.runner.packed_linear import Linear
+    from llmq.worker.runner.packed_linear import Linear, panel_sums
 
     print(f"{'projection':<12}{'rows':>6}{'oneDNN us':>11}{'dot us':>9}{'fma us':>9}"
           f"{'oneDNN/best':>13}{'GB/s':>7}{'GFLOP/s':>9}")  # fmt: skip
-    before = torch.ops.llmq.panel_matmul_fma()
     for out_f, in_f in PROJECTIONS:
         n = max(2, bytes_cycled // (2 * out_f * in_f))
         weights = [torch.randn(out_f, in_f).bfloat16() for _ in range(n)]
@@ -96,22 +95,21 @@ def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
             us = {}
             for name, kind, fma in (("oneDNN", "onednn", False), ("dot", "panels", False),
                                     ("fma", "panels", True)):  # fmt: skip
-                torch.ops.llmq.panel_matmul_set_fma(fma)
                 linears = kinds[kind]
-                for lin in linears[:2]:
-                    lin(x)
-                start = time.perf_counter()
-                for _ in range(3):
-                    for lin in linears:
+                with panel_sums(fma):
+                    for lin in linears[:2]:
                         lin(x)
-                us[name] = (time.perf_counter() - start) / (3 * n) * 1e6
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        for lin in linears:
+                            lin(x)
+                    us[name] = (time.perf_counter() - start) / (3 * n) * 1e6
             best = min(us["dot"], us["fma"])
             gbs = out_f * in_f * 2 / best / 1e3
             gflops = 2 * rows * out_f * in_f / best / 1e3
             print(f"{out_f}x{in_f:<7}{rows:>6}{us['oneDNN']:>11.1f}{us['dot']:>9.1f}"
                   f"{us['fma']:>9.1f}{us['oneDNN'] / best:>12.2f}x{gbs:>7.1f}"
                   f"{gflops:>9.0f}")  # fmt: skip
-    torch.ops.llmq.panel_matmul_set_fma(before)
 
 
 def main(argv=None) -> int:

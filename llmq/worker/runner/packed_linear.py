@@ -21,9 +21,11 @@ output differs by roundings.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -69,6 +71,18 @@ def panels_fit(weight: torch.Tensor) -> bool:
 _panel_sums: str | None = None
 
 
+@contextlib.contextmanager
+def panel_sums(fma: bool) -> Iterator[None]:
+    """The matmul's sums set to float32 FMAs (or vdpbf16ps) inside the block, as they were
+    after it."""
+    before = torch.ops.llmq.panel_matmul_fma()
+    torch.ops.llmq.panel_matmul_set_fma(fma)
+    try:
+        yield
+    finally:
+        torch.ops.llmq.panel_matmul_set_fma(before)
+
+
 def choose_panel_sums(repeats: int = 5) -> str:
     """Time the matmul's two sums, vdpbf16ps ("dot") and float32 FMAs ("fma", the same sums),
     on a prompt chunk's shape (64 rows of a 576-wide input into 1,536 outputs), alternating,
@@ -84,10 +98,10 @@ def choose_panel_sums(repeats: int = 5) -> str:
     best = {False: float("inf"), True: float("inf")}
     for _ in range(repeats):
         for fma in best:
-            torch.ops.llmq.panel_matmul_set_fma(fma)
-            start = time.perf_counter()
-            torch.ops.llmq.panel_matmul(x, weight, 1536, None)
-            best[fma] = min(best[fma], time.perf_counter() - start)
+            with panel_sums(fma):
+                start = time.perf_counter()
+                torch.ops.llmq.panel_matmul(x, weight, 1536, None)
+                best[fma] = min(best[fma], time.perf_counter() - start)
     fma = best[True] < 0.9 * best[False]
     torch.ops.llmq.panel_matmul_set_fma(fma)
     _panel_sums = "fma" if fma else "dot"

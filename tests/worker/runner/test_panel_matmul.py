@@ -15,7 +15,13 @@ from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.runner import cpu_kernels, decoder_forward
-from llmq.worker.runner.packed_linear import Linear, choose_panel_sums, panels, panels_fit
+from llmq.worker.runner.packed_linear import (
+    Linear,
+    choose_panel_sums,
+    panel_sums,
+    panels,
+    panels_fit,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -30,10 +36,8 @@ def kernels():
 @pytest.fixture
 def sums(request):
     """The kernel's sums set to ``request.param`` ("dot" or "fma") for the test, then back."""
-    before = torch.ops.llmq.panel_matmul_fma()
-    torch.ops.llmq.panel_matmul_set_fma(request.param == "fma")
-    yield request.param
-    torch.ops.llmq.panel_matmul_set_fma(before)
+    with panel_sums(request.param == "fma"):
+        yield request.param
 
 
 def assert_close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias) -> None:
@@ -81,14 +85,10 @@ def test_both_sums_give_the_same_bits(rows, out_features, in_features):
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = (torch.randn(rows, in_features, generator=g) * 3).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16()
-    before = torch.ops.llmq.panel_matmul_fma()
-    try:
-        got = {}
-        for fma in (False, True):
-            torch.ops.llmq.panel_matmul_set_fma(fma)
+    got = {}
+    for fma in (False, True):
+        with panel_sums(fma):
             got[fma] = torch.ops.llmq.panel_matmul(x, panels(w), out_features, bias)
-    finally:
-        torch.ops.llmq.panel_matmul_set_fma(before)
     assert torch.equal(got[False], got[True])
     assert_close_to_exact(got[True], x, w, bias)
 
