@@ -45,7 +45,9 @@ class BodyLimit:
             if name == b"content-length":
                 try:
                     if int(value) > limit:
-                        return await error_response(too_large)(scope, receive, send)
+                        return await error_response(too_large, scope.get("path", ""))(
+                            scope, receive, send
+                        )
                 except ValueError:
                     pass
         received = 0
@@ -64,14 +66,18 @@ class BodyLimit:
 
 
 def require_api_key(request: Request) -> None:
-    """Let in a request that carries one of the API keys, and name its tenant in
-    ``request.state.owner`` (the anonymous one when no key is set)."""
+    """Let in a request that carries one of the API keys (``Authorization: Bearer`` or
+    ``x-api-key``), and name its tenant in ``request.state.owner`` (the anonymous one when no
+    key is set)."""
     keys: list[tuple[bytes, str]] = request.app.state.api_keys
     if not keys:
         request.state.owner = ANONYMOUS
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" and "x-api-key" in request.headers:
+        # Anthropic's clients send the key as x-api-key.
+        scheme, token = "bearer", request.headers["x-api-key"]
     sent = token.strip().encode()
     owner = None
     # Every key compared, each in constant time, none skipped: the time taken tells nothing
@@ -80,7 +86,9 @@ def require_api_key(request: Request) -> None:
         if hmac.compare_digest(sent, key):
             owner = tenant
     if scheme.lower() != "bearer" or owner is None:
-        raise AuthenticationFailed("a valid API key is required: Authorization: Bearer <key>")
+        raise AuthenticationFailed(
+            "a valid API key is required: Authorization: Bearer <key> (or x-api-key: <key>)"
+        )
     request.state.owner = owner
 
 
