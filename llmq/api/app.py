@@ -98,16 +98,19 @@ def _include_routes(app: FastAPI) -> None:
         completions_routes,
         embeddings_routes,
         health,
+        messages_routes,
         models_routes,
+        ollama_routes,
         playground,
+        rerank_routes,
         responses_routes,
         tokenizer_routes,
     )
 
     app.include_router(health.router)
     app.include_router(playground.router)
-    keyed = (models_routes, completions_routes, responses_routes, embeddings_routes)
-    for routes in (*keyed, batches_routes, tokenizer_routes):
+    keyed = (models_routes, completions_routes, responses_routes, embeddings_routes, rerank_routes)
+    for routes in (*keyed, messages_routes, ollama_routes, batches_routes, tokenizer_routes):
         app.include_router(routes.router, dependencies=[Depends(require_api_key)])
 
 

@@ -116,7 +116,9 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    endpoint: Literal[
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/v1/score"
+    ]
     completion_window: Annotated[str, Field(pattern=r"^\d{1,3}h$")] = Field(
         "24h", description="Hours the batch may take, 1h to 168h (OpenAI offers 24h)."
     )

@@ -33,6 +33,12 @@ class InvalidRequest(LLMQError):
     type = "invalid_request_error"
 
 
+class ModelNotSupported(InvalidRequest):
+    """The model's worker refused it: it needs something llmq does not implement."""
+
+    code = "model_not_supported"
+
+
 class AuthenticationFailed(LLMQError):
     status = 401
     type = "authentication_error"

@@ -8,11 +8,14 @@ Qwen2) because a default-init random model repeats one token, which would hide a
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from pathlib import Path
 from typing import Literal
 
-Arch = Literal["llama", "qwen2"]
+# `llmq make-model --arch`; the coverage tests build every architecture of model_archs.ARCHS.
+CLI_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe")
+Arch = str
 Size = Literal["tiny", "smollm2-135m"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -74,6 +77,7 @@ def _training_text(budget: int):
             return
 
 
+@functools.lru_cache(maxsize=2)
 def train_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer (so every string round-trips) with ChatML special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -101,10 +105,15 @@ def train_tokenizer(vocab_size: int):
 
 
 def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed: int = 0) -> Path:
-    """Write a random-weight model and its tokenizer to ``path``; return the path."""
+    """Write a random-weight model and its tokenizer to ``path``; return the path. ``arch``:
+    llama or qwen2 at either size, or any architecture of ``model_archs.ARCHS`` (gemma3 is
+    gemma3_text) at the tiny size."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
+    from llmq.common.model_archs import ARCHS, perturb, tiny_config
+
+    arch = "gemma3_text" if arch == "gemma3" else arch
     path = Path(path)
     shape = dict(SHAPES[size])
     tokenizer = train_tokenizer(shape["vocab_size"])
@@ -118,8 +127,11 @@ def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed
         config = LlamaConfig(**shape, **ids)
     elif arch == "qwen2":
         config = Qwen2Config(**shape, **ids, use_sliding_window=False)
+    elif arch in ARCHS and size == "tiny":
+        config = tiny_config(arch, **ids)
+        config.vocab_size = shape["vocab_size"]
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+        raise ValueError(f"unknown arch {arch!r} at size {size}; choose one of {', '.join(ARCHS)}")
 
     # Marks the folder as a demo: /v1/models and the playground label it "random weights".
     config.llmq_random_weights = True
@@ -135,6 +147,9 @@ def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, shape["initializer_range"])
+    elif arch != "llama":
+        # Norms, biases, sinks: random, so that a feature the engine ignored shows.
+        perturb(model, seed=seed)
     if size != "tiny":
         model = model.to(torch.bfloat16)
     model.generation_config = GenerationConfig(**ids)

@@ -8,7 +8,7 @@ import logging
 import time
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.errors import ModelNotFound
+from llmq.common.errors import ModelNotFound, ModelNotSupported
 from llmq.common.model_loader import load_tokenizer
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.settings import Settings
@@ -58,10 +58,11 @@ class ModelRegistry:
         return self.default_name
 
     async def get(
-        self, name: str | None, kind: str = "generate"
+        self, name: str | None, kind: str | tuple[str, ...] = "generate"
     ) -> tuple[TokenGeneratorPipeline, EngineStatus]:
         """The pipeline and a live engine for a model: 404 for a model no worker has served,
-        503 when its workers are all gone, 400 for the wrong kind of model."""
+        503 when its workers are all gone, 400 for the wrong kind of model (``kind``: generate,
+        embed or score, or a tuple of those accepted)."""
         name = name or await self.default_model()
         known = await self.known()
         if name not in known:
@@ -69,6 +70,9 @@ class ModelRegistry:
             self._known = (time.monotonic(), known)
         if name not in known:
             raise ModelNotFound(f"the model {name!r} does not exist; see /v1/models", "model")
+        refused = known[name].get("refused")
+        if refused and not any(e.model == name for e in await self.engines()):
+            raise ModelNotSupported(f"the model {name!r} is not served: {refused}", "model")
         engine = await self._probe.require_engine(name, kind)
         return await self._pipeline(name, known[name].get("source") or name), engine
 

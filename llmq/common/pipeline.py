@@ -1,15 +1,16 @@
 """TokenGeneratorPipeline: the async client of the engines, used by the API and batch tasks.
 
-It tokenizes (chat template included) in a thread pool, subscribes to the request's output
-channel before enqueueing it, and hands back a RequestStream (``request_stream.py``: incremental
-detokenizing, stop strings, cancelling the request on the engine) that reads the output through
-an OutputReader (``request_output.py``: repeats dropped, gaps filled from the request's recorded
-tokens, a clear error when the deadline passes or nothing arrives for too long).
+It tokenizes (chat template included) through a PromptEncoder (``prompt_encoder.py``: bounded
+threads, prompts refused or truncated without tokenizing them whole), subscribes to the
+request's output channel before enqueueing it, and hands back a RequestStream
+(``request_stream.py``: incremental detokenizing, stop strings, cancelling the request on the
+engine) that reads the output through an OutputReader (``request_output.py``: repeats dropped,
+gaps filled from the request's recorded tokens, a clear error when the deadline passes or
+nothing arrives for too long).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,12 +18,20 @@ from dataclasses import dataclass, field
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import EngineFailure, InvalidRequest, QueueFull, Unavailable
+from llmq.common.prompt_encoder import (
+    PromptEncoder,
+    PromptLimits,
+    TooManyTokens,
+    context_exceeded,
+)
 from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineRequest
 from llmq.common.request_output import OutputReader
 from llmq.common.request_stream import GenerationChunk, RequestStream
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.text_input import check_text
 from llmq.common.transport import AsyncTransport
+
+_KIND_NAMES = {"generate": "a generation", "embed": "an embedding", "score": "a cross-encoder"}
 
 
 @dataclass(slots=True)
@@ -57,6 +66,7 @@ class TokenGeneratorPipeline:
     ):
         self.transport = transport
         self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)
         self.model = model
         self.max_queue = max_queue
         self.request_timeout = request_timeout
@@ -69,41 +79,48 @@ class TokenGeneratorPipeline:
 
     # ---- tokenizing ------------------------------------------------------------------
     async def encode(
-        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        param: str = "prompt",
+        limits: PromptLimits | None = None,
     ) -> list[int]:
+        """The text's token ids; with ``limits``: a 400 context_length_exceeded for a prompt
+        that cannot fit (found without tokenizing it whole), or its kept tail only."""
         check_text(text, param)
-        return await asyncio.to_thread(
-            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        )
+        return await self._encode(text, add_special_tokens, param, limits)
+
+    async def _encode(
+        self, text: str, add_special_tokens: bool, param: str, limits: PromptLimits | None
+    ) -> list[int]:
+        if limits is None:
+            return await self.encoder.encode(text, add_special_tokens)
+        if limits.keep_last is not None:
+            return await self.encoder.encode(text, add_special_tokens, keep_last=limits.keep_last)
+        try:
+            return await self.encoder.encode(text, add_special_tokens, most=limits.context - 1)
+        except TooManyTokens as exc:
+            raise context_exceeded(limits.context, exc.at_least, param) from None
 
     async def encode_chat(
         self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs
     ) -> list[int]:
         """The prompt's token ids: ``messages`` (and the ``tools`` offered, when any) through
         the chat template."""
+        return await self.encode_chat_prompt(messages, tools, template_kwargs)
+
+    async def encode_chat_prompt(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        template_kwargs: dict,
+        limits: PromptLimits | None = None,
+    ) -> list[int]:
+        """``encode_chat`` with the ``limits`` of ``encode`` on the rendered text."""
         check_text(messages, "messages")
         check_text(tools, "tools")
-
-        def run() -> list[int]:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidRequest("this model has no chat template; use /v1/completions")
-            try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    tokenize=True,
-                    return_dict=False,
-                    **{"add_generation_prompt": True, **template_kwargs},
-                )
-            except Exception as exc:  # a template that rejects these messages
-                raise InvalidRequest(
-                    f"the chat template rejected the messages: {exc}", "messages"
-                ) from exc
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-
-        return await asyncio.to_thread(run)
+        text = await self.encoder.render_chat(messages, tools, template_kwargs)
+        return await self._encode(text, False, "messages", limits)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -118,15 +135,19 @@ class TokenGeneratorPipeline:
         self._engines_cache = (time.monotonic(), infos)
         return infos
 
-    async def require_engine(self, model: str, kind: str = "generate") -> EngineStatus:
+    async def require_engine(
+        self, model: str, kind: str | tuple[str, ...] = "generate"
+    ) -> EngineStatus:
+        """A live engine of ``model`` of ``kind`` (or of one of several kinds)."""
         engines = [e for e in await self.engines() if e.model == model]
         if not engines:
             raise Unavailable(f"no worker is serving {model!r} right now; retry shortly")
-        matching = [e for e in engines if e.kind == kind]
+        kinds = (kind,) if isinstance(kind, str) else kind
+        matching = [e for e in engines if e.kind in kinds]
         if not matching:
-            what = "embedding" if engines[0].kind == "embed" else "generation"
+            what = _KIND_NAMES.get(engines[0].kind, engines[0].kind)
             raise InvalidRequest(
-                f"{model!r} is a{'n' if what == 'embedding' else ''} {what} model; it cannot serve {kind} requests",
+                f"{model!r} is {what} model; it cannot serve {' or '.join(kinds)} requests",
                 "model",
                 "wrong_model_kind",
             )
@@ -207,18 +228,21 @@ class TokenGeneratorPipeline:
         timeout: float | None = None,
         model: str | None = None,
         attach: bool = False,
+        kind: str = "embed",
+        options: dict | None = None,
     ) -> EmbeddingResult:
         """Embed token-id inputs on an embeddings worker; vectors come back in input order
-        (``attach`` as for ``submit``)."""
+        (``attach`` as for ``submit``). ``kind`` "score": inputs are pairs a cross-encoder
+        scores, each answered as a vector of one."""
         request_id = request_id or uuid.uuid4().hex
         timeout = timeout or self.request_timeout
         started = time.time()
         request = EngineRequest(
             id=request_id,
             prompt_token_ids=[],
-            kind="embed",
+            kind=kind,
             inputs=[list(x) for x in inputs],
-            options={"dimensions": dimensions} if dimensions else {},
+            options={**(options or {}), **({"dimensions": dimensions} if dimensions else {})},
             model=model or self.model,
             priority=priority,
             deadline=started + timeout,

@@ -212,7 +212,7 @@ class OutputReader:
         if status == "failed":
             return OutputMessage(index=expected, tokens=[], error=_error_from_state(state)), status
         done = status == "finished"
-        if done and request.kind == "embed":
+        if done and request.kind != "generate":
             return None, status  # vectors travel only by pub/sub: wait for the message
         if len(tokens) <= expected and not done:
             return None, status

@@ -200,6 +200,28 @@ class Settings(BaseSettings):
         "is cancelled; batch lines wait however long it takes.",
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Largest HTTP request body accepted.")
+    max_messages: int = Field(
+        2048, ge=1, description="Most messages (or input items) in one chat request: 400 past it."
+    )
+    max_tools: int = Field(256, ge=0, description="Most tools offered in one request: 400 past it.")
+    tokenize_small_bytes: int = Field(
+        64 * 1024,
+        ge=0,
+        description="Inputs (a prompt, a rendered chat, embedding inputs) up to this many UTF-8 "
+        "bytes are tokenized on threads of their own, never behind larger ones.",
+    )
+    tokenize_bytes_in_flight: int = Field(
+        2 * 1024 * 1024,
+        ge=1,
+        description="Bytes of larger inputs an API process tokenizes at once (tokenizing takes "
+        "about 250 bytes of memory per byte of text); others wait for room.",
+    )
+    tokenize_wait: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds a large input waits for room to be tokenized before a 429 "
+        "tokenizer_busy with Retry-After.",
+    )
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None,
         description="How tool calls are read from a model's output under tool_choice auto: "

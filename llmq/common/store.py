@@ -17,7 +17,13 @@ from llmq.common.files_store import DEFAULT_RETENTION, Files
 from llmq.common.ids import is_id, new_id
 from llmq.common.transport.keys import Keys
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+)
 
 __all__ = ["BATCH_ENDPOINTS", "FINAL_STATES", "Store", "is_id", "new_id"]
 

@@ -9,6 +9,8 @@ def check_text(value, param: str) -> None:
     """A 400 for text that is not valid Unicode (JSON allows lone surrogates such as "\\ud800";
     tokenizers reject them with an internal error)."""
     if isinstance(value, str):
+        if value.isascii():  # no surrogate there, and no copy of a large text made to see it
+            return
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:

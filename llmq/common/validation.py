@@ -7,8 +7,11 @@ from llmq.common.errors import InvalidRequest
 
 
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    return ".".join(parts) or None
+    # FastAPI's locations start with where the value was ("body", or "query" / "path" and a
+    # parameter's name); a batch line's start with the field (which may be named "query").
+    if loc and (loc[0] == "body" or (loc[0] in ("query", "path") and len(loc) > 1)):
+        loc = loc[1:]
+    return ".".join(str(p) for p in loc) or None
 
 
 # What pydantic names the members of a union in an error's location, in words.
@@ -19,6 +22,7 @@ _UNION_MEMBERS = {
     "list[list[constrained-int]]": "an array of arrays of token ids",
     "list[TextPart]": "an array of text parts",
     "dict[str,any]": "a JSON schema object",
+    "RerankDocument": 'an object with "text"',
 }
 
 

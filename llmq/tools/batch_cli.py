@@ -20,7 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--endpoint",
         # the store's BATCH_ENDPOINTS, spelled out: importing the store (and redis) would
         # slow down every `llmq` command
-        choices=["/v1/chat/completions", "/v1/completions", "/v1/embeddings"],
+        choices=[
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/embeddings",
+            "/v1/rerank",
+            "/v1/score",
+        ],
         help="the batch's endpoint (default: the url of the file's first line)",
     )
     p.add_argument("--base-url", help="API URL (default http://LLMQ_HOST:LLMQ_PORT)")

@@ -3,6 +3,7 @@ Redis (``snapshot``) and put on one screen (``render``)."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -78,7 +79,25 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
         raw = _typed({_s(k): _s(v) for k, v in client.hgetall(keys.batch(_s(batch_id))).items()})
         if raw:
             batches.append(raw)
-    return {"queues": queues, "engines": engines, "batches": batches}
+    return {
+        "queues": queues,
+        "engines": engines,
+        "batches": batches,
+        "refused": _refused_models(client, keys),
+    }
+
+
+def _refused_models(client: redis.Redis, keys: Keys) -> list[dict]:
+    """Models a worker refused to serve (``worker/refusal.py``), with the reason."""
+    refused = []
+    for model, raw in sorted(client.hgetall(keys.models).items()):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("refused"):
+            refused.append({"model": _s(model), **record})
+    return refused
 
 
 def render(snap: dict) -> str:
@@ -102,6 +121,8 @@ def render(snap: dict) -> str:
             f"  {e['name']}: {e['model']} [{e['kind']}] {kv}, running {e['running']}, "
             f"waiting {e['waiting']}, {e['tokens_per_s']} tok/s, {e['steps_per_s']} steps/s"
         )
+    for r in snap.get("refused", []):
+        out.append(f"  REFUSED {r['model']} (worker {r.get('worker')}): {r['refused']}")
     out.append("BATCHES IN PROGRESS")
     if not snap["batches"]:
         out.append("  (none)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from llmq.common.model_factory import CLI_ARCHS
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -13,7 +15,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "trained on local text; saved with save_pretrained, so it loads like any model.",
     )
     p.add_argument("path", help="folder to write")
-    p.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    p.add_argument(
+        "--arch",
+        choices=list(CLI_ARCHS),
+        default="llama",
+        help="gemma3 (its text model), qwen3 and qwen3_moe at the tiny size only",
+    )
     p.add_argument("--size", choices=["tiny", "smollm2-135m"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run, parser=p)

@@ -44,8 +44,11 @@ class Backend(Protocol):
         """Heartbeat fields."""
 
 
+_KIND_NAMES = {"generate": "a generation", "embed": "an embedding", "score": "a cross-encoder"}
+
+
 def wrong_kind(request: EngineRequest, kind: str) -> RequestError:
-    what = "an embedding" if kind == "embed" else "a generation"
+    what = _KIND_NAMES.get(kind, kind)
     return RequestError(f"this worker serves {what} model; it cannot run {request.kind!r} requests")
 
 
@@ -223,8 +226,7 @@ class EmbeddingBackend:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        inputs = [self.pending[item.request_id].request.inputs[item.index] for item in batch]
-        vectors = self.runner.embed(inputs)
+        vectors = self._run(batch)
         self.num_steps += 1
         self.num_inputs += len(batch)
         done: list[tuple[str, OutputMessage]] = []
@@ -248,6 +250,12 @@ class EmbeddingBackend:
                     )
                 )
         return done
+
+    def _run(self, batch) -> list:
+        """The batch's vectors, in its order."""
+        return self.runner.embed(
+            [self.pending[it.request_id].request.inputs[it.index] for it in batch]
+        )
 
     def stats(self) -> dict:
         return {

@@ -89,7 +89,8 @@ class EngineStep(bootsteps.StartStopStep):
         self.thread = threading.Thread(target=serve, name="llmq-engine", daemon=True)
         self.thread.start()
         built.wait()
-        if failure:
+        if failure:  # a model that cannot load or is refused: exit 1 after Celery's shutdown
+            engine_died.set()
             raise failure[0]
         log.info("engine loop started as %s", name)
         from llmq.worker.batch.supervisor import supervise

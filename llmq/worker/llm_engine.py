@@ -82,15 +82,17 @@ class EngineConfig:
         )
 
 
-def _kv_pool_size(model, config: EngineConfig) -> KVPoolSize:
-    """The KV pool for ``model`` under ``config`` (see ``engine/kv_sizing.py``)."""
+def _kv_pool_size(model, config: EngineConfig, features=None) -> KVPoolSize:
+    """The KV pool for ``model`` under ``config`` (see ``engine/kv_sizing.py``), its keys and
+    values as wide as ``features`` (what its attention calls showed) says."""
     from llmq.worker.runner.attention import KVPool
-    from llmq.worker.runner.model_runner import model_dims
+    from llmq.worker.runner.model_runner import pool_dims
 
     text_config = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
+    dims = pool_dims(model.config, features)
     return kv_pool_size(
-        bytes_per_block=KVPool.bytes_per_block(*model_dims(model.config), config.block_size, dtype),
+        bytes_per_block=KVPool.bytes_per_block(*dims, config.block_size, dtype),
         block_size=config.block_size,
         model_limit=getattr(text_config, "max_position_embeddings", None) or 2048,
         max_model_len=config.max_model_len,
@@ -98,6 +100,21 @@ def _kv_pool_size(model, config: EngineConfig) -> KVPoolSize:
         num_blocks=config.num_blocks,
         kv_cache_memory_gb=config.kv_cache_memory_gb,
     )
+
+
+def _served_features(model):
+    """What ``model``'s attention needs; raises UnsupportedModel, naming what llmq does not
+    implement, rather than serve a wrong answer."""
+    from llmq.worker.runner.model_support import UnsupportedModel, inspect_model
+
+    features = inspect_model(model)
+    if features.refusals:
+        model_type = getattr(model.config.get_text_config(), "model_type", "unknown")
+        error = UnsupportedModel(model_type, features.refusals)
+        log.error("%s", error)
+        raise error
+    log.info("attention: %s", features)
+    return features
 
 
 @dataclass(slots=True)
@@ -138,7 +155,7 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.vocab_size = model.config.get_text_config().vocab_size
-        pool = _kv_pool_size(model, config)
+        pool = _kv_pool_size(model, config, features := _served_features(model))
         self.num_blocks = num_blocks = pool.num_blocks
         self.max_model_len = pool.max_model_len
         self.runner = ModelRunner(
@@ -153,6 +170,7 @@ class LLMEngine:
             use_kernels=config.cpu_kernels,
             max_batch_size=config.max_batch_size,
             max_model_len=self.max_model_len,
+            features=features,
         )
         self.block_manager = BlockManager(
             num_blocks,

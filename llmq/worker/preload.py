@@ -34,10 +34,12 @@ _preloaded: Preloaded | None = None
 
 def preload(settings: Settings) -> bool:
     """Load the served model into this process for the workers forked from it; False where it
-    cannot be shared (a GPU, an embeddings model): each worker then loads its own."""
+    cannot be shared (a GPU, an embeddings model, a cross-encoder): each worker then loads its
+    own."""
     global _preloaded
     import torch
 
+    from llmq.common.cross_encoder import cross_encoder_config
     from llmq.common.model_loader import (
         embedding_config,
         load_causal_lm,
@@ -47,7 +49,11 @@ def preload(settings: Settings) -> bool:
     from llmq.worker.runner import cpu_kernels
     from llmq.worker.runner.decoder_forward import attach, build_forward
 
-    if resolve_device(settings.device) != "cpu" or embedding_config(settings.model) is not None:
+    if (
+        resolve_device(settings.device) != "cpu"
+        or embedding_config(settings.model) is not None
+        or cross_encoder_config(settings.model) is not None
+    ):
         return False
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

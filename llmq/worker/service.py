@@ -21,12 +21,19 @@ def served_name(settings: Settings) -> str:
 
 
 def build_backend(settings: Settings):
-    """The generation engine, or the embeddings engine for a sentence-transformers model."""
+    """The generation engine, the embeddings engine for a sentence-transformers model, or the
+    scoring engine for a cross-encoder (a sequence-classification model of one label)."""
+    from llmq.common.cross_encoder import cross_encoder_config
     from llmq.common.model_loader import embedding_config, load_tokenizer
     from llmq.worker import preload
 
     preloaded = preload.take(settings.model)  # `llmq worker --fork`: loaded before the fork
     tokenizer = preloaded.tokenizer if preloaded else load_tokenizer(settings.model)
+    cross = cross_encoder_config(settings.model)
+    if cross is not None:
+        from llmq.worker.score_backend import build_score_backend
+
+        return build_score_backend(settings, tokenizer, cross)
     emb = embedding_config(settings.model)
     if emb is not None:
         from llmq.common.model_loader import load_encoder
@@ -73,9 +80,17 @@ def torch_threads(settings: Settings) -> int:
 def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
     import torch
 
+    from llmq.worker.runner.model_support import UnsupportedModel
+
     torch.set_num_threads(torch_threads(settings))
-    backend, model, max_model_len = build_backend(settings)
     name = served_name(settings)
+    try:
+        backend, model, max_model_len = build_backend(settings)
+    except UnsupportedModel as exc:
+        from llmq.worker.refusal import record_refusal
+
+        record_refusal(settings, name, worker_name, str(exc))
+        raise
     transport = EngineTransport(
         engine_client(settings.redis_url_or_default(), settings.redis_sentinel_master),
         keys_for(settings),

@@ -1,7 +1,7 @@
 """Agent frameworks against `llmq up`'s processes (its embedded Redis, a worker, the API): LangChain's
-ChatOpenAI and the OpenAI Agents SDK, offline, with a dummy key. The test model has random
-weights, so its free text is noise: only structured output (a schema's grammar) and forced tool
-calls give answers worth checking, and every one is validated against its schema."""
+ChatOpenAI, the OpenAI Agents SDK and pydantic-ai, offline, with a dummy key. The test model has
+random weights, so its free text is noise: only structured output (a schema's grammar) and forced
+tool calls give answers worth checking, and every one is validated against its schema."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 from contextlib import suppress
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -32,6 +33,10 @@ from agents import (
 from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.models.openai import OpenAIResponsesModel as PydanticResponsesModel
+from pydantic_ai.providers.openai import OpenAIProvider
 
 from llmq.common.redis_server import free_port
 from tests.harness import LLMQ, up_env, wait_for
@@ -57,6 +62,24 @@ class GetWeather(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     city: Literal["Paris", "Oslo", "Lima"]
+    days: int = Field(ge=1, le=9)
+
+
+class Sky(StrEnum):
+    sunny = "sunny"
+    cloudy = "cloudy"
+
+
+class Place(BaseModel):
+    city: Literal["Paris", "Oslo", "Lima"]
+    district: str = Field(max_length=8)
+
+
+class Report(BaseModel):
+    """A sub-model and an enum: both are $defs in its JSON schema."""
+
+    place: Place
+    sky: Sky
     days: int = Field(ge=1, le=9)
 
 
@@ -249,3 +272,42 @@ def test_openai_agents_default_responses_model_runs_the_tool(base, model):
     assert json.loads(call["arguments"]) == {"city": city, "days": days}
     assert requests[1]["text"]["format"]["type"] == "json_schema"
     assert isinstance(result.final_output, Forecast)
+
+
+# ---- pydantic-ai ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model_class, path",
+    [(OpenAIChatModel, "/chat/completions"), (PydanticResponsesModel, "/responses")],
+    ids=["chat", "responses"],
+)
+def test_pydantic_ai_structured_output_through_its_output_tool(base, model, model_class, path):
+    """pydantic-ai's default structured output is a tool the model must call ("required"),
+    whose parameters are the output type's schema with its $defs."""
+    requests: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path.endswith(path):
+            requests.append(json.loads(request.content))
+
+    async def run() -> Report:
+        http = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, http_client=http
+        )
+        provider = OpenAIProvider(openai_client=client)
+        agent = PydanticAgent(
+            model_class(model, provider=provider),
+            output_type=Report,
+            model_settings={"max_tokens": 150, "temperature": 0},
+        )
+        try:
+            return (await agent.run(QUESTION)).output
+        finally:
+            await http.aclose()
+
+    report = asyncio.run(run())
+    assert isinstance(report, Report) and 1 <= report.days <= 9
+    assert len(requests) == 1 and requests[0]["tool_choice"] == "required", requests
+    tool = requests[0]["tools"][0]
+    parameters = (tool.get("function") or tool)["parameters"]
+    assert {"Place", "Sky"} <= set(parameters["$defs"])

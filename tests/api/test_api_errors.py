@@ -263,6 +263,22 @@ def test_404_unknown_model(main):
     assert client(main.base).models.retrieve(main.model).id == main.model
 
 
+def test_400_rerank_and_score_on_a_generation_model(main):
+    """A generative model scores nothing: a 400 that says why (tests/api/test_rerank.py has
+    the cross-encoder's)."""
+    for path, body in (
+        ("/v1/rerank", {"query": "q", "documents": ["a", "b"]}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+    ):
+        err = assert_error(
+            httpx.post(f"{main.base}{path}", json={**body, "model": main.model}),
+            400,
+            param="model",
+            code="wrong_model_kind",
+        )
+        assert "generation model" in err["message"] and "cross-encoder" in err["message"], err
+
+
 def test_413_body_over_the_limit(main):
     base = main.api("secured", api_key=API_KEY, max_body_bytes=20000)
     auth = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}

@@ -15,51 +15,12 @@ import pytest
 import torch
 
 from llmq.common.redis_server import RedisServer
+from tests.api.embedding_texts import LONG_TEXT, make_texts
 from tests.harness import start_api, start_worker, wait_worker
 
 MAX_TOKENS = 256  # the model's max_seq_length
 DIMS = 384
 COSINE = 0.9999
-
-_VOCABULARY = """
-the a of river mountain quickly slowly bright dark engine server queue token vector model
-garden window paper music teacher student ocean storm coffee morning evening city forest
-bicycle library painting kitchen market history science planet winter summer letter bridge
-castle travel language friend computer battery signal memory question answer story yellow
-green silent loud ancient modern tiny enormous gentle careful happy tired runs reads
-builds sings writes opens carries watches remembers forgets
-"""
-WORDS = _VOCABULARY.split()  # the words random texts are made of
-
-LONG_TEXT = (
-    "The river rose slowly through the night, and by morning the low fields along its banks had "
-    "become a wide, quiet lake. Farmers stood at the edges of their flooded land and talked about "
-    "the spring of their childhood, when the water had reached the church steps and the baker had "
-    "rowed his bread from door to door. The older ones said this flood was smaller; the younger "
-    "ones were not so sure. Children floated paper boats between the fence posts while their "
-    "parents carried furniture up narrow stairs, stacked sandbags against cellar doors and moved "
-    "the animals to the hill behind the old mill. In the afternoon the sun came out, the wind "
-    "dropped, and the whole valley shone like a mirror under a pale sky. Nobody knew how long the "
-    "water would stay, but the radio promised dry weather for a week, and the mood in the village "
-    "turned from worry to a strange, patient cheerfulness. That evening the tavern was full. "
-    "People shared stories of earlier floods, argued about dams and drainage, and made plans to "
-    "help the families whose houses stood lowest. Someone played an accordion, someone else sang, "
-    "and for a few hours the rising water felt less like a disaster than an unexpected holiday "
-    "that the whole valley had decided to spend together, waiting for the river to go home. "
-    "Late at night, when the music stopped, the water was still there, black and calm, holding "
-    "the stars and the lights of the houses on the hill."
-)
-
-
-def make_texts(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    out: list[str] = []
-    while len(out) < n:
-        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 24))]
-        text = " ".join(words).capitalize() + rng.choice([".", "!", "?", ""])
-        if text not in out:
-            out.append(text)
-    return out
 
 
 def cosine(a, b) -> float:
@@ -377,3 +338,46 @@ def test_generation_request_to_the_embedding_model_gives_400(client, model_path)
 def test_unknown_model_gives_404(client):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="hello")
+
+
+# ---- Ollama's /api/embed and /api/embeddings on the same worker ---------------------------
+
+
+def test_ollama_embed_equals_the_embeddings_route(served, client, model_path):
+    """/api/embed (the ollama client) and the older /api/embeddings answer the vectors
+    /v1/embeddings answers for the same inputs; an embedding model shows as one."""
+    import ollama
+
+    texts = make_texts(5, seed=6)
+    want = np.asarray(vectors(client.embeddings.create(model=model_path, input=texts)))
+    oc = ollama.Client(host=served, timeout=60)
+    got = oc.embed(model=model_path, input=texts)
+    assert got.model == model_path and got.prompt_eval_count > 0
+    assert np.allclose(np.asarray(got.embeddings), want, atol=1e-6)
+    one = oc.embed(model=model_path, input=texts[0]).embeddings
+    assert np.allclose(one, want[:1], atol=1e-6)
+    legacy = oc.embeddings(model=model_path, prompt=texts[0]).embedding
+    assert np.allclose(legacy, want[0], atol=1e-6)
+    assert oc.embed(model=model_path, input="").embeddings == []
+    assert oc.show(model_path).capabilities == ["embedding"]
+    too_long = {"model": model_path, "input": LONG_TEXT, "truncate": False}
+    r = httpx.post(f"{served}/api/embed", json=too_long, timeout=60)
+    assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+    cut = oc.embed(model=model_path, input=LONG_TEXT).embeddings  # Ollama's truncate: true
+    assert len(cut) == 1 and len(cut[0]) == DIMS
+
+
+# ---- /v1/score and /v1/rerank: the cosine of the two embeddings, as vLLM gives it ------------
+
+
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(served, client, model_path):
+    query, docs = "A man is playing a guitar.", ["Someone strums a guitar.", *make_texts(5, seed=5)]
+    vecs = vectors(client.embeddings.create(model=model_path, input=[query, *docs]))
+    want = [cosine(vecs[0], v) for v in vecs[1:]]
+    body = {"model": model_path, "text_1": query, "text_2": docs}
+    scores = httpx.post(f"{served}/v1/score", json=body, timeout=60).json()["data"]
+    assert [d["score"] for d in scores] == pytest.approx(want, abs=1e-5)
+    body = {"model": model_path, "query": query, "documents": docs, "top_n": 3}
+    results = httpx.post(f"{served}/v1/rerank", json=body, timeout=60).json()["results"]
+    assert [r["index"] for r in results] == sorted(range(len(want)), key=lambda i: -want[i])[:3]
+    assert [r["relevance_score"] for r in results] == pytest.approx(sorted(want)[:-4:-1], abs=1e-5)

@@ -241,6 +241,107 @@ def test_tool_requests_refused_with_400(base):
         assert r.json()["error"]["param"] == param, r.text
 
 
+CLOSED = {"additionalProperties": False}
+
+
+# Two tools whose parameters are pydantic's shape (a sub-model holding an enum, both in $defs),
+# each naming its enum Color, with different values.
+def _painted(name: str, colors: list[str]) -> dict:
+    color = {"type": "string", "enum": colors}
+    paint = {"type": "object", "properties": {"color": {"$ref": "#/$defs/Color"}}}
+    parameters = {
+        "type": "object",
+        "properties": {"paint": {"$ref": "#/$defs/Paint"}, "coats": {"enum": [1, 2]}},
+        "required": ["paint", "coats"],
+        **CLOSED,
+        "$defs": {"Color": color, "Paint": paint | {"required": ["color"], **CLOSED}},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_required_calls_follow_each_tools_defs(base):
+    """The required choice's grammar carries both tools' $defs (the shared name Color renamed
+    apart): every call is valid under its own tool's schema, references resolved there."""
+    tools = [_painted("warm", ["red", "amber"]), _painted("cold", ["blue", "teal"])]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    r = base.create(
+        messages=MESSAGES, tools=tools, tool_choice="required", parallel_tool_calls=False,
+        temperature=1.0, seed=3, n=6, max_tokens=60,
+    )  # fmt: skip
+    names = set()
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        [(name, arguments)] = whole_calls(choice.message)
+        jsonschema.validate(json.loads(arguments), schemas[name])
+        names.add(name)
+    assert names == set(schemas)  # both tools called, each answered by its own Color
+
+
+def test_forced_calls_cut_by_max_tokens_answer_as_they_stream(base):
+    """Sampled with a seed, the whole answer and the stream are the same tokens: cut at
+    max_tokens, both give the complete calls and the cut one's arguments as far as they got,
+    finish_reason "length", and never the forced array as text."""
+    cut_calls, cut_after_a_call = 0, 0
+    for max_tokens, choice in ((25, "required"), (50, "required"), (60, "required"),
+                               (70, "required"), (9, NAMED)):  # fmt: skip
+        kwargs = dict(
+            messages=MESSAGES, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=max_tokens,
+            n=3, max_tokens=max_tokens,
+        )  # fmt: skip
+        r = base.create(**kwargs)
+        choices, _ = streamed(base, **kwargs)
+        for c in r.choices:
+            calls = [(f.function.name, f.function.arguments) for f in c.message.tool_calls or []]
+            assert [tuple(x) for x in choices[c.index]["calls"].values()] == calls
+            assert c.finish_reason == choices[c.index]["finish"]
+            assert not c.message.content and not choices[c.index]["content"]
+            if c.finish_reason == "length":
+                cut_calls += bool(calls)
+                cut_after_a_call += len(calls) > 1
+    assert cut_calls >= 6 and cut_after_a_call >= 1
+
+
+def _assembled_events(events) -> tuple[list[tuple[str, str, str]], str]:
+    """The function calls a Responses stream's events build, and the text it sends."""
+    calls: dict[str, list[str]] = {}
+    for e in events:
+        if e.type == "response.output_item.added" and e.item.type == "function_call":
+            calls[e.item.id] = [e.item.name, "", ""]
+        elif e.type == "response.function_call_arguments.delta":
+            calls[e.item_id][1] += e.delta
+        elif e.type == "response.output_item.done" and e.item.type == "function_call":
+            calls[e.item.id][2] = e.item.status
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    return [tuple(c) for c in calls.values()], text
+
+
+def test_responses_cut_calls_are_the_same_streamed_and_whole(base):
+    """The same on the Responses API (greedy: it takes no seed): function_call items, the last
+    one incomplete with its arguments so far (or an empty message, cut before a call's name)."""
+    client = openai.OpenAI(base_url=f"{base.url}/v1", api_key="none", max_retries=0)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    cut_calls = 0
+    for limit in (20, 33, 45):
+        kwargs = dict(
+            model=base.model, input=MESSAGES[0]["content"], tools=tools, tool_choice="required",
+            temperature=0, max_output_tokens=limit,
+        )  # fmt: skip
+        whole = client.responses.create(**kwargs)
+        events = list(client.responses.create(stream=True, **kwargs))
+        calls, text = _assembled_events(events)
+        final = events[-1].response
+        assert [
+            (o.name, o.arguments, o.status) for o in whole.output if o.type == "function_call"
+        ] == calls
+        assert [o.model_dump(exclude={"id", "call_id"}) for o in final.output] == [
+            o.model_dump(exclude={"id", "call_id"}) for o in whole.output
+        ]
+        assert whole.status == final.status == "incomplete" and text == whole.output_text == ""
+        assert whole.output[-1].status == "incomplete"
+        cut_calls += bool(calls)
+    assert cut_calls >= 2
+
+
 def test_reasoning_effort_refused_by_a_template_without_the_knob(base):
     """This template reads no reasoning_effort: a 400 naming it, never dropped silently."""
     body = {"messages": MESSAGES, "model": base.model, "reasoning_effort": "low"}

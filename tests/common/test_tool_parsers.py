@@ -124,12 +124,25 @@ def test_arguments_stream_as_they_arrive():
     assert len(args) == len('{"long": "abcdefgh"}')  # one fragment per character fed
 
 
-def test_a_call_cut_short_is_broken_and_answered_as_text():
+def test_a_call_cut_short_is_answered_with_its_arguments_so_far():
     text = 'x <tool_call>{"name": "f", "arguments": {"a": '
+    assert parse_output(HERMES, text).cut
+    message, reason = ChoiceToolCalls("auto", HERMES, None, True).message(text, "length")
+    assert message.content == "x " and reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("f", '{"a": ')
+    ]
+
+
+def test_a_call_that_closes_invalid_is_text_and_forced_calls_never_are():
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1,}}</tool_call>'
     assert parse_output(HERMES, text).broken
-    calls = ChoiceToolCalls("auto", HERMES, None, True)
-    message, reason = calls.message(text, "length")
-    assert message.content == text and message.tool_calls is None and reason == "length"
+    message, reason = ChoiceToolCalls("auto", HERMES, None, True).message(text, "stop")
+    assert message.content == text and message.tool_calls is None and reason == "stop"
+    calls = ChoiceToolCalls("required", FORCED_ARRAY, None, True)
+    message, reason = calls.message('[{"name": "get_wea', "length")
+    assert message.content is None and message.tool_calls is None and reason == "length"
+    assert _stream_deltas(calls, ['[{"name": "get_wea']) == []  # nor streamed
 
 
 def test_whole_answer_has_openai_fields():
@@ -152,11 +165,9 @@ def _stream_deltas(calls: ChoiceToolCalls, pieces: list[str]) -> list[dict]:
     return [d.model_dump() for d in deltas]
 
 
-def test_streamed_deltas_open_each_call_then_add_arguments():
-    text = EXAMPLES[0][1]
-    deltas = _stream_deltas(ChoiceToolCalls("auto", HERMES, None, True), list(text))
-    content = "".join(d.get("content", "") for d in deltas)
-    assert content == "Let me look.\n"
+def _assembled(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """The content and the calls a client puts together from the deltas."""
+    content = "".join(d.get("content") or "" for d in deltas)
     calls: dict[int, dict] = {}
     for d in deltas:
         for c in d.get("tool_calls", []):
@@ -167,7 +178,32 @@ def test_streamed_deltas_open_each_call_then_add_arguments():
             else:
                 assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
                 calls[c["index"]]["arguments"] += c["function"]["arguments"]
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == EXAMPLES[0][3]
+    return content, [(c["name"], c["arguments"]) for c in calls.values()]
+
+
+def test_streamed_deltas_open_each_call_then_add_arguments():
+    text = EXAMPLES[0][1]
+    deltas = _stream_deltas(ChoiceToolCalls("auto", HERMES, None, True), list(text))
+    assert _assembled(deltas) == ("Let me look.\n", EXAMPLES[0][3])
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one"])
+@pytest.mark.parametrize("fmt,text", [(e[0], e[1]) for e in EXAMPLES if len(e[3]) > 1])
+def test_an_output_cut_anywhere_answers_whole_as_it_streams(fmt, text, parallel):
+    """max_tokens may cut the output at any character: the whole answer is then the content
+    and calls its stream gave (the cut call with its arguments so far), never forced calls'
+    array as text."""
+    mode = "required" if fmt is FORCED_ARRAY else "auto"
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        stream = ChoiceToolCalls(mode, fmt, None, parallel)
+        streamed = _assembled(_stream_deltas(stream, [cut[: end // 2], cut[end // 2 :]]))
+        message, reason = ChoiceToolCalls(mode, fmt, None, parallel).message(cut, "length")
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        assert (message.content or "", calls) == streamed, cut
+        assert reason == stream.stream_finish_reason("length") == "length"
+        if mode == "required":
+            assert not message.content, cut
 
 
 def test_named_function_streams_the_output_as_its_arguments():

@@ -18,6 +18,7 @@ from llmq.common.generation.choices import (
 )
 from llmq.common.generation.logprobs import chat_logprobs
 from llmq.common.generation.marker_tokens import MarkerKeepingStream, skipped_markers
+from llmq.common.generation.prompt_limits import prompt_limits
 from llmq.common.generation.reasoning import (
     answer_grammar,
     chat_reasoning,
@@ -54,10 +55,11 @@ async def chat_choices(
     effort = reasoning_template_kwargs(
         body.reasoning_effort, getattr(pipeline.tokenizer, "chat_template", None)
     )
-    prompt_ids = await pipeline.encode_chat(
+    prompt_ids = await pipeline.encode_chat_prompt(
         body.template_messages(),
-        tools=body.template_tools(),
-        **{**body.template_kwargs(), **effort},
+        body.template_tools(),
+        {**body.template_kwargs(), **effort},
+        prompt_limits(body, engine.max_model_len),
     )
     prompt_ids = truncated(body, prompt_ids, engine.max_model_len)
     limit = max_tokens(body, len(prompt_ids), engine.max_model_len)

@@ -19,6 +19,7 @@ from llmq.common.generation.logprobs import (
     joined,
     vllm_prompt_logprobs,
 )
+from llmq.common.generation.prompt_limits import prompt_limits
 from llmq.common.generation.request_bodies import CompletionRequest
 from llmq.common.generation.responses import (
     Completion,
@@ -36,12 +37,14 @@ async def _encoded_prompts(
 ) -> list[tuple[list[int], str]]:
     """Each prompt's token ids, and its text for echo (truncated as the body asks)."""
     prompts = body.prompts()
+    # One token more than truncation keeps: a text longer than that is cut below.
+    limits = prompt_limits(body, engine.max_model_len, extra=1)
     encoded: list[tuple[list[int], str]] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if not p:
                 raise InvalidRequest("the prompt is empty", "prompt")
-            encoded.append((await pipeline.encode(p), p))
+            encoded.append((await pipeline.encode(p, limits=limits), p))
         else:
             check_prompt_ids(p, engine.vocab_size, i if len(prompts) > 1 else None)
             encoded.append((list(p), pipeline.decode(list(p)) if body.echo else ""))

@@ -3,7 +3,6 @@ embedded on an embeddings worker, answered as OpenAI's list of embeddings."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any
 
@@ -15,7 +14,9 @@ from llmq.common.generation.request_bodies import MAX_INPUTS, EmbeddingRequest
 from llmq.common.generation.responses import Embedding, EmbeddingList, EmbeddingUsage
 from llmq.common.generation.submission import SubmitOptions
 from llmq.common.pipeline import EmbeddingResult, TokenGeneratorPipeline
+from llmq.common.prompt_encoder import FIRST_PIECE, TooManyTokens
 from llmq.common.text_input import check_text
+from llmq.common.tokenize_pool import utf8_size
 
 _SHAPE = "a string, an array of strings, an array of token ids or an array of arrays of token ids"
 
@@ -106,18 +107,56 @@ def _truncation(body: EmbeddingRequest, limit: int) -> int | None:
     return truncate
 
 
-async def _tokenized(tok, items: list[str | list[int]]) -> list[list[int]]:
+async def _tokenized(
+    pipeline: TokenGeneratorPipeline, items: list[str | list[int]], limit: int, truncate
+) -> list[list[int]]:
+    """Each input's token ids: short texts in batches of a bounded size, long ones each cut
+    as ``truncate`` keeps them, or refused past ``limit`` without tokenizing them whole."""
     texts = [(i, t) for i, t in enumerate(items) if isinstance(t, str)]
     for i, t in texts:
         check_text(t, f"input[{i}]")
     encoded: list[list[int]] = [[] if isinstance(t, str) else t for t in items]
-    if texts:
-        # Plain calls only: truncation=... would change the shared tokenizer's settings under
-        # the requests tokenizing in other threads.
-        ids = await asyncio.to_thread(lambda: tok([t for _, t in texts])["input_ids"])
-        for (i, _), row in zip(texts, ids, strict=True):
+    short = [(i, t) for i, t in texts if len(t) <= FIRST_PIECE]
+    for batch in _batches(short, pipeline.encoder.pool.small_bytes):
+        for (i, _), row in zip(batch, await _encode_batch(pipeline, batch), strict=True):
             encoded[i] = list(row)
+    for i, t in texts:
+        if len(t) <= FIRST_PIECE:
+            continue
+        try:
+            encoded[i] = await pipeline.encoder.encode(
+                t, most=None if truncate else limit, keep_first=truncate
+            )
+        except TooManyTokens as exc:
+            raise InvalidRequest(
+                f"input[{i}] has at least {exc.at_least} tokens; this model takes at most "
+                f"{limit} (or set truncate_prompt_tokens)",
+                "input",
+                "context_length_exceeded",
+            ) from None
     return encoded
+
+
+def _batches(texts: list[tuple[int, str]], most_bytes: int) -> list[list[tuple[int, str]]]:
+    """The texts in order, in batches of at most ``most_bytes`` (or of one text)."""
+    batches: list[list[tuple[int, str]]] = []
+    size = 0
+    for item in texts:
+        n = utf8_size(item[1])
+        if not batches or size + n > most_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += n
+    return batches
+
+
+async def _encode_batch(pipeline: TokenGeneratorPipeline, batch: list[tuple[int, str]]):
+    tok, texts = pipeline.tokenizer, [t for _, t in batch]
+    # Plain calls only: truncation=... would change the shared tokenizer's settings under
+    # the requests tokenizing in other threads.
+    size = sum(utf8_size(t) for t in texts)
+    return await pipeline.encoder.pool.run(size, lambda: tok(texts)["input_ids"])
 
 
 def _fitted(
@@ -169,7 +208,8 @@ async def embed(
     _check_dimensions(body, engine)
     truncate = _truncation(body, engine.max_model_len)
     tok = pipeline.tokenizer
-    encoded = _fitted(tok, items, await _tokenized(tok, items), engine, truncate)
+    tokenized = await _tokenized(pipeline, items, engine.max_model_len, truncate)
+    encoded = _fitted(tok, items, tokenized, engine, truncate)
     result = await pipeline.embed(
         encoded,
         dimensions=body.dimensions,

@@ -18,12 +18,27 @@ from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import Choice, check_token_ids
 from llmq.common.generation.completions import CompletionGeneration, completion_choices
 from llmq.common.generation.embeddings import embed, embedding_inputs
+from llmq.common.generation.messages_api.objects import TokenCount
+from llmq.common.generation.messages_api.request import MessagesPrompt, MessagesRequest
+from llmq.common.generation.messages_api.run import MessagesRun
+from llmq.common.generation.messages_api.translate import (
+    chat_request as messages_chat_request,
+)
+from llmq.common.generation.messages_api.translate import effort_named, prompt_tokens
 from llmq.common.generation.metrics import ChoiceRecorder, GenerationMetrics
 from llmq.common.generation.model_cards import find_model, model_list
 from llmq.common.generation.request_bodies import (
     CompletionRequest,
     EmbeddingRequest,
     SamplingFields,
+)
+from llmq.common.generation.rerank import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    rerank,
+    score,
 )
 from llmq.common.generation.responses import EmbeddingList, ModelCard, ModelList, WireModel
 from llmq.common.generation.responses_api.answer import chat_request, echoed_fields
@@ -52,6 +67,9 @@ ENDPOINT_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/rerank": RerankRequest,
+    "/v1/score": ScoreRequest,
+    "/v1/messages": MessagesRequest,
 }
 
 _INTERACTIVE = SubmitOptions()
@@ -79,6 +97,18 @@ class GenerationService:
         generation = await self.chat(chat_request(body, history))
         response = new_response(generation.model, echoed_fields(body))
         return ResponsesRun(generation, response, history + input_items(body.input))
+
+    async def messages(
+        self, body: MessagesRequest, options: SubmitOptions = _INTERACTIVE
+    ) -> MessagesRun:
+        """A Messages request (Anthropic's), run as the chat request it translates to."""
+        with effort_named():
+            generation = await self.chat(messages_chat_request(body), options)
+        return MessagesRun(generation, body)
+
+    async def count_message_tokens(self, body: MessagesPrompt) -> TokenCount:
+        pipeline, _ = await self.registry.get(body.model)
+        return TokenCount(input_tokens=await prompt_tokens(pipeline, body))
 
     async def completions(
         self, body: CompletionRequest, options: SubmitOptions = _INTERACTIVE
@@ -111,6 +141,16 @@ class GenerationService:
         items = embedding_inputs(body.input)
         pipeline, engine = await self.registry.get(body.model, kind="embed")
         return await embed(pipeline, engine, body, items, options)
+
+    async def rerank(
+        self, body: RerankRequest, options: SubmitOptions = _INTERACTIVE
+    ) -> RerankResponse:
+        return await rerank(self.registry, body, options)
+
+    async def score(
+        self, body: ScoreRequest, options: SubmitOptions = _INTERACTIVE
+    ) -> ScoreResponse:
+        return await score(self.registry, body, options)
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         pipeline, engine = await self.registry.get(body.model)
@@ -154,6 +194,12 @@ class GenerationService:
             raise validation_error(list(exc.errors())) from None
         if isinstance(request, EmbeddingRequest):
             return await self.embeddings(request, options)
+        if isinstance(request, RerankRequest):
+            return await self.rerank(request, options)
+        if isinstance(request, ScoreRequest):
+            return await self.score(request, options)
+        if isinstance(request, MessagesRequest):
+            return await (await self.messages(request, options)).complete()
         if isinstance(request, ChatCompletionRequest):
             generation: Generation = await self.chat(request, options)
         else:

@@ -2,7 +2,9 @@
 "auto": the model family's format; "required": the array the grammar forced) or, for a named
 function, the output itself as that function's arguments. Streamed, a call's first delta has
 its id, type and name with arguments "", the next ones add to its arguments as they are
-generated."""
+generated. Whole, the answer is the same parser's events over the whole output, so the two
+agree: a call cut short (by max_tokens) is answered with its arguments as far as they got,
+streamed or not."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from llmq.common.generation.tool_parsers import (
     Event,
     ToolCallFormat,
     ToolCallParser,
-    parse_output,
+    collect,
+    output_events,
 )
 
 ToolMode = Literal["auto", "required", "named"]
@@ -103,27 +106,34 @@ class ChoiceToolCalls:
         return deltas + ([_arguments(0, text)] if text else [])
 
     def _events(self, events: list[Event]) -> list[ChatDelta]:
-        if not self.parallel:  # only the first call is answered
-            events = [e for e in events if isinstance(e, ContentText) or e.index == 0]
+        events = self._answered(events)
         self.called = self.called or any(isinstance(e, CallOpened) for e in events)
         return _deltas(events)
 
+    def _answered(self, events: list[Event]) -> list[Event]:
+        if not self.parallel:  # only the first call is answered
+            return [e for e in events if isinstance(e, ContentText) or e.index == 0]
+        return events
+
     # ---- whole -------------------------------------------------------------------------------
     def message(self, text: str, reason: str) -> tuple[AssistantMessage, str]:
-        """The answer to a choice's whole output, and its finish reason. An output that does
-        not hold valid calls is answered as text."""
+        """The answer to a choice's whole output, and its finish reason: what its stream
+        answers. An output of the model's own that holds no call, or a call that closed
+        invalid, is answered as text; forced calls never are."""
         if self.named is not None:
             call = ToolCall(
                 id=new_call_id(), function=FunctionCall(name=self.named, arguments=text)
             )
             return AssistantMessage(content=None, tool_calls=[call]), reason
         assert self.fmt is not None
-        parsed = parse_output(self.fmt, text)
-        if parsed.broken or not parsed.calls:
-            return AssistantMessage(content=text), reason
+        events, parser = output_events(self.fmt, text)
+        parsed = collect(self._answered(events), parser.broken, parser.cut)
+        forced = self.fmt.starts_with_calls  # (a first call cut before its name: no call)
+        if not parsed.calls or (parsed.broken and not forced):
+            return AssistantMessage(content=None if forced else text), reason
         calls = [
             ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=args))
-            for name, args in parsed.calls[: None if self.parallel else 1]
+            for name, args in parsed.calls
         ]
         content = parsed.content or None
         return AssistantMessage(content=content, tool_calls=calls), (

@@ -1,7 +1,7 @@
 """The grammar that makes a forced tool choice come true: for a named function, its arguments
 object; for "required", a JSON array of ``{"name": <a tool>, "parameters": <its arguments>}``
-(one item unless parallel calls are allowed), as vLLM forces them. The arguments then always
-parse and follow the tool's schema."""
+(one item unless parallel calls are allowed), as vLLM forces them, the tools' ``$defs`` carried
+to the array's root. The arguments then always parse and follow the tool's schema."""
 
 from __future__ import annotations
 
@@ -10,32 +10,32 @@ from typing import Any
 from llguidance import LLMatcher
 
 from llmq.common.errors import InvalidRequest
+from llmq.common.generation.tool_defs import merge_schemas
 from llmq.common.generation.tool_request import FunctionTool
 
 # Compact JSON: no whitespace for the model to wander in.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def call_schema(tool: FunctionTool) -> dict[str, Any]:
+def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {
-            "name": {"type": "string", "enum": [tool.function.name]},
-            "parameters": tool.function.schema(),
-        },
+        "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
         "required": ["name", "parameters"],
         "additionalProperties": False,
     }
 
 
 def required_schema(tools: list[FunctionTool], parallel: bool) -> dict[str, Any]:
-    array: dict[str, Any] = {
-        "type": "array",
-        "items": {"anyOf": [call_schema(t) for t in tools]},
-        "minItems": 1,
-    }
+    """The array of calls; each tool's definitions carried to its root (see tool_defs)."""
+    place = [["items", "anyOf", str(i), "properties", "parameters"] for i in range(len(tools))]
+    parameters, defs = merge_schemas([t.function.schema() for t in tools], place)
+    calls = [call_schema(t.function.name, p) for t, p in zip(tools, parameters, strict=True)]
+    array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
+    if defs:
+        array["$defs"] = defs
     return array
 
 

@@ -121,6 +121,8 @@ class DecodeChunk:
     mask: (
         torch.Tensor | None
     )  # [1, end - start, 1, num_blocks * block_size] additive; None: no padding
+    # Models with sliding windows: per window, the mask that also hides keys out of it.
+    window_masks: dict[int, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -132,6 +134,7 @@ class PrefillChunk:
     mask: (
         torch.Tensor | None
     )  # [q_len, ctx_len] (bool, or additive in the model's dtype); None: fresh causal prefill
+    window_masks: dict[int, torch.Tensor] | None = None  # as DecodeChunk's
 
 
 @dataclass(slots=True)
@@ -150,6 +153,8 @@ class StepMetadata:
     decode_chunks: list[DecodeChunk]  # the decodes' rows, cut by context length
     prefills: list[PrefillChunk]
     decode_tables: DecodeTables | None = None  # set: the kernel attends every decode
+    windows: frozenset[int] = frozenset()  # the sliding windows the chunks have masks for
+    max_model_len: int = 0  # a window this long or longer hides nothing
 
 
 def paged_attention(
@@ -161,11 +166,21 @@ def paged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     llmq_step: StepMetadata | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     step = llmq_step
     if step is None:
         raise RuntimeError("llmq_paged attention called without step metadata")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if sliding_window is not None and sliding_window >= step.max_model_len:
+        sliding_window = None  # it covers every key a query can see
+    if _asks_more(step, key, value, sliding_window, softcap, s_aux):
+        return attention_features.featured_attention(
+            module, query, key, value, scale, step, sliding_window, softcap, s_aux
+        )
     pool = step.pool
     layer = module.layer_idx
     k_cache, v_cache = pool.k[layer], pool.v[layer]  # [Hkv, slots, D]
@@ -173,7 +188,6 @@ def paged_attention(
     v_cache.index_copy_(1, step.slot_mapping, value[0])
 
     _, num_heads, num_tokens, head_dim = query.shape
-    scale = scaling if scaling is not None else head_dim**-0.5
     out = query.new_empty(num_tokens, num_heads, head_dim)
 
     if step.num_decodes:
@@ -186,8 +200,8 @@ def paged_attention(
             k = key[:, :, s : s + n]
             v = value[:, :, s : s + n]
         else:
-            k = _gather_context(k_cache, pool, chunk)
-            v = _gather_context(v_cache, pool, chunk)
+            k = gather_context(k_cache, pool, chunk)
+            v = gather_context(v_cache, pool, chunk)
         attn = F.scaled_dot_product_attention(
             q,
             k,
@@ -199,6 +213,14 @@ def paged_attention(
         )  # [1, Hq, n, D]
         out[s : s + n] = attn[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _asks_more(step: StepMetadata, key, value, window, softcap, sinks) -> bool:
+    """Whether a layer asks more than causal softmax attention (``attention_features``)."""
+    width = step.pool.head_dim
+    if window is not None or softcap is not None or sinks is not None:
+        return True
+    return key.shape[-1] != width or value.shape[-1] != width
 
 
 def _attend_decodes(
@@ -266,7 +288,7 @@ def attend_gathered(
     return torch.bmm(probs, kv[1])
 
 
-def _gather_context(cache: torch.Tensor, pool: KVPool, chunk: PrefillChunk) -> torch.Tensor:
+def gather_context(cache: torch.Tensor, pool: KVPool, chunk: PrefillChunk) -> torch.Tensor:
     num_kv_heads, _, head_dim = cache.shape
     blocks = cache.view(num_kv_heads, pool.num_blocks, pool.block_size, head_dim)
     gathered = blocks.index_select(1, chunk.block_ids).view(num_kv_heads, -1, head_dim)
@@ -274,3 +296,7 @@ def _gather_context(cache: torch.Tensor, pool: KVPool, chunk: PrefillChunk) -> t
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+# Layers with sliding windows, softcapping, sinks or MLA's widths; imported last (it reads the
+# dataclasses above).
+from llmq.worker.runner import attention_features  # noqa: E402

@@ -7,6 +7,19 @@ import torch
 from llmq.common.model_loader import EmbeddingConfig
 
 
+def padded_batch(
+    inputs: list[list[int]], pad_token_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs as one right-padded batch: token ids and the attention mask."""
+    longest = max(len(ids) for ids in inputs)
+    ids = torch.full((len(inputs), longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(inputs), longest), dtype=torch.long)
+    for i, row in enumerate(inputs):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return ids.to(device), mask.to(device)
+
+
 class EmbeddingRunner:
     def __init__(self, model, config: EmbeddingConfig, pad_token_id: int):
         self.model = model
@@ -19,13 +32,7 @@ class EmbeddingRunner:
 
     @torch.inference_mode()
     def embed(self, inputs: list[list[int]]) -> list[torch.Tensor]:
-        longest = max(len(ids) for ids in inputs)
-        ids = torch.full((len(inputs), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(inputs), longest), dtype=torch.long)
-        for i, row in enumerate(inputs):
-            ids[i, : len(row)] = torch.tensor(row)
-            mask[i, : len(row)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = padded_batch(inputs, self.pad_token_id, self.device)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         pooled = self._pool(hidden, mask)
         if self.config.normalize:

@@ -29,10 +29,13 @@ from llmq.worker.runner.attention import (
 )
 from llmq.worker.runner.decoder_forward import build_forward, supports, take_attached
 from llmq.worker.runner.malloc_tuning import tune_malloc
+from llmq.worker.runner.model_support import ModelFeatures, model_dims, pool_dims
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
 
 log = logging.getLogger(__name__)
+
+__all__ = ["ModelRunner", "model_dims", "pool_dims"]
 
 # Fixed cost of one decode chunk (a handful of tensor ops per layer), in gathered token slots:
 # splitting the decodes into one more chunk pays off only when it saves more padding than this.
@@ -49,15 +52,6 @@ SMALL_STEP_TOKENS = 16
 KERNEL_HEAD_DIM_MULTIPLE = 16
 
 
-def model_dims(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a decoder config."""
-    config = config.get_text_config()
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return config.num_hidden_layers, num_kv_heads, head_dim
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -72,14 +66,18 @@ class ModelRunner:
         use_kernels: bool = True,
         max_batch_size: int = 64,
         max_model_len: int = 2048,
+        features: ModelFeatures | None = None,
     ):
+        """``features``: what the model's attention needs (``model_support.inspect_model``);
+        None: nothing beyond causal softmax attention."""
+        self._take_features(features or ModelFeatures(), max_model_len)
         self.small_step_threads = small_step_threads
         self._spare_cores = SpareCores(len(os.sched_getaffinity(0)))
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
-        num_layers, num_kv_heads, head_dim = model_dims(model.config)
+        num_layers, num_kv_heads, head_dim = pool_dims(model.config, features)
         if self.device.type == "cpu":
             tune_malloc()
         use_graphs = cuda_graphs and self.device.type == "cuda" and fast_forward and supports(model)
@@ -115,12 +113,21 @@ class ModelRunner:
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
+    def _take_features(self, features: ModelFeatures, max_model_len: int) -> None:
+        self.features = features
+        self.max_model_len = max_model_len
+        # Sliding windows shorter than the context: their masks are built every step.
+        self.windows = features.effective_windows(max_model_len)
+        # Layers that need more than causal attention: every prefill gets a mask, decodes go
+        # through the gathered path with the window masks.
+        self.featured = features.needs_kernel_features(max_model_len) or features.mla
+
     def _use_kernels(self, loaded: bool, head_dim: int) -> bool:
         """Turn on llmq's C++ kernels where they serve (``loaded``): the small steps' ops in the
         forward; whether the decode attention kernel runs."""
         if self.forward is not None:
             self.forward.small_step_ops = loaded
-        attention = loaded and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
+        attention = loaded and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0 and not self.featured
         log.info(
             "model runner: decode attention by %s",
             "llmq's C++ kernel" if attention else "torch (gather, batched matmuls)",
@@ -190,6 +197,8 @@ class ModelRunner:
             else [],
             prefills=[self._prefill_chunk(item, q_start) for item, q_start in batch.prefills],
             decode_tables=self._decode_tables(batch.decodes) if kernel else None,
+            windows=self.windows,
+            max_model_len=self.max_model_len,
         )
 
     def _decode_tables(self, items: list[ScheduledSequence]) -> DecodeTables:
@@ -211,19 +220,25 @@ class ModelRunner:
         ctx_len = item.start + item.num_new_tokens
         n_blocks = -(-ctx_len // self.block_size)
         mask = None
-        if item.start:
+        window_masks = None
+        if item.start or self.featured:
             # Additive, in the model's dtype: SDPA on CPU takes it as is (a bool mask it
             # first converts). Query i sits at position start + i and sees keys 0..start+i.
             q_pos = self._positions(ctx_len)[item.start :]
-            hidden = self._positions(ctx_len)[None, :] > q_pos[:, None]
-            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev)
-            mask.masked_fill_(hidden, float("-inf"))
+            k_pos = self._positions(ctx_len)[None, :]
+            mask = _additive(k_pos > q_pos[:, None], self.dtype)
+            # A window of W: keys more than W - 1 positions before the query are hidden too.
+            window_masks = {
+                w: _additive((k_pos > q_pos[:, None]) | (k_pos <= q_pos[:, None] - w), self.dtype)
+                for w in self.windows
+            }
         return PrefillChunk(
             q_start=q_start,
             q_len=item.num_new_tokens,
             ctx_len=ctx_len,
             block_ids=torch.tensor(item.seq.block_table[:n_blocks], device=dev),
             mask=mask,
+            window_masks=window_masks,
         )
 
     @contextmanager
@@ -311,11 +326,7 @@ class ModelRunner:
                 mask = self._no_mask
             else:
                 ctx = torch.tensor(chunk_ctx, device=dev)
-                hidden = self._positions(nb * bs)[None, :] >= ctx[:, None]
-                mask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev)
-                mask.masked_fill_(hidden, float("-inf"))
-                # One row per (kv head, sequence), as the attention batches them.
-                mask = mask.repeat(self.pool.num_kv_heads, 1).unsqueeze(1)
+                mask = self._decode_mask(self._positions(nb * bs)[None, :] >= ctx[:, None])
             chunks.append(
                 DecodeChunk(
                     start=start,
@@ -323,10 +334,25 @@ class ModelRunner:
                     num_blocks=nb,
                     block_ids=torch.tensor(flat, dtype=torch.long, device=dev),
                     mask=mask,
+                    window_masks=self._decode_window_masks(chunk_ctx, nb * bs),
                 )
             )
             start = end
         return chunks
+
+    def _decode_mask(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[sequences, keys] hidden -> additive, one row per (kv head, sequence), as the
+        attention batches them: [Hkv * sequences, 1, keys]."""
+        return _additive(hidden, self.dtype).repeat(self.pool.num_kv_heads, 1).unsqueeze(1)
+
+    def _decode_window_masks(self, contexts: list[int], width: int) -> dict | None:
+        """Per sliding window, the decode mask that also hides the keys out of it: the query
+        sits at position ctx - 1 and sees ctx - W .. ctx - 1."""
+        if not self.windows:
+            return None
+        ctx = torch.tensor(contexts, device=self.device)[:, None]
+        k_pos = self._positions(width)[None, :]
+        return {w: self._decode_mask((k_pos >= ctx) | (k_pos < ctx - w)) for w in self.windows}
 
     def _best_cuts(self, ends: list[int], nbs: list[int]) -> list[int]:
         """End rows of the chunks (a subset of the run ends ``ends``, the last one included)."""
@@ -362,3 +388,9 @@ class ModelRunner:
             ]
             del cuts[extra.index(min(extra))]
         return cuts
+
+
+def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask: -inf where ``hidden``, 0 elsewhere."""
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    return mask.masked_fill_(hidden, float("-inf"))

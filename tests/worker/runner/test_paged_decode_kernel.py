@@ -102,9 +102,9 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
     with pytest.raises(RuntimeError, match="int32"):
         torch.ops.llmq.paged_decode_attention(out, query, kv, torch.zeros(1, 1), lens, 16, 1.0)
     table = torch.zeros(1, 1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="head_dim"):
+    with pytest.raises(RuntimeError, match="head_dim"):  # 20: no multiple of AVX2's 8 or 512's 16
         torch.ops.llmq.paged_decode_attention(
-            torch.empty(1, 4, 24), torch.zeros(1, 4, 24), torch.zeros(4, 32, 24), table, lens,
+            torch.empty(1, 4, 20), torch.zeros(1, 4, 20), torch.zeros(4, 32, 20), table, lens,
             16, 1.0,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="out of its table"):  # 17 tokens, one block of 16

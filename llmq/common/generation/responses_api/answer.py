@@ -114,14 +114,16 @@ def finish(response: ResponseObject, finish_reason: str | None, usage: Usage | N
 
 
 def fill(response: ResponseObject, completion: ChatCompletion) -> ResponseObject:
-    """``response`` answered by the chat ``completion`` of its one choice."""
+    """``response`` answered by the chat ``completion`` of its one choice, item for item as its
+    events answer it: the text's message (an empty one when there is neither text nor a
+    call), then each call; every item completed but the last, which is incomplete when
+    max_output_tokens cut it (a call then with its arguments as far as they got)."""
     choice = completion.choices[0]
     message = choice.message
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
     output: list[OutputItem] = []
-    if message.content is not None:
-        text = OutputText(text=message.content)
-        output.append(OutputMessage(id=new_item_id("msg"), status=status, content=[text]))
+    if message.content or not message.tool_calls:
+        text = OutputText(text=message.content or "")
+        output.append(OutputMessage(id=new_item_id("msg"), status="completed", content=[text]))
     for call in message.tool_calls or []:
         fn = call.function
         output.append(
@@ -133,6 +135,8 @@ def fill(response: ResponseObject, completion: ChatCompletion) -> ResponseObject
                 status="completed",
             )
         )
+    if choice.finish_reason == "length":
+        output[-1].status = "incomplete"
     response.output = output
     finish(response, choice.finish_reason, completion.usage)
     return response

@@ -17,6 +17,7 @@ from llmq.common.generation.tool_parsers.parser import (
     ParsedOutput,
     ToolCallParser,
     collect,
+    output_events,
     parse_output,
 )
 
@@ -34,5 +35,6 @@ __all__ = [
     "choose_format",
     "collect",
     "format_for_template",
+    "output_events",
     "parse_output",
 ]

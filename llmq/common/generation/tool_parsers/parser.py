@@ -75,28 +75,36 @@ def _loads(text: str) -> object:
 @dataclass(slots=True)
 class ParsedOutput:
     """A whole output: the text before the calls, and each call's name and arguments (the
-    JSON text of an object). ``broken``: a call started but did not end as one."""
+    JSON text of an object). ``broken``: a call whose name was sent closed as no valid call;
+    ``cut``: the output ended inside a call (its arguments as far as they got)."""
 
     content: str
     calls: list[tuple[str, str]]
     broken: bool
+    cut: bool = False
 
 
-def collect(events: list[Event], broken: bool) -> ParsedOutput:
+def collect(events: list[Event], broken: bool, cut: bool = False) -> ParsedOutput:
     content = "".join(e.text for e in events if isinstance(e, ContentText))
     names = {e.index: e.name for e in events if isinstance(e, CallOpened)}
     args = {i: "" for i in names}
     for e in events:
         if isinstance(e, ArgumentsText):
             args[e.index] += e.text
-    return ParsedOutput(content, [(names[i], args[i]) for i in sorted(names)], broken)
+    return ParsedOutput(content, [(names[i], args[i]) for i in sorted(names)], broken, cut)
+
+
+def output_events(fmt: ToolCallFormat, text: str) -> tuple[list[Event], ToolCallParser]:
+    """The events of a whole output (the same as those of any split of it, concatenated), and
+    the parser that read it."""
+    parser = ToolCallParser(fmt)
+    return parser.feed(text) + parser.finish(), parser
 
 
 def parse_output(fmt: ToolCallFormat, text: str) -> ParsedOutput:
-    """The calls in a whole output (the same as the events of any split of it, gathered)."""
-    parser = ToolCallParser(fmt)
-    events = parser.feed(text) + parser.finish()
-    return collect(events, parser.broken)
+    """The calls in a whole output."""
+    events, parser = output_events(fmt, text)
+    return collect(events, parser.broken, parser.cut)
 
 
 class ToolCallParser:
@@ -110,7 +118,8 @@ class ToolCallParser:
         self.calls_from = 0  # where the calls part starts (its marker included)
         self.obj: _CallObject | None = None
         self.calls = 0
-        self.broken = False  # a call whose name was sent did not end as a valid call
+        self.broken = False  # a call whose name was sent closed as no valid call
+        self.cut = False  # the output ended inside a call whose name was sent
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
@@ -120,8 +129,10 @@ class ToolCallParser:
         """The rest, at the end of the output."""
         events = self._run(final=True)
         if self.obj is not None and self.obj.index is not None:
-            self.broken = True  # cut short
-        if self.in_calls and not self.calls:  # no call in it after all: it was text
+            self.cut = True
+        # No call in it after all: it was text, unless a grammar forced the calls (then it is
+        # a first call cut before its name, never text).
+        if self.in_calls and not self.calls and not self.fmt.starts_with_calls:
             events.append(ContentText(self.text[self.calls_from :]))
             self.pos = len(self.text)
         return [e for e in events if not isinstance(e, ContentText) or e.text]

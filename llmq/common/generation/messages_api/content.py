@@ -1,0 +1,119 @@
+"""The content blocks of a Messages request's turns: text, tool_use (an assistant's call),
+tool_result (a user's answer to it), thinking and redacted_thinking (an earlier turn's, kept by
+clients: accepted, not shown to the model). Images and documents are refused with a 400 that
+says so; so is any other block type. Unknown fields of a block (``cache_control``,
+``citations``, ``caller``, ...) are accepted and ignored: clients send back the blocks they got."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Block types llmq reads, by where they may stand.
+_TEXT_TYPES = ("text",)
+_TURN_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_MEDIA_TYPES = ("image", "document")
+
+
+def check_block_types(value: Any, allowed: tuple[str, ...], where: str) -> Any:
+    """A list of blocks whose types are all served (a clear 400 for the others)."""
+    if not isinstance(value, list):
+        return value
+    for block in value:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in allowed or not isinstance(kind, str):
+            continue  # a block without a type: the union's own error names it
+        if kind in _MEDIA_TYPES:
+            raise ValueError(
+                f"{kind} content blocks are not supported by this server: it serves text "
+                "models (send the content as text)"
+            )
+        raise ValueError(
+            f"content blocks of type {kind!r} are not supported {where} (served: "
+            f"{', '.join(allowed)})"
+        )
+    return value
+
+
+class Block(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content(cls, v):
+        return check_block_types(v, _TEXT_TYPES, "in a tool_result")
+
+    def text(self) -> str:
+        """The result as the model reads it; an error says that it is one."""
+        if self.content is None:
+            text = ""
+        elif isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(b.text for b in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Block):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _served_blocks(cls, v):
+        return check_block_types(v, _TURN_TYPES, "in messages")
+
+    @field_validator("content")
+    @classmethod
+    def _blocks_of_role(cls, v, info):
+        role = info.data.get("role")
+        for block in v if isinstance(v, list) else []:
+            if role == "user" and block.type in ("tool_use", "thinking", "redacted_thinking"):
+                raise ValueError(f"a user turn cannot hold {block.type} blocks")
+            if role == "assistant" and block.type == "tool_result":
+                raise ValueError("an assistant turn cannot hold tool_result blocks")
+        return v
+
+
+class SystemTextBlock(Block):
+    type: Literal["text"]
+    text: str

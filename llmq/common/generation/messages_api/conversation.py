@@ -1,0 +1,73 @@
+"""A Messages conversation as chat messages: ``system`` first, then each turn. An assistant
+turn's text is its content and its tool_use blocks its tool calls (their ``input`` as the JSON
+text chat takes); a user turn's tool_result blocks are tool messages answering those calls,
+its text a user message, in the order they stand. Thinking blocks of earlier turns are not
+shown to the model (as chat templates drop earlier reasoning)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmq.common.generation.messages_api.content import (
+    InputMessage,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from llmq.common.generation.messages_api.request import MessagesPrompt
+
+
+def _assistant(message: InputMessage) -> dict[str, Any]:
+    if isinstance(message.content, str):
+        return {"role": "assistant", "content": message.content}
+    text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
+    calls = [
+        {
+            "id": b.id,
+            "type": "function",
+            "function": {"name": b.name, "arguments": json.dumps(b.input)},
+        }
+        for b in message.content
+        if isinstance(b, ToolUseBlock)
+    ]
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": calls}
+
+
+def _user(message: InputMessage) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"role": "user", "content": message.content}]
+    out: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, ToolResultBlock):
+            out.append({"role": "tool", "content": block.text(), "tool_call_id": block.tool_use_id})
+        elif isinstance(block, TextBlock):
+            if out and out[-1]["role"] == "user":  # one user message per run of text blocks
+                out[-1]["content"] += block.text
+            else:
+                out.append({"role": "user", "content": block.text})
+    return out or [{"role": "user", "content": ""}]
+
+
+def chat_messages(body: MessagesPrompt) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if (system := body.system_text()) is not None:
+        messages.append({"role": "system", "content": system})
+    for message in body.messages:
+        if message.role == "assistant":
+            messages.append(_assistant(message))
+        else:
+            messages.extend(_user(message))
+    return messages
+
+
+def is_prefill(body: MessagesPrompt) -> bool:
+    """A conversation that ends with an assistant turn of text: the answer continues it."""
+    last = body.messages[-1]
+    if last.role != "assistant":
+        return False
+    return isinstance(last.content, str) or not any(
+        isinstance(b, ToolUseBlock) for b in last.content
+    )

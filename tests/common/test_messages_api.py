@@ -1,0 +1,316 @@
+"""The Messages API's translation, without processes: the request and its blocks to a chat
+request, the chat answer to a message, chat chunks to Anthropic's event sequence, errors to
+Anthropic's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from llmq.common.errors import InvalidRequest, ModelNotFound, Unavailable
+from llmq.common.generation.messages_api.answer import content_blocks, matched_stop, tool_input
+from llmq.common.generation.messages_api.errors import error_body
+from llmq.common.generation.messages_api.events import MessageEvents
+from llmq.common.generation.messages_api.objects import MessageObject, MessageUsage
+from llmq.common.generation.messages_api.request import MessagesPrompt, MessagesRequest
+from llmq.common.generation.messages_api.translate import chat_request
+from llmq.common.generation.responses import (
+    AssistantMessage,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    FunctionCall,
+    FunctionCallDelta,
+    PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+
+pytestmark = pytest.mark.unit
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"name": "get_weather", "description": "Weather.", "input_schema": SCHEMA}
+
+
+def body(**fields) -> MessagesRequest:
+    return MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}], **fields}
+    )
+
+
+def test_a_tool_loop_becomes_chat_messages_calls_and_results():
+    chat = chat_request(body(
+        system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief.", "cache_control": {"type": "ephemeral"}}],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "s"},
+                {"type": "text", "text": "Calling."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sun"}]},
+                {"type": "text", "text": "and "}, {"type": "text", "text": "tomorrow?"},
+            ]},
+        ],
+        tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+    ))  # fmt: skip
+    call = {
+        "id": "toolu_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+    }
+    assert chat.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Calling.", "tool_calls": [call]},
+        {"role": "tool", "content": "sun", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "and tomorrow?"},
+    ]  # fmt: skip
+    assert chat.tool_mode() == "auto" and chat.parallel_tool_calls is False
+    assert chat.template_tools()[0]["function"]["parameters"] == SCHEMA
+    assert chat.max_tokens == 8 and chat.add_generation_prompt
+
+
+def test_an_error_result_says_so_to_the_model():
+    chat = chat_request(body(messages=[
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": True}]},
+    ], tools=[TOOL]))  # fmt: skip
+    assert chat.template_messages()[-1] == {
+        "role": "tool",
+        "content": "Error: boom",
+        "tool_call_id": "t",
+    }
+
+
+@pytest.mark.parametrize(
+    ("choice", "mode", "parallel"),
+    [({"type": "any"}, "required", True), ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}, "named", False),
+     ({"type": "none"}, "none", True), ({"type": "auto"}, "auto", True)],
+)  # fmt: skip
+def test_tool_choice_maps_onto_chats(choice, mode, parallel):
+    chat = chat_request(body(tools=[TOOL], tool_choice=choice))
+    assert chat.tool_mode() == mode and chat.parallel_tool_calls is parallel
+
+
+def test_sampling_format_thinking_and_prefill_fields():
+    fmt = {"format": {"type": "json_schema", "schema": SCHEMA}, "effort": "max"}
+    chat = chat_request(body(
+        max_tokens=2000, temperature=0, top_p=0.5, top_k=3, stop_sequences=["\n\n"], stream=True,
+        metadata={"user_id": "u1"}, output_config=fmt, thinking={"type": "enabled", "budget_tokens": 1024},
+        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}],
+        service_tier="auto", cache_control={"type": "ephemeral"},
+    ))  # fmt: skip
+    assert (chat.temperature, chat.top_p, chat.top_k, chat.stop, chat.user) == (
+        0,
+        0.5,
+        3,
+        ["\n\n"],
+        "u1",
+    )
+    assert chat.stream and chat.stream_options.include_usage
+    assert chat.response_format.json_schema.json_schema == SCHEMA
+    assert chat.reasoning_effort == "high" and chat.chat_template_kwargs == {
+        "enable_thinking": True
+    }
+    assert chat.continue_final_message and not chat.add_generation_prompt
+    off = chat_request(body(thinking={"type": "disabled"}))
+    assert off.chat_template_kwargs == {"enable_thinking": False} and not off.include_reasoning
+    forced = chat_request(body(tools=[TOOL], tool_choice={"type": "any"}, output_config=fmt))
+    assert forced.response_format is None  # the forced call is the constrained output
+
+
+def test_count_tokens_body_renders_the_same_prompt():
+    fields = {"messages": [{"role": "user", "content": "q"}], "system": "s", "tools": [TOOL]}
+    prompt = chat_request(MessagesPrompt.model_validate(fields))
+    whole = chat_request(body(**fields))
+    assert prompt.template_messages() == whole.template_messages()
+    assert prompt.template_tools() == whole.template_tools()
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        MessagesPrompt.model_validate({**fields, "max_tokens": 5})
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"surprise": 1}, "Extra inputs are not permitted"),
+        ({"max_tokens": None}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image content blocks are not supported"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document content blocks"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]}, "image content blocks"),
+        ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "'search_result' are not supported"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "a user turn cannot hold"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools are not supported by this server: web_search_20250305"),
+        ({"tools": [TOOL, {"type": "bash_20250124", "name": "bash"}]}, "bash_20250124"),
+        ({"tool_choice": {"type": "any"}}, "needs tools"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "not in tools"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 512}}, "greater than or equal to 1024"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "less than max_tokens"),
+        ({"container": "c1"}, "containers"),
+        ({"mcp_servers": [{"type": "url", "url": "u", "name": "n"}]}, "MCP servers"),
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"temperature": 1.5}, "temperature"),
+    ],
+)  # fmt: skip
+def test_what_is_not_served_is_a_clear_400(fields, says):
+    with pytest.raises(ValidationError, match=says):
+        body(**fields)
+
+
+def test_chat_answer_becomes_blocks_calls_with_object_inputs():
+    call = ToolCall(
+        id="call_abc", function=FunctionCall(name="get_weather", arguments='{"city": "Oslo"}')
+    )
+    message = AssistantMessage(content="Sure.", reasoning_content="think", tool_calls=[call])
+    blocks = [b.model_dump() for b in content_blocks(message, text_allowed=True)]
+    assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
+    assert blocks[2] == {
+        "type": "tool_use",
+        "id": "toolu_abc",
+        "name": "get_weather",
+        "input": {"city": "Oslo"},
+    }
+    assert blocks[0]["signature"]
+    forced = content_blocks(AssistantMessage(content='[{"name": "get_weather", "param'), False)
+    assert forced == []  # a forced turn's text is never a text block
+    assert tool_input('{"city": "Oslo", "da') == {"city": "Oslo"} and tool_input("[1]") == {}
+    # fmt: skip
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_the_stop_sequence_is_the_first_in_the_output_and_the_longest_there():
+    ids = [ord(c) for c in "abc END xyz"]
+    assert matched_stop(_Tokenizer(), ids, ["xyz", "END", "EN"]) == "END"
+    assert matched_stop(_Tokenizer(), ids, ["nope"]) is None
+    assert matched_stop(_Tokenizer(), ids, None) is None
+
+
+def _chunk(delta=None, finish=None, usage=None) -> ChatCompletionChunk:
+    rows = (
+        []
+        if delta is None
+        else [ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)]
+    )
+    return ChatCompletionChunk(id="c", created=0, model="m", choices=rows, usage=usage)  # fmt: skip
+
+
+def _events(chunks, text_allowed=True, stop=None) -> list[dict]:
+    message = MessageObject(
+        id="msg_1", model="m", usage=MessageUsage(input_tokens=7, output_tokens=0)
+    )
+    builder = MessageEvents(message, text_allowed, lambda: stop)
+
+    async def run():
+        async def gen():
+            for c in chunks:
+                if isinstance(c, Exception):
+                    raise c
+                yield c
+
+        return [e async for e in builder.events(gen())]
+
+    return json.loads(json.dumps(asyncio.run(run())))  # as sent: JSON
+
+
+def _call_delta(index, call_id=None, name=None, arguments=None) -> ChatDelta:
+    fn = FunctionCallDelta(name=name, arguments=arguments)
+    return ChatDelta(
+        tool_calls=[
+            ToolCallDelta(
+                index=index, id=call_id, type="function" if call_id else None, function=fn
+            )
+        ]
+    )
+
+
+def test_events_come_in_anthropics_order_with_block_indexes():
+    usage = Usage(
+        prompt_tokens=7,
+        completion_tokens=5,
+        total_tokens=12,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=4),
+    )
+    events = _events([
+        _chunk(ChatDelta(role="assistant", content="")),
+        _chunk(ChatDelta(reasoning_content="hm")), _chunk(ChatDelta(reasoning_content="m")),
+        _chunk(ChatDelta(content="Hi")), _chunk(ChatDelta(content=" there")),
+        _chunk(_call_delta(0, "call_x", "get_weather", "")), _chunk(_call_delta(0, arguments='{"city"')),
+        _chunk(_call_delta(0, arguments=': "Oslo"}'), finish="tool_calls"),
+        _chunk(usage=usage),
+    ])  # fmt: skip
+    assert [(e["type"], e.get("index"), e.get("delta", {}).get("type")) for e in events] == [
+        ("message_start", None, None), ("ping", None, None),
+        ("content_block_start", 0, None), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"), ("content_block_delta", 0, "signature_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, None), ("content_block_delta", 1, "text_delta"),
+        ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None),
+        ("content_block_start", 2, None), ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_delta", 2, "input_json_delta"), ("content_block_stop", 2, None),
+        ("message_delta", None, None), ("message_stop", None, None),
+    ]  # fmt: skip
+    start = events[0]["message"]
+    assert (
+        start["content"] == []
+        and start["stop_reason"] is None
+        and start["usage"]["input_tokens"] == 7
+    )
+    assert events[2]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert events[11]["content_block"] == {
+        "type": "tool_use",
+        "id": "toolu_x",
+        "name": "get_weather",
+        "input": {},
+    }
+    assert "".join(e.get("delta", {}).get("partial_json", "") for e in events) == '{"city": "Oslo"}'
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2]["usage"] == {
+        "input_tokens": 3,
+        "output_tokens": 5,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+    }
+
+
+def test_a_stop_sequence_or_max_tokens_ends_the_stream_so():
+    usage = Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9)
+    stopped = _events(
+        [_chunk(ChatDelta(content="a")), _chunk(ChatDelta(), finish="stop"), _chunk(usage=usage)],
+        stop="END",
+    )
+    assert stopped[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    ended = _events([_chunk(ChatDelta(content="a"), finish="stop")])
+    assert ended[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    cut = _events([_chunk(ChatDelta(content='[{"na'), finish="length")], text_allowed=False)
+    assert [e["type"] for e in cut] == ["message_start", "ping", "message_delta", "message_stop"]
+    assert cut[-2]["delta"]["stop_reason"] == "max_tokens"
+    # fmt: skip
+
+
+def test_a_failure_mid_stream_is_an_error_event():
+    events = _events([_chunk(ChatDelta(content="a")), Unavailable("no worker")])
+    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "no worker"}}
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind"),
+    [(InvalidRequest("bad", "max_tokens"), 400, "invalid_request_error"), (ModelNotFound("no model"), 404, "not_found_error"),
+     (Unavailable("gone"), 503, "api_error")],
+)  # fmt: skip
+def test_errors_take_anthropics_shape(error, status, kind):
+    assert error.status == status
+    shaped = error_body(error)
+    assert (
+        shaped["type"] == "error"
+        and shaped["error"]["type"] == kind
+        and set(shaped["error"]) == {"type", "message"}
+    )
