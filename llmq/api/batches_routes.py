@@ -117,7 +117,12 @@ class BatchCreate(BaseModel):
 
     input_file_id: str
     endpoint: Literal[
-        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/v1/score"
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/v1/score",
+        "/v1/messages",
     ]
     completion_window: Annotated[str, Field(pattern=r"^\d{1,3}h$")] = Field(
         "24h", description="Hours the batch may take, 1h to 168h (OpenAI offers 24h)."

@@ -23,6 +23,7 @@ BATCH_ENDPOINTS = (
     "/v1/embeddings",
     "/v1/rerank",
     "/v1/score",
+    "/v1/messages",
 )
 
 __all__ = ["BATCH_ENDPOINTS", "FINAL_STATES", "Store", "is_id", "new_id"]

@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "/v1/embeddings",
             "/v1/rerank",
             "/v1/score",
+            "/v1/messages",
         ],
         help="the batch's endpoint (default: the url of the file's first line)",
     )

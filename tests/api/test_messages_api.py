@@ -16,6 +16,7 @@ import pytest
 
 from llmq.common.model_loader import load_tokenizer
 from tests.api.api_stack import Reference, Stack, stack
+from tests.harness import wait_for
 from tests.tool_model import with_tools_template
 
 KEY = "sk-messages-test"
@@ -217,6 +218,37 @@ def test_a_tool_loop_forced_call_then_its_result_then_an_answer(served):
     assert prompt_count(second) == chat.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("max_tokens", [9, 23, 41, 57])  # whole, the calls take 62
+def test_forced_calls_cut_by_max_tokens_answer_as_they_stream(served, max_tokens):
+    """Parallel forced calls cut short: the whole answer's tool_use blocks are the ones the
+    stream delivers (the cut one with its input as far as it went), stop_reason max_tokens, and
+    no text block ever holds the internal array of calls."""
+    c = sdk(served)
+    weather = {
+        **WEATHER,
+        "input_schema": {
+            **WEATHER_SCHEMA,
+            "properties": {
+                **WEATHER_SCHEMA["properties"],
+                "note": {"type": "string", "maxLength": 40},
+            },
+        },
+    }
+    fields = dict(
+        model=served.model, max_tokens=max_tokens, **GREEDY, tools=[weather],
+        messages=[{"role": "user", "content": QUESTION}], tool_choice={"type": "any"},
+    )  # fmt: skip
+    whole = c.messages.create(**fields)
+    with c.messages.stream(**fields) as stream:
+        streamed = stream.get_final_message()
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens", whole
+    assert all(b.type == "tool_use" for b in whole.content), whole.content
+    assert [(b.name, b.input) for b in whole.content] == [
+        (b.name, b.input) for b in streamed.content
+    ]
+    assert whole.usage.output_tokens == max_tokens
+
+
 def test_count_tokens_is_the_prompts_token_count(served):
     c = sdk(served)
     user = [{"role": "user", "content": QUESTION}]
@@ -282,3 +314,41 @@ def test_errors_come_in_anthropics_shape_and_statuses(served):
     lost = httpx.post(f"{served.base}/v1/messages/nope", headers={"x-api-key": KEY}, json={})
     assert lost.status_code == 404 and lost.json()["error"]["type"] == "not_found_error"
     # fmt: skip
+
+
+def test_batch_lines_call_messages(served):
+    """A batch of /v1/messages lines: answered as the route answers them, bad input a 400."""
+    good = {
+        "model": served.model, "max_tokens": 6, "temperature": 0,
+        "messages": [{"role": "user", "content": QUESTION}],
+    }  # fmt: skip
+    lines = [("good", good), ("bad", {k: v for k, v in good.items() if k != "max_tokens"})]
+    content = "".join(
+        json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/messages", "body": body}) + "\n"
+        for cid, body in lines
+    )
+    with chat_client(served) as client:
+        f = client.files.create(file=("messages.jsonl", content.encode()), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/messages", completion_window="24h"
+        )
+
+        def done():
+            b = client.batches.retrieve(batch.id)
+            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
+
+        batch = wait_for(done, 120, f"batch {batch.id}", 0.2)
+        assert batch.status == "completed", batch
+        rows = [client.files.content(batch.output_file_id).text]
+        if batch.error_file_id:
+            rows.append(client.files.content(batch.error_file_id).text)
+    results = {o["custom_id"]: o["response"] for t in rows for o in map(json.loads, t.splitlines())}
+    assert results["good"]["status_code"] == 200
+    answer = results["good"]["body"]
+    direct = sdk(served).messages.create(
+        **{k: v for k, v in good.items() if k != "temperature"}, **GREEDY
+    )
+    assert answer["type"] == "message" and answer["content"] == [
+        b.model_dump(exclude_none=True) for b in direct.content
+    ]
+    assert results["bad"]["status_code"] == 400

@@ -222,3 +222,17 @@ def test_template_call_arguments_refused_in_chat_template_kwargs(served):
     assert r.status_code == 400, r.text
     assert "tokenize" in r.json()["error"]["message"]
     assert r.json()["error"]["param"].startswith("chat_template_kwargs")
+
+
+def test_a_thinking_budget_closes_the_block_in_time(served):
+    """thinking_budget (Anthropic's thinking.budget_tokens onto chat): the thinking closes at
+    the budget where the same greedy thinking alone goes on past it."""
+    body = dict(messages=MESSAGES, temperature=0, max_tokens=24, logprobs=True)
+    free = served.create(**body)
+    assert END not in [t.token for t in free.choices[0].logprobs.content][:9]
+    bounded = served.create(**body, extra_body={"thinking_budget": 8})
+    tokens = [t.token for t in bounded.choices[0].logprobs.content]
+    assert tokens.index(END) == 8, tokens
+    assert bounded.usage.completion_tokens_details.reasoning_tokens == 9
+    message = bounded.choices[0].message
+    assert message.model_extra["reasoning_content"] and message.content is not None

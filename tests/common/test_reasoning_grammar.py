@@ -11,7 +11,10 @@ import llguidance.hf
 import pytest
 from llguidance import LLMatcher
 
+from llmq.common.errors import InvalidRequest
 from llmq.common.generation.reasoning import FORMATS, after_thinking
+from llmq.common.generation.reasoning.chat import FREE_TEXT
+from llmq.common.generation.reasoning.tokens import single_token
 from llmq.common.generation.structured_output import Constraint, build_grammar
 from llmq.common.generation.tool_grammar import tool_grammar
 from llmq.common.generation.tool_request import FunctionTool
@@ -92,3 +95,33 @@ def test_a_lark_answer_is_wrapped_too(matcher):
     grammar = after_thinking(matcher.tokenizer, THINK, True, 'start: "yes" | "no"')
     assert matcher.accepts(grammar, "hmm", THINK.end, "yes")
     assert not matcher.accepts(grammar, "hmm", THINK.end, "maybe")
+
+
+def _ids(tokenizer, texts) -> list[int]:
+    return [i for t in texts for i in tokenizer.encode(t, add_special_tokens=False)]
+
+
+def test_a_budget_bounds_the_thinking_then_forces_the_closing_tag(matcher):
+    budget = 6
+    if single_token(matcher.tokenizer, THINK.end) is None:  # the bound would cut the tag
+        with pytest.raises(InvalidRequest, match="one token"):
+            after_thinking(matcher.tokenizer, THINK, True, FREE_TEXT, budget)
+        return
+    grammar = after_thinking(matcher.tokenizer, THINK, True, FREE_TEXT, budget)
+    words = [" a", " b", " c", " d", " e", " f", " g", " h"]
+    assert len(_ids(matcher.tokenizer, words)) > budget
+    within = next(
+        words[:n]
+        for n in range(len(words), 0, -1)
+        if len(_ids(matcher.tokenizer, words[:n])) <= budget
+    )
+    assert matcher.accepts(grammar, *within, THINK.end, "the answer")
+    assert not matcher.accepts(grammar, *words, THINK.end, "the answer")
+    # After the budget's tokens of thinking, the closing tag is the only token allowed.
+    m = LLMatcher(matcher.ll, grammar, log_level=0)
+    assert m.consume_tokens(_ids(matcher.tokenizer, words)[:budget]), m.get_error()
+    allowed = [i for i in range(len(matcher.tokenizer)) if m.validate_tokens([i]) == 1]
+    assert allowed == _ids(matcher.tokenizer, [THINK.end]), allowed
+    # Without a budget the same thinking goes on.
+    unbounded = after_thinking(matcher.tokenizer, THINK, True, FREE_TEXT)
+    assert matcher.accepts(unbounded, *words, THINK.end, "the answer")

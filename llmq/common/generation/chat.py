@@ -69,8 +69,10 @@ async def chat_choices(
         Choice(i, prompt_ids, choice_params(body, limit, logprobs, i, vocab), group)
         for i in range(body.n)
     ]
-    if (grammar := _answer_grammar(body)) is not None:
-        grammar = answer_grammar(pipeline.tokenizer, prompt_ids, grammar)
+    grammar = answer_grammar(
+        pipeline.tokenizer, prompt_ids, _answer_grammar(body), body.thinking_budget
+    )
+    if grammar is not None:
         for c in choices:
             c.params.grammar = grammar
     return choices, len(prompt_ids)

@@ -144,6 +144,12 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: SkipJsonSchema[bool] = Field(
         True, description="false: the thinking is left out of the answer (vLLM's option)."
     )
+    thinking_budget: SkipJsonSchema[int | None] = Field(
+        None,
+        ge=1,
+        description="Most tokens a reasoning model thinks before it must close its think block "
+        "(Anthropic's thinking.budget_tokens); enforced by constrained decoding.",
+    )
 
     @field_validator("chat_template_kwargs")
     @classmethod

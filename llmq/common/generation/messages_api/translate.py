@@ -17,6 +17,7 @@ from llmq.common.generation.messages_api.request import (
     MessagesPrompt,
     MessagesRequest,
     ThinkingDisabled,
+    ThinkingEnabled,
 )
 from llmq.common.generation.messages_api.tools import chat_tool_choice
 from llmq.common.generation.reasoning import reasoning_template_kwargs
@@ -41,6 +42,8 @@ def _prompt_fields(body: MessagesPrompt) -> dict[str, Any]:
         fields["chat_template_kwargs"] = {"enable_thinking": thinks}
         display = getattr(body.thinking, "display", None)
         fields["include_reasoning"] = thinks and display != "omitted"
+        if isinstance(body.thinking, ThinkingEnabled):
+            fields["thinking_budget"] = body.thinking.budget_tokens
     config = body.output_config
     if config is not None and config.effort is not None:
         fields["reasoning_effort"] = EFFORTS[config.effort]

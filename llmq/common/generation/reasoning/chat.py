@@ -67,10 +67,20 @@ def chat_reasoning(
     )
 
 
-def answer_grammar(tokenizer, prompt_ids: list[int], grammar: str) -> str:
-    """An answer's grammar (JSON, a forced tool call) held back until the thinking is over,
-    where the model reasons; unchanged where it does not."""
+# The answer after a bounded thinking where nothing else constrains it.
+FREE_TEXT = "%llguidance {}\nstart: /(?s:.*)/"
+
+
+def answer_grammar(
+    tokenizer, prompt_ids: list[int], grammar: str | None, budget: int | None = None
+) -> str | None:
+    """An answer's grammar (JSON, a forced tool call; None: free text) held back until the
+    thinking is over, which ``budget`` bounds, where the model reasons; unchanged where it does
+    not (it never thinks: any budget holds)."""
     fmt = chat_format(tokenizer)
     if fmt is None:
         return grammar
-    return after_thinking(tokenizer, fmt, prompt_opens_block(tokenizer, fmt, prompt_ids), grammar)
+    if grammar is None and budget is None:
+        return None
+    inside = prompt_opens_block(tokenizer, fmt, prompt_ids)
+    return after_thinking(tokenizer, fmt, inside, grammar or FREE_TEXT, budget)

@@ -11,6 +11,7 @@ import json
 import re
 from typing import Any
 
+from llmq.common.errors import InvalidRequest
 from llmq.common.generation.reasoning.formats import ReasoningFormat
 from llmq.common.generation.reasoning.tokens import single_token
 
@@ -51,12 +52,25 @@ def _answer_grammars(grammar: str) -> list[dict[str, Any]]:
     return grammars
 
 
-def after_thinking(tokenizer, fmt: ReasoningFormat, inside: bool, grammar: str) -> str:
+def after_thinking(
+    tokenizer, fmt: ReasoningFormat, inside: bool, grammar: str, budget: int | None = None
+) -> str:
     """``grammar`` preceded by a think block: required and already open when the prompt opened
-    it (``inside``), else optional, opened by the model's own start tag."""
+    it (``inside``), else optional, opened by the model's own start tag. A ``budget`` bounds the
+    thinking's tokens: past it the closing tag is the only token allowed."""
     grammars = _answer_grammars(grammar)
     answer = "@" + grammars[0]["name"]
     think_rule, think_terminal = _thinking(tokenizer, fmt).split("\n")
+    if budget is not None:
+        if single_token(tokenizer, fmt.end) is None:  # the tag would be cut by the bound
+            raise InvalidRequest(
+                f"a thinking budget needs {fmt.end} to be one token of the model's vocabulary; "
+                "it is not here",
+                "thinking_budget",
+            )
+        # llguidance ends a rule's lexeme once it took max_tokens tokens.
+        think_rule = think_rule.replace("THINK", "thinking", 1)
+        think_terminal += f"\nthinking[max_tokens={budget}]: THINK"
     if inside:
         start = f"start: {think_rule} {answer}"
     else:
