@@ -55,6 +55,13 @@ class Metrics:
         # Signals to scale workers on (per model stream): what nobody has taken, what is served.
         self.queue_lag = g("queue_lag", "Requests in the model's stream no engine has taken yet.")
         self.queue_pending = g("queue_pending", "Requests engines have taken and are serving.")
+        # Per live worker, from its heartbeat (totals since it started): what placement gains.
+        self.worker_cached = self._worker_gauge(
+            "worker_prompt_tokens_cached", "Prompt tokens a worker served from its prefix cache."
+        )
+        self.worker_computed = self._worker_gauge(
+            "worker_prompt_tokens_computed", "Prompt tokens a worker computed."
+        )
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(f"llmq:{name}", doc, _MODEL, buckets=buckets, registry=self.registry)
@@ -64,6 +71,9 @@ class Metrics:
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(f"llmq:{name}", doc, _MODEL, registry=self.registry)
+
+    def _worker_gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"llmq:{name}", doc, [*_MODEL, "worker"], registry=self.registry)
 
     # ---- GenerationMetrics ---------------------------------------------------------------
     def observe_first_token(self, model: str, seconds: float) -> None:
@@ -97,7 +107,11 @@ class Metrics:
     ) -> None:
         """Set the gauges from the engines' heartbeats (summed per model)."""
         per_model: dict[str, _ModelLoad] = {}
+        self.worker_cached.clear()  # a worker gone leaves no series behind
+        self.worker_computed.clear()
         for e in engines:
+            self.worker_cached.labels(e.model, e.worker).set(e.prompt_tokens_cached)
+            self.worker_computed.labels(e.model, e.worker).set(e.prompt_tokens_computed)
             load = per_model.setdefault(e.model, _ModelLoad())
             load.running += e.running
             load.waiting += e.waiting

@@ -34,6 +34,14 @@ class EngineStatus:
     tokens_total: int = 0
     requests_total: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Prompt tokens of the requests it finished: served from its prefix cache, and computed.
+    prompt_tokens_cached: int = 0
+    prompt_tokens_computed: int = 0
+    # Tokens its engine has still to compute for the requests it holds (prompts not yet
+    # prefilled, one a decoding sequence): the load placement weighs.
+    pending_tokens: int = 0
+    block_size: int = 0  # of its prefix cache's blocks (0: it caches none)
+    placement: bool = False  # it hands requests placed on another worker over to it
     steps_per_s: float = 0.0
     tokens_per_s: float = 0.0
     updated: float = 0.0

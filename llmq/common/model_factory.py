@@ -16,7 +16,7 @@ from typing import Literal
 # `llmq make-model --arch`; the coverage tests build every architecture of model_archs.ARCHS.
 CLI_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe")
 Arch = str
-Size = Literal["tiny", "smollm2-135m"]
+Size = Literal["tiny", "smollm2-135m", "moe-1b", "llama-1b"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
@@ -53,6 +53,39 @@ SHAPES: dict[Size, dict] = {
         tie_word_embeddings=True,
         rope_theta=100000.0,
         rms_norm_eps=1e-5,
+    ),
+    # The shape of Llama-3.2-1B with SmolLM2's vocabulary: 1.07B parameters (tied head).
+    "llama-1b": dict(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    # Qwen3-MoE only: 8 experts, 2 active a token; 1.02B parameters, 0.29B of them active a
+    # token (attention 63M, two experts a layer 226M) besides the tied 50M embedding and head.
+    "moe-1b": dict(
+        vocab_size=49152,
+        hidden_size=1024,
+        intermediate_size=3072,
+        moe_intermediate_size=1536,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
     ),
 }
 
@@ -104,14 +137,62 @@ def train_tokenizer(vocab_size: int):
     )
 
 
+# Beyond the tiny size: the families' own options at the size's shape (head dim 64 for 9 heads
+# of hidden 576). Gemma 3 as its small models are: a window of 512 tokens on five layers in
+# six, their own rotary base (rope_local_base_freq), query_pre_attn_scalar the head dim.
+_FAMILY_SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen3": ("Qwen3Config", dict(head_dim=64)),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=512, rope_local_base_freq=1e4),
+    ),
+}
+
+
+def _family_config(arch: str, shape: dict, ids: dict):
+    import transformers
+
+    class_name, options = _FAMILY_SHAPES[arch]
+    return getattr(transformers, class_name)(**shape, **options, **ids)
+
+
+def _moe_config(arch: str, shape: dict, ids: dict):
+    from transformers import Qwen3MoeConfig
+
+    if arch != "qwen3_moe":
+        raise ValueError(f"the moe-1b size is a qwen3_moe shape, not {arch!r}")
+    return Qwen3MoeConfig(**shape, **ids)
+
+
+def _config(arch: str, size: Size, shape: dict, ids: dict):
+    """The transformers config of ``arch`` at ``size`` (``shape``), with the tokenizer's ids."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    from llmq.common.model_archs import ARCHS, tiny_config
+
+    if size == "moe-1b":
+        return _moe_config(arch, shape, ids)
+    if arch == "llama":
+        return LlamaConfig(**shape, **ids)
+    if arch == "qwen2":
+        return Qwen2Config(**shape, **ids, use_sliding_window=False)
+    if arch in ARCHS and size == "tiny":
+        config = tiny_config(arch, **ids)
+        config.vocab_size = shape["vocab_size"]
+        return config
+    if arch in _FAMILY_SHAPES:
+        return _family_config(arch, shape, ids)
+    raise ValueError(f"unknown arch {arch!r} at size {size}; choose one of {', '.join(ARCHS)}")
+
+
 def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed: int = 0) -> Path:
     """Write a random-weight model and its tokenizer to ``path``; return the path. ``arch``:
-    llama or qwen2 at either size, or any architecture of ``model_archs.ARCHS`` (gemma3 is
-    gemma3_text) at the tiny size."""
+    llama, qwen2, qwen3 or gemma3 at either size, or any architecture of ``model_archs.ARCHS``
+    (gemma3 is gemma3_text) at the tiny size."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from llmq.common.model_archs import ARCHS, perturb, tiny_config
+    from llmq.common.model_archs import perturb
 
     arch = "gemma3_text" if arch == "gemma3" else arch
     path = Path(path)
@@ -123,16 +204,7 @@ def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    if arch == "llama":
-        config = LlamaConfig(**shape, **ids)
-    elif arch == "qwen2":
-        config = Qwen2Config(**shape, **ids, use_sliding_window=False)
-    elif arch in ARCHS and size == "tiny":
-        config = tiny_config(arch, **ids)
-        config.vocab_size = shape["vocab_size"]
-    else:
-        raise ValueError(f"unknown arch {arch!r} at size {size}; choose one of {', '.join(ARCHS)}")
-
+    config = _config(arch, size, shape, ids)
     # Marks the folder as a demo: /v1/models and the playground label it "random weights".
     config.llmq_random_weights = True
     torch.manual_seed(seed)

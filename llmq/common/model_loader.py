@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -75,10 +76,30 @@ def load_tokenizer(model: str):
         return _load_tokenizer(model)
 
 
+def gguf_location(model: str) -> tuple[str, str] | None:
+    """(folder, file name) where ``model`` is a GGUF file, or a folder holding one GGUF file
+    and no transformers checkpoint; None otherwise."""
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return str(path.parent), path.name
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(p.name for p in path.glob("*.gguf"))
+        if len(found) == 1:
+            return str(path), found[0]
+        if found:
+            raise ValueError(f"{model} holds several GGUF files ({', '.join(found)}): name one")
+    return None
+
+
 def _load_tokenizer(model: str):
     from transformers import PreTrainedTokenizerFast
 
     _quiet_transformers()
+    gguf = gguf_location(model)
+    if gguf is not None:  # the tokenizer and chat template from the file's metadata
+        from llmq.common.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(Path(gguf[0]) / gguf[1])
     if _model_file(model, "tokenizer.json") is not None:
         try:
             return PreTrainedTokenizerFast.from_pretrained(model)
@@ -89,16 +110,30 @@ def _load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-def load_causal_lm(model: str, dtype: str = "auto", device: str = "auto"):
+def load_causal_lm(
+    model: str, dtype: str = "auto", device: str = "auto", quantization: str = "none"
+):
+    """The model; ``quantization`` (int8, int4) is recorded on its config, and the worker's
+    forward quantizes the weights as it builds (``worker/runner/quantize.py``). A GGUF file
+    (``gguf_location``) is quantized as the file is: ``quantization`` does not apply."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     log.info("loading %s (%s on %s)", model, torch_dtype, device)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    gguf = gguf_location(model)
+    if gguf is not None:
+        # Dequantized by transformers; the forward takes the file's blocks again for its kernels.
+        lm = AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], dtype=torch_dtype)
+        lm.config.llmq_gguf_path = str(Path(gguf[0]) / gguf[1])
+        quantization = "gguf"
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     lm.to(device).eval()
     lm.requires_grad_(False)
+    if quantization != "none":
+        lm.config.llmq_quantization = quantization
     return lm
 
 

@@ -39,6 +39,8 @@ class ModelRegistry:
             inactivity_timeout=s.inactivity_timeout,
             record_ttl=s.request_ttl,
             no_worker_grace=s.no_worker_grace,
+            placement=s.placement,
+            placement_load_weight=s.placement_load_weight,
         )
 
     async def engines(self) -> list[EngineStatus]:

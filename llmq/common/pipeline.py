@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import EngineFailure, InvalidRequest, QueueFull, Unavailable
+from llmq.common.placer import Placer
 from llmq.common.prompt_encoder import (
     PromptEncoder,
     PromptLimits,
@@ -63,7 +64,11 @@ class TokenGeneratorPipeline:
         inactivity_timeout: float = 60.0,
         record_ttl: int = 3600,
         no_worker_grace: float = 1.0,
+        placement: bool = False,
+        placement_load_weight: float = 1.0,
     ):
+        """``placement``: name in each generation request the worker chosen for it
+        (``placer.py``); off, whichever worker reads it first takes it."""
         self.transport = transport
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer)
@@ -73,6 +78,7 @@ class TokenGeneratorPipeline:
         self.inactivity_timeout = inactivity_timeout
         self.record_ttl = record_ttl
         self._engines_cache: tuple[float, list[EngineStatus]] = (0.0, [])
+        self.placer = Placer(transport, self.engines, placement_load_weight) if placement else None
         self.output = OutputReader(
             transport, self.engines, inactivity_timeout, no_worker_grace, record_ttl
         )
@@ -202,10 +208,12 @@ class TokenGeneratorPipeline:
         self, request: EngineRequest, timeout: float, attach: bool, queue_slots: int
     ) -> str | None:
         ttl = int(timeout) + self.record_ttl
+        target = await self.placer.target(request) if self.placer is not None else ""
         if attach:  # batch lines: bounded by the task's concurrency, not the queue
-            return await self.transport.enqueue(request, 0, ttl, attach=True)
+            return await self.transport.enqueue(request, 0, ttl, attach=True, target=target)
         limit = self.max_queue if queue_slots else 0
-        return await self.transport.enqueue(request, limit, ttl, slots=max(queue_slots, 1))
+        slots = max(queue_slots, 1)
+        return await self.transport.enqueue(request, limit, ttl, slots=slots, target=target)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, **kwargs

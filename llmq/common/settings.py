@@ -36,6 +36,13 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the model runs; auto picks cuda when available."
     )
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="Weights quantized at load (CPU, on llmq's fast forward: the families it "
+        "serves): int8, per-output-channel int8 weights (W8A16); int4, 4-bit in groups of 32 "
+        "with the head and Q4_K_M's sensitive tensors at 8 bits (W4A16). Activations enter "
+        "the kernels in bfloat16. A GGUF model is served as its file is quantized.",
+    )
     max_model_len: int | None = Field(
         None, description="Longest prompt plus output in tokens; defaults to the model's own limit."
     )
@@ -151,6 +158,19 @@ class Settings(BaseSettings):
         120.0,
         description="Seconds a worker's engine loop may make no turn (a hung step) before its "
         "heartbeat is withheld and other workers take its requests over; 0: never.",
+    )
+    placement: bool = Field(
+        True,
+        description="Cache-aware placement: each request goes to the live worker expected to "
+        "hold the longest prefix of its prompt, weighed against its load; off: whichever worker "
+        "reads it first takes it.",
+    )
+    placement_load_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Placement's weight of a worker's load (tokens it has still to compute) "
+        "against the prompt tokens its cache would spare: higher spreads more, 0 follows the "
+        "cache alone.",
     )
     max_deliveries: int = Field(
         3, description="Times a request may be delivered to workers before it is dead-lettered."

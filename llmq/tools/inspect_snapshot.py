@@ -121,6 +121,13 @@ def render(snap: dict) -> str:
             f"  {e['name']}: {e['model']} [{e['kind']}] {kv}, running {e['running']}, "
             f"waiting {e['waiting']}, {e['tokens_per_s']} tok/s, {e['steps_per_s']} steps/s"
         )
+        cached, computed = e.get("prompt_tokens_cached", 0), e.get("prompt_tokens_computed", 0)
+        if cached or computed:
+            share = 100 * cached / (cached + computed)
+            out.append(
+                f"    prompt tokens: {cached} from cache, {computed} computed ({share:.0f}% "
+                f"cached){', placement on' if e.get('placement') else ''}"
+            )
     for r in snap.get("refused", []):
         out.append(f"  REFUSED {r['model']} (worker {r.get('worker')}): {r['refused']}")
     out.append("BATCHES IN PROGRESS")

@@ -19,9 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--arch",
         choices=list(CLI_ARCHS),
         default="llama",
-        help="gemma3 (its text model), qwen3 and qwen3_moe at the tiny size only",
+        help="gemma3 is its text model; qwen3_moe at the tiny and moe-1b sizes only",
     )
-    p.add_argument("--size", choices=["tiny", "smollm2-135m"], default="tiny")
+    p.add_argument("--size", choices=["tiny", "smollm2-135m", "moe-1b", "llama-1b"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run, parser=p)
 

@@ -132,7 +132,15 @@ class GenerationBackend:
             "tokens_total": e.num_generated,
             "requests_total": e.num_requests_total,
             "prefix_cache_hit_tokens": bm.prefix_hits,
+            "pending_tokens": sum(
+                max(1, s.num_tokens - s.num_computed_tokens) for s in e.requests.values()
+            ),
+            "block_size": bm.block_size if bm.enable_prefix_caching else 0,
         }
+
+    def cached_block_hashes(self) -> list[int]:
+        """The block hashes its prefix cache holds (published for placement)."""
+        return list(self.engine.block_manager.cached_hashes())
 
 
 @dataclass(slots=True)

@@ -20,10 +20,12 @@ from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineError, EngineRequest, OutputMessage
 from llmq.common.transport import Emission, PulledRequest, Refusal
 from llmq.worker.backends import Backend
+from llmq.worker.cache_report import PLACEMENT_IDLE_BLOCK_MS, CacheReport
 from llmq.worker.coalescer import Coalescer
 from llmq.worker.engine_queue import EngineQueue
 from llmq.worker.failed_step import step_one_by_one
 from llmq.worker.heartbeat import Heartbeat
+from llmq.worker.record_mend import mend_record
 from llmq.worker.request_error import RequestError
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class EngineLoop:
         self.heartbeat_ttl = heartbeat_ttl
         self.max_deliveries = max_deliveries
         self.idle_block_ms = idle_block_ms
+        if transport.placement:
+            self.idle_block_ms = min(idle_block_ms, PLACEMENT_IDLE_BLOCK_MS)
         self.clock = clock  # wall time: deadlines are unix times
         # Requests taken per turn, at most: a burst is split among the engines serving the
         # model as they turn, not swallowed whole by the first one that finds it (measured:
@@ -83,6 +87,8 @@ class EngineLoop:
         self._unsent: list[Emission] = []  # emissions a Redis outage kept from going out
         self.coalescer = Coalescer(stream_interval_s, clock)
         self._set_up = False  # the transport is set up (false at start and after an outage)
+        # Its cached set outlives a heartbeat gap of a few TTLs; gone with a dead worker.
+        self.cache_report = CacheReport(transport, backend, max(heartbeat_ttl * 3, 15.0))
 
     # ---- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
@@ -178,6 +184,8 @@ class EngineLoop:
             if pulled:
                 self._admit(pulled)
         cancelled = self.transport.drain_cancels()
+        if self.transport.handover_waiting and (room := self.backend.room()) > 0:
+            self._resume(self.transport.pull_handed(room))
         if self.transport.handed_back:
             self._last_claim = 0.0  # a worker shutting down left requests: take them now
         for rid in cancelled:
@@ -192,6 +200,7 @@ class EngineLoop:
             self.heartbeat.beat_soon()
         if now - self._last_claim > self.heartbeat_ttl / 2:
             self._last_claim = now
+            self.transport.handover_waiting |= self.transport.placement  # a notice missed
             self._resume(
                 self.transport.claim_orphans(int(self.heartbeat_ttl * 1000), max(room, 1) * 4)
             )
@@ -231,7 +240,8 @@ class EngineLoop:
                 r.owner or "a new run of it",
             )
             return
-        if self._mend_record(r):
+        active = self.active.get(r.request_id)
+        if mend_record(self.transport, self.backend, r, active.request if active else None):
             return
         active = self.active.pop(r.request_id, None)
         if active is not None:
@@ -250,29 +260,6 @@ class EngineLoop:
         )
         reply_to = active.request.reply_to if active is not None else ""
         self.transport.fail(r.request_id, r.entry_id, r.recorded or 0, error, reply_to)
-
-    def _mend_record(self, r: Refusal) -> bool:
-        """Write a running request's record again from where Redis lost it (a restart without
-        persistence, an AOF that lost its tail), and the refused message with it: this worker
-        holds every token it generated, so the record ends up what its client saw. Not for
-        logprobs (only the latest are held) nor a request already finished here."""
-        msg, active = r.message, self.active.get(r.request_id)
-        if msg is None or msg.logprobs or msg.done or active is None or r.recorded is None:
-            return False
-        tokens = self.backend.output_tokens(r.request_id)
-        end = msg.index + len(msg.tokens)
-        if tokens is None or len(tokens) < end:
-            return False
-        mended = OutputMessage(index=r.recorded, tokens=tokens[r.recorded : end])
-        emission = Emission(r.request_id, r.entry_id, mended, active.request.reply_to)
-        if self.transport.emit([emission]):
-            return False
-        log.warning(
-            "request %s: Redis lost %d of its recorded tokens; written again from this worker",
-            r.request_id,
-            msg.index - r.recorded,
-        )
-        return True
 
     def _step_one_by_one(self) -> list[tuple[str, OutputMessage]]:
         """After a step raised: the news of its requests stepped alone; the ones at fault
@@ -303,6 +290,7 @@ class EngineLoop:
             active.held = None
         if msg.done:
             del self.active[request_id]
+            self.cache_report.finished(msg)
             msg.worker = self.transport.worker
             if msg.usage is not None and active.created:
                 msg.usage["queue_time"] = round(max(0.0, active.started - active.created), 4)
@@ -391,7 +379,9 @@ class EngineLoop:
         if now - self._last_status <= self.heartbeat.interval:
             return False
         self._last_status = now
-        self.heartbeat.update(self.status, self.backend.stats(), now)
+        stats = {**self.backend.stats(), **self.cache_report.fields()}
+        self.heartbeat.update(self.status, stats, now)
+        self.cache_report.publish()
         return True
 
 

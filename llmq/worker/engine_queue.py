@@ -16,6 +16,8 @@ class EngineQueue(Protocol):
     worker: str  # this worker's name, stamped on the final message of each request
     handed_back: set[str]  # workers that announced a hand-back since the last claim
     live_peers: int | None  # other live engines on the model's queue (None: not known yet)
+    placement: bool  # it hands requests placed on another worker over to it
+    handover_waiting: bool  # requests may have been handed over to this worker: pull_handed
     # The transport is unavailable for now: the loop closes it, waits and sets it up again.
     transient_errors: tuple[type[Exception], ...]
 
@@ -29,6 +31,13 @@ class EngineQueue(Protocol):
     ) -> list[PulledRequest]:
         """Up to ``count`` new requests, waiting up to ``block_ms`` (None: not at all) when
         there are none; with ``own_pending`` the ones this worker already holds."""
+
+    def pull_handed(self, count: int) -> list[PulledRequest]:
+        """Up to ``count`` of the requests other workers handed over to this one, taken into
+        service as ``pull`` takes them."""
+
+    def publish_cached(self, hashes: Iterable[int], ttl: float) -> None:
+        """Publish the block hashes its prefix cache holds (what placement matches)."""
 
     def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
         """Take the requests into service as their owner; refused: those another worker owns."""

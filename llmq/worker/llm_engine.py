@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 from llmq.common.model_loader import resolve_device
 from llmq.common.protocol import EngineError
 from llmq.common.sampling_params import SamplingParams
-from llmq.worker.engine.block_manager import BlockManager
-from llmq.worker.engine.kv_sizing import KVPoolSize, kv_pool_size
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from llmq.worker.kv_setup import block_manager, kv_pool_and_layout, served_features
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.prompt_logprobs import reduce_prompt_rows
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
@@ -29,10 +28,6 @@ log = logging.getLogger(__name__)
 # 32-stream ITL p99 from 0.76-0.97 s to 0.27-0.29 s (`bench/compare.py`, 2 cores), with the
 # same output and a lower TTFT p50. A GPU step of 512 tokens is hardly longer than one of 128.
 CPU_PREFILL_TOKENS_WITH_DECODES = 128
-# The prefix cache may always fill this fraction of the pool, however few blocks the busiest
-# moment used (block_manager.py): 1/16 of the SmolLM2-135M-shaped pool is 250 blocks, 90 MB,
-# the prompts of 8 lone requests of 128 + 64 tokens several times over.
-CACHE_FLOOR_DIVISOR = 16
 # How long an otherwise idle step waits for a grammar being built (a build finishing sooner
 # ends the wait): the engine loop pulls new requests and cancels between steps.
 GRAMMAR_WAIT_S = 0.05
@@ -82,41 +77,6 @@ class EngineConfig:
         )
 
 
-def _kv_pool_size(model, config: EngineConfig, features=None) -> KVPoolSize:
-    """The KV pool for ``model`` under ``config`` (see ``engine/kv_sizing.py``), its keys and
-    values as wide as ``features`` (what its attention calls showed) says."""
-    from llmq.worker.runner.attention import KVPool
-    from llmq.worker.runner.model_runner import pool_dims
-
-    text_config = model.config.get_text_config()
-    dtype = next(model.parameters()).dtype
-    dims = pool_dims(model.config, features)
-    return kv_pool_size(
-        bytes_per_block=KVPool.bytes_per_block(*dims, config.block_size, dtype),
-        block_size=config.block_size,
-        model_limit=getattr(text_config, "max_position_embeddings", None) or 2048,
-        max_model_len=config.max_model_len,
-        max_batch_size=config.max_batch_size,
-        num_blocks=config.num_blocks,
-        kv_cache_memory_gb=config.kv_cache_memory_gb,
-    )
-
-
-def _served_features(model):
-    """What ``model``'s attention needs; raises UnsupportedModel, naming what llmq does not
-    implement, rather than serve a wrong answer."""
-    from llmq.worker.runner.model_support import UnsupportedModel, inspect_model
-
-    features = inspect_model(model)
-    if features.refusals:
-        model_type = getattr(model.config.get_text_config(), "model_type", "unknown")
-        error = UnsupportedModel(model_type, features.refusals)
-        log.error("%s", error)
-        raise error
-    log.info("attention: %s", features)
-    return features
-
-
 @dataclass(slots=True)
 class RequestOutput:
     """One step's news for one request."""
@@ -155,7 +115,8 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.vocab_size = model.config.get_text_config().vocab_size
-        pool = _kv_pool_size(model, config, features := _served_features(model))
+        features = served_features(model)
+        pool, self.kv_layout = kv_pool_and_layout(model, config, features)
         self.num_blocks = num_blocks = pool.num_blocks
         self.max_model_len = pool.max_model_len
         self.runner = ModelRunner(
@@ -171,14 +132,10 @@ class LLMEngine:
             max_batch_size=config.max_batch_size,
             max_model_len=self.max_model_len,
             features=features,
+            layout=self.kv_layout,
         )
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            # A pool allocated whole (GPU) costs the same cached or not.
-            config.prefix_cache_share if self.runner.pool.lazily_resident else None,
-            cache_floor=num_blocks // CACHE_FLOOR_DIVISOR,
+        self.block_manager = block_manager(
+            config, num_blocks, self.kv_layout, self.runner.pool.lazily_resident
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -208,7 +165,7 @@ class LLMEngine:
             "max_model_len %d, batch %d seqs / %d tokens",
             self.num_blocks,
             config.block_size,
-            self.runner.pool.kv.nbytes / 2**30,
+            self.runner.pool.storage.nbytes / 2**30,
             "resident as it is used" if self.runner.pool.lazily_resident else "resident",
             pool_reason,
             self.max_model_len,

@@ -59,7 +59,9 @@ def preload(settings: Settings) -> bool:
     torch.set_num_threads(1)
     try:
         tokenizer = load_tokenizer(settings.model)
-        model = load_causal_lm(settings.model, settings.dtype, settings.device)
+        model = load_causal_lm(
+            settings.model, settings.dtype, settings.device, settings.quantization
+        )
         # Built and loaded once, before the workers fork (the forward's packing may use them).
         kernels = settings.cpu_kernels and cpu_kernels.load()
         forward = build_forward(model, settings.fast_forward, settings.pack_weights, kernels)

@@ -59,7 +59,9 @@ def build_backend(settings: Settings):
     if preloaded is not None:
         model = preloaded.model
     else:
-        model = load_causal_lm(settings.model, settings.dtype, settings.device)
+        model = load_causal_lm(
+            settings.model, settings.dtype, settings.device, settings.quantization
+        )
     engine = LLMEngine(
         model,
         EngineConfig.from_settings(settings),
@@ -97,6 +99,7 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
         worker_name,
         name,
         settings.request_ttl,
+        placement=settings.placement and backend.kind == "generate",
     )
     status = EngineStatus(
         model=name,

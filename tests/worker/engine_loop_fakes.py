@@ -35,6 +35,10 @@ class MemoryQueue:
     worker: str = "w1"
     handed_back: set[str] = field(default_factory=set)
     live_peers: int | None = None
+    placement: bool = False
+    handover_waiting: bool = False
+    handed: list[PulledRequest] = field(default_factory=list)  # handed over, not yet taken
+    published: list[set[int]] = field(default_factory=list)  # each publish_cached's hashes
     transient_errors: tuple[type[Exception], ...] = (Outage,)
     waiting: list[PulledRequest] = field(default_factory=list)  # not yet delivered
     held: dict[str, PulledRequest] = field(default_factory=dict)  # delivered, not acked
@@ -78,6 +82,16 @@ class MemoryQueue:
         taken, self.waiting = self.waiting[:count], self.waiting[count:]
         self.held.update((p.entry_id, p) for p in taken)
         return taken
+
+    def pull_handed(self, count: int) -> list[PulledRequest]:
+        self._call("pull_handed")
+        self.handover_waiting = len(self.handed) > count
+        taken, self.handed = self.handed[:count], self.handed[count:]
+        self.held.update((p.entry_id, p) for p in taken)
+        return taken
+
+    def publish_cached(self, hashes: Iterable[int], ttl: float) -> None:
+        self.published.append(set(hashes))
 
     def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
         refused = [self._fenced(p.request.id, p.entry_id) for p in pulled]
@@ -263,8 +277,9 @@ def make_loop(
     heartbeat_ttl: float = 5.0,
     stall_timeout: float = 0.0,
     stream_interval_s: float = 0.0,
+    placement: bool = False,
 ) -> tuple[EngineLoop, MemoryQueue, ScriptedBackend, Clock]:
-    queue, clock = MemoryQueue(), Clock()
+    queue, clock = MemoryQueue(placement=placement, handover_waiting=placement), Clock()
     backend = backend or ScriptedBackend()
     loop = EngineLoop(
         backend,

@@ -20,12 +20,18 @@ from llmq.common.model_factory import make_model
 from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.runner.decoder_forward import DecoderForward, supports
 from llmq.worker.runner.model_support import UnsupportedModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 24
-FAST_FORWARD = {"llama", "qwen2", "mistral"}  # llmq's own forward; the rest: transformers'
+# llmq's own forward (``decoder_forward``); the rest: transformers'.
+FAST_FORWARD = {"llama", "qwen2", "mistral", "mistral_window", "qwen3", "phi3", "gemma2"}
+FAST_FORWARD |= {"gemma3_text", "qwen3_moe", "mixtral"}
+# A pool that preempts and holds the longest prompt: a windowed model's block holds a KV group's
+# layers (one of two, alternating), and its window's (8 tokens) layers take a few blocks alone.
+TIGHT_BLOCKS = {"mistral_window": 6, "gemma2": 22, "gemma3_text": 22, "gpt_oss": 22}
 
 
 def make_prompts(vocab_size: int) -> list[list[int]]:
@@ -101,14 +107,15 @@ def test_greedy_output_equals_generate(arch_models, arch):
 
     alone = engine(num_blocks=64, max_batch_size=1)  # the longest prompt, on its own
     assert serve(alone, prompts[2:3]) == expected[2:3]
-    assert (alone.runner.forward is not None) == (arch in FAST_FORWARD)
+    assert supports(load(path)) == (arch in FAST_FORWARD)
+    assert isinstance(alone.runner.forward, DecoderForward) == (arch in FAST_FORWARD)
 
     batched = engine(num_blocks=128, max_batch_tokens=24)  # chunked prefills beside decodes
     assert serve(batched, prompts) == expected
     assert serve(batched, prompts) == expected  # again, from the prefix cache
     assert batched.block_manager.prefix_hits >= 200
 
-    tight = engine(num_blocks=16, max_batch_tokens=64)
+    tight = engine(num_blocks=TIGHT_BLOCKS.get(arch, 16), max_batch_tokens=64)
     assert serve(tight, prompts) == expected
     assert tight.scheduler.num_preemptions > 0
 

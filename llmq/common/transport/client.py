@@ -82,10 +82,11 @@ class AsyncTransport:
         ttl: int,
         attach: bool = False,
         slots: int = 1,
+        target: str = "",
     ) -> str | None:
         """Add the request to its model's stream; None when the queue has no room for
         ``slots`` more (0 ``max_queue``: no limit); "attached" when ``attach`` and a request
-        with this id already exists."""
+        with this id already exists. ``target``: the worker placement chose for it."""
         keys = self.keys.for_model(request.model)
         entry = await self._enqueue(
             keys=[keys.requests(request.model), keys.req(request.id)],
@@ -101,6 +102,7 @@ class AsyncTransport:
                 "1" if attach else "0",
                 slots,
                 request.reply_to,
+                target,
             ],
         )
         return as_text(entry) if entry else None
@@ -136,6 +138,22 @@ class AsyncTransport:
             return 0, 0
         pending = int(pending["pending"])
         return max(0, int(length) - pending), pending
+
+    async def cached_prefixes(
+        self, model: str, workers: list[str], hashes: list[int]
+    ) -> dict[str, int]:
+        """For each worker, how many of the leading block ``hashes`` its prefix cache holds
+        (its published set: ``Keys.cached``), in one round trip."""
+        if not hashes or not workers:
+            return dict.fromkeys(workers, 0)
+        keys = self.keys.for_model(model)
+        pipe = self.r.pipeline(transaction=False)
+        for worker in workers:
+            pipe.smismember(keys.cached(worker), hashes)
+        held = {}
+        for worker, flags in zip(workers, await pipe.execute(), strict=True):
+            held[worker] = next((i for i, f in enumerate(flags) if not f), len(flags))
+        return held
 
     async def known_models(self) -> dict[str, dict]:
         """Every model a worker has ever served, with where its weights come from."""

@@ -10,14 +10,19 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import redis
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
-from llmq.common.transport.keys import GROUP, HANDBACK_PREFIX, Keys, as_text
-from llmq.common.transport.output_log import merge
+from llmq.common.transport.engine_placement import PlacementSide
+from llmq.common.transport.entries import (
+    PulledRequest,
+    ensure_group,
+    entry_request_id,
+    set_prior_tokens,
+)
+from llmq.common.transport.keys import GROUP, HANDBACK_PREFIX, HANDOVER_PREFIX, Keys, as_text
 from llmq.common.transport.script_pipeline import script_pipeline
 from llmq.common.transport.scripts import (
     CLAIM_SCRIPT,
@@ -32,27 +37,10 @@ log = logging.getLogger(__name__)
 _HANDBACK_IDLE_MS = 200
 
 
-def ensure_group(client: redis.Redis, stream: str) -> None:
-    try:
-        client.xgroup_create(stream, GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
-@dataclass(slots=True)
-class PulledRequest:
-    entry_id: str
-    request: EngineRequest | None  # None: the entry could not be parsed
-    prior_tokens: list[int]  # tokens generated before (a resumed request)
-    cancelled: bool = False
-    deliveries: int = 1
-    raw: dict | None = None
-    running: bool = False  # taken into service as it was pulled (PULLED_SCRIPT)
-
-
-class EngineTransport:
-    """The worker's side (synchronous redis-py; the engine loop runs in a plain thread)."""
+class EngineTransport(PlacementSide):
+    """The worker's side (synchronous redis-py; the engine loop runs in a plain thread);
+    ``placement``: it hands entries placed on other workers over to them
+    (``engine_placement``)."""
 
     # Redis unreachable or slow: the engine loop closes this, waits, and sets it up again.
     # What the engine loop survives by setting up again after a backoff: an outage, and every
@@ -66,7 +54,15 @@ class EngineTransport:
         redis.exceptions.RedisClusterException,  # no node of a cluster reachable, for now
     )
 
-    def __init__(self, client: redis.Redis, keys: Keys, worker: str, model: str, request_ttl: int):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        worker: str,
+        model: str,
+        request_ttl: int,
+        placement: bool = False,
+    ):
         self.r = client
         self.keys = keys.for_model(model)
         self.worker = worker
@@ -81,11 +77,13 @@ class EngineTransport:
         self._loaded: set[str] = set()  # scripts this Redis has cached (EVALSHA'd, not EVAL'd)
         self._shas: dict[str, str] = {}
         self.writer = StepWriter(client, self.keys, worker, self.stream, request_ttl, self._sha)
+        self._init_placement(placement)
 
     def setup(self, status: EngineStatus | None = None) -> None:
         ensure_group(self.r, self.stream)
         self._loaded.clear()  # a Redis restarted since (its NOSCRIPT brought us here) has none
         self.writer.reset()
+        self._published = None  # a Redis restarted since lost the published cached set
         if status is not None:
             model_info = {
                 "source": status.source,
@@ -129,7 +127,11 @@ class EngineTransport:
             block=None if own_pending else block_ms,
         )
         entries = [(eid, fields) for _, items in resp or [] for eid, fields in items if fields]
-        return self._prepare(entries, self._own_deliveries(count) if own_pending else None)
+        if not own_pending:
+            entries = self._hand_over(entries)
+        pulled = self._prepare(entries, self._own_deliveries(count) if own_pending else None)
+        self._note_taken(pulled)
+        return pulled
 
     def _own_deliveries(self, count: int) -> dict[str, int]:
         """How often each entry this worker holds was delivered, this read included: a worker
@@ -167,7 +169,7 @@ class EngineTransport:
             pipe.evalsha(take, 2, *keys, self.keys.log(self.worker), rid, self.keys.out(rid))
         for p, (state, tokens) in zip(live, pipe.execute(), strict=True):
             p.cancelled = state is not None and as_text(state) == "cancelled"
-            _set_prior_tokens(p, tokens)
+            set_prior_tokens(p, tokens)
         return pulled
 
     def _take_fresh(self, pulled: list[PulledRequest]) -> list[PulledRequest]:
@@ -193,7 +195,7 @@ class EngineTransport:
                 continue
             p.cancelled = as_text(state) == "cancelled"
             p.running = not p.cancelled
-            _set_prior_tokens(p, tokens)
+            set_prior_tokens(p, tokens)
         return [p for p in pulled if id(p) not in dropped]
 
     def mark_running(self, pulled: Iterable[PulledRequest]) -> list[Refusal]:
@@ -229,6 +231,9 @@ class EngineTransport:
                 data = as_text(msg["data"])
                 if data.startswith(HANDBACK_PREFIX):
                     self.handed_back.add(data.removeprefix(HANDBACK_PREFIX))
+                elif data.startswith(HANDOVER_PREFIX):
+                    if data == HANDOVER_PREFIX + self.worker:
+                        self.handover_waiting = True
                 else:
                     ids.append(data)
         return ids
@@ -329,6 +334,7 @@ class EngineTransport:
             claimed.extend(got)
         self.handed_back.clear()
         self.live_peers = live
+        self._note_taken(claimed)
         return claimed
 
     def _claim(self, deliveries: dict[str, int], idle_ms: int) -> list[PulledRequest]:
@@ -338,7 +344,7 @@ class EngineTransport:
         pipe = script_pipeline(self.r)
         for eid in ids:  # each entry's request id (an entry never changes), to name its keys
             pipe.xrange(self.stream, eid, eid)
-        rids = [_request_id(hits) for hits in pipe.execute()]
+        rids = [entry_request_id(hits) for hits in pipe.execute()]
         sha = self._sha(CLAIM_SCRIPT)
         for eid, rid in zip(ids, rids, strict=True):
             if rid is None:
@@ -361,24 +367,6 @@ class EngineTransport:
                 raw, state, tokens = reply
                 p = self._parse(eid, dict(zip(raw[::2], raw[1::2], strict=True)), deliveries[eid])
                 p.cancelled = as_text(state) == "cancelled"
-                _set_prior_tokens(p, tokens)
+                set_prior_tokens(p, tokens)
                 claimed.append(p)
         return claimed
-
-
-def _set_prior_tokens(p: PulledRequest, values: list) -> None:
-    """The tokens a request's record holds; a record that is not a list of values (written by
-    hand) makes the request malformed: it fails, instead of raising on every restart."""
-    try:
-        p.prior_tokens = merge([as_text(v) for v in values])[0]
-    except ValueError:
-        log.warning("request %s: its token record is not token ids; failing it", p.request.id)
-        p.request = None
-
-
-def _request_id(hits: list) -> str | None:
-    """The request id in an XRANGE reply of one entry (None: deleted, or none)."""
-    if not hits or not hits[0][1]:
-        return None
-    fields = {as_text(k): v for k, v in hits[0][1].items()}
-    return as_text(fields["id"]) if "id" in fields else None

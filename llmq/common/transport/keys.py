@@ -8,14 +8,18 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
 
 - ``{p}:requests:{model}``         stream per model, consumer group ``engines``: one entry per
                                    request (fields ``id``, ``kind``, ``payload`` = EngineRequest
-                                   JSON)
+                                   JSON, and ``target``: the worker placement chose, to which
+                                   another worker that reads it hands it over with XCLAIM)
+- ``{p}:cached:{worker}``          set (TTL): the block hashes a worker's prefix cache holds
+                                   (``common/block_hashes``), which placement matches prompts to
 - ``{p}:replies:{replica}``        pub/sub channel of one API process (or batch task process):
                                    one message a step per worker, a frame of every request it
                                    enqueued (``output_log.encode_frame``)
 - ``{p}:out:{id}``                 pub/sub channel of a request that names none (one written
                                    with redis-cli): the same messages, for it alone
-- ``{p}:cancel``                   pub/sub channel: ids of requests to abort, and
-                                   ``handback:{worker}`` from a worker leaving requests behind
+- ``{p}:cancel``                   pub/sub channel: ids of requests to abort,
+                                   ``handback:{worker}`` from a worker leaving requests behind,
+                                   and ``handover:{worker}`` to a worker handed requests
 - ``{p}:req:{id}``                 hash (TTL): state, worker (its owner: see _FENCE), entry (its
                                    live stream entry), finish_reason, timings
 - ``{p}:req:{id}:tokens``          list (TTL): the tokens generated (and their logprobs, when
@@ -52,6 +56,8 @@ from __future__ import annotations
 GROUP = "engines"
 # On the cancel channel, never a request id: a worker shutting down left requests pending.
 HANDBACK_PREFIX = "handback:"
+# On the cancel channel: requests were handed over to this worker (they are in its pending list).
+HANDOVER_PREFIX = "handover:"
 
 
 class Keys:
@@ -103,6 +109,10 @@ class Keys:
     def log(self, worker: str) -> str:
         """A worker's step log: the tail of its requests' output (``output_log``)."""
         return f"{self.log_prefix}{worker}"
+
+    def cached(self, worker: str) -> str:
+        """Set: the block hashes a worker's prefix cache holds (in its model's slot)."""
+        return f"{self._m()}:cached:{worker}"
 
     @property
     def log_prefix(self) -> str:
@@ -188,6 +198,7 @@ class Keys:
         return f"{self._g}:models"
 
 
+# ARGV[12]: the worker placement chose for it ('' none: whichever reads it first).
 # ARGV[11]: where its output goes (its ``reply_to``: readers find its values in a worker's log
 # by it). Enqueue only while the ARGV[10] slots a request needs (its prompts x n, counted at its first
 # choice) fit under ARGV[3] entries waiting undelivered (XLEN minus the pending ones: finished
@@ -215,7 +226,13 @@ end
 -- XADD first: a script's first write is where Redis refuses it under maxmemory (an HDEL, never
 -- refused, would let every write after it through). 'worker' goes only from a request sent
 -- again under its id (a fresh id has none): a command saved per request.
-local entry = redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2])
+local entry
+if ARGV[12] and ARGV[12] ~= '' then  -- placed: the worker chosen, which a reader hands it to
+  entry = redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2],
+    'target', ARGV[12])
+else
+  entry = redis.call('XADD', stream, '*', 'id', ARGV[1], 'kind', ARGV[8], 'payload', ARGV[2])
+end
 redis.call('HSET', req, 'state', 'queued', 'created', ARGV[5], 'model', ARGV[6], 'entry', entry,
   'reply', ARGV[11] or '', 'attach', ARGV[9])
 if ARGV[9] == '1' then redis.call('HDEL', req, 'worker') end

@@ -332,6 +332,19 @@ return {h, redis.call('LRANGE', KEYS[2], 0, -1), values}
 )
 
 
+# Hand an entry this worker read over to the worker placement chose for it: moved from this
+# worker's pending list into the target's (XCLAIM JUSTID: its delivery count stays), only while
+# it is still in this worker's list and its request has no owner (a worker frozen between its
+# read and this call may find its entries claimed and running elsewhere: they stay where they
+# are). KEYS: stream, req. ARGV: group, worker, target, entry. Returns 1 when handed over.
+HANDOVER_SCRIPT = """
+local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1, ARGV[2])
+if #mine == 0 or redis.call('HEXISTS', KEYS[2], 'worker') == 1 then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[4], 'JUSTID')
+return 1
+"""
+
+
 def sharded(script: str) -> str:
     """The script publishing on sharded channels (a Redis Cluster's SPUBLISH)."""
     return script.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")

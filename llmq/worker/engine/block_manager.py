@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from llmq.common.block_hashes import chain_hashes
 from llmq.worker.engine.sequence import Sequence
 
 
@@ -78,18 +79,18 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    def cached_hashes(self):
+        """The hashes of the blocks the prefix cache holds now (a live view: copy it on the
+        engine's thread), which the worker publishes for placement."""
+        return self._cached.keys()
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # ---- hashing -------------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """Hash chain of the sequence's first ``num_full_blocks`` blocks, memoized on it."""
-        hashes = seq.block_hashes
-        bs = self.block_size
-        for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else 0
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
-        return hashes
+        return chain_hashes(seq.token_ids, self.block_size, num_full_blocks, seq.block_hashes)
 
     # ---- allocation ----------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -232,14 +233,19 @@ class BlockManager:
     def check_invariants(self, live: list[Sequence]) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent with ``live`` sequences."""
         owners = [0] * self.num_blocks
-        unwritten = set(self._unwritten)
-        assert len(unwritten) == len(self._unwritten)
         for seq in live:
             assert len(set(seq.block_table)) == len(seq.block_table), (
                 "a sequence owns a block twice"
             )
             for b in seq.block_table:
                 owners[b] += 1
+        self._check_blocks(owners)
+
+    def _check_blocks(self, owners: list[int]) -> None:
+        """Reference counts equal to ``owners`` (per block, the table entries naming it); free
+        exactly when unowned; the free queue, unwritten blocks and the prefix cache agree."""
+        unwritten = set(self._unwritten)
+        assert len(unwritten) == len(self._unwritten)
         for block in self.blocks:
             assert block.ref_count == owners[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != owners {owners[block.block_id]}"

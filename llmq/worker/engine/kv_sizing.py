@@ -11,7 +11,10 @@ batch can use, within a budget; an explicit block count or memory budget is take
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+
+from llmq.worker.engine.kv_groups import sequence_blocks
 
 # The budget when none is set: the ceiling of the pool sized to need.
 DEFAULT_KV_BUDGET_GB = 2.0
@@ -31,10 +34,6 @@ class KVPoolSize:
     reason: str  # for the log: which rule set the size
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 def kv_pool_size(
     *,
     bytes_per_block: int,
@@ -44,12 +43,19 @@ def kv_pool_size(
     max_batch_size: int,
     num_blocks: int | None,
     kv_cache_memory_gb: float | None,
+    group_windows: Seq[int | None] = (None,),
+    max_chunk_tokens: int = 1,
 ) -> KVPoolSize:
     """The pool for a model whose context is ``model_limit`` tokens and whose block of
     ``block_size`` tokens takes ``bytes_per_block`` bytes. ``num_blocks`` (LLMQ_KV_BLOCKS) wins,
     then ``kv_cache_memory_gb`` (the pool fills that budget); with neither, the pool holds
     ``max_batch_size`` sequences of min(max_model_len, KV_TOKENS_PER_SEQUENCE) tokens, and at
-    least one of max_model_len, within DEFAULT_KV_BUDGET_GB."""
+    least one of max_model_len, within DEFAULT_KV_BUDGET_GB.
+
+    ``group_windows``: per KV group (``engine/kv_groups.py``), its sliding window (None: full
+    attention), a block holding one group's layers; a sliding group counts a sequence's
+    blocks at most up to its window (and a prefill chunk of ``max_chunk_tokens`` tokens, for
+    the one longest sequence)."""
     max_len = min(max_model_len or model_limit, model_limit)
     if num_blocks is not None:
         blocks, reason = num_blocks, f"LLMQ_KV_BLOCKS={num_blocks}"
@@ -58,7 +64,10 @@ def kv_pool_size(
         reason = f"the LLMQ_KV_CACHE_MEMORY_GB={kv_cache_memory_gb:g} budget"
     else:
         per_seq = min(max_len, KV_TOKENS_PER_SEQUENCE)
-        need = max(max_batch_size * _blocks(per_seq, block_size), _blocks(max_len, block_size))
+        need = max(
+            max_batch_size * sequence_blocks(group_windows, per_seq, block_size),
+            sequence_blocks(group_windows, max_len, block_size, max_chunk_tokens),
+        )
         budget = int(DEFAULT_KV_BUDGET_GB * 2**30) // bytes_per_block
         blocks = min(need, budget)
         reason = (
@@ -70,4 +79,21 @@ def kv_pool_size(
             reason += f": {need} blocks, capped by the default {DEFAULT_KV_BUDGET_GB:g} GiB budget"
     blocks = max(1, blocks)
     # One sequence alone must always fit, or it could preempt itself forever.
-    return KVPoolSize(blocks, min(max_len, blocks * block_size), reason)
+    fits = _longest_fitting(group_windows, blocks, block_size, max_len, max_chunk_tokens)
+    return KVPoolSize(blocks, fits, reason)
+
+
+def _longest_fitting(
+    windows: Seq[int | None], blocks: int, block_size: int, max_len: int, chunk: int
+) -> int:
+    """The longest sequence (at most ``max_len``) whose blocks fit in ``blocks``."""
+    if tuple(windows) == (None,):
+        return min(max_len, blocks * block_size)
+    lo, hi = 0, max_len  # fits(lo); binary search on tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sequence_blocks(windows, mid, block_size, min(chunk, mid)) <= blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -32,6 +32,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    # A model with sliding windows (``engine/kv_groups.py``): one table per KV group, the first
+    # of them ``block_table`` itself; empty otherwise.
+    block_tables: list[list[int]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     # Prompt tokens its last admission took from the prefix cache (kept after it finishes:
     # the usage reports them)

@@ -56,7 +56,11 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        layer_slots: list[int] | None = None,
     ):
+        """``layer_slots``: per model layer, the storage slot of its keys and values in a block
+        (a model with sliding windows, ``engine/kv_groups.py``: a block holds one KV group's
+        layers); None: a block holds every layer's."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -64,7 +68,8 @@ class KVPool:
         # Keys and values of a layer side by side, [2 * kv_heads, slots, head_dim], so that one
         # gather fetches both. Zeroed: masked-out slots are multiplied by zero probabilities,
         # and 0 * NaN is NaN.
-        shape = (num_layers, 2 * num_kv_heads, num_blocks * block_size, head_dim)
+        slots = num_layers if layer_slots is None else max(layer_slots) + 1
+        shape = (slots, 2 * num_kv_heads, num_blocks * block_size, head_dim)
         self._mapping: mmap.mmap | None = None
         if torch.device(device).type == "cpu":
             self.kv, self._mapping = _zero_pages(shape, dtype)
@@ -78,11 +83,22 @@ class KVPool:
         self.kv_blocks = [kv.view(2 * num_kv_heads * num_blocks, -1) for kv in self.kv]
         self.head_offsets = torch.arange(2 * num_kv_heads, device=device).mul_(num_blocks)[:, None]
         self._gather = torch.empty(0, dtype=dtype, device=device)
+        self.storage = self.kv
+        if layer_slots is not None:  # indexed by model layer, as the plain pool's views are
+            self.kv = [self.storage[s] for s in layer_slots]
+            self.k = [self.storage[s, :num_kv_heads] for s in layer_slots]
+            self.v = [self.storage[s, num_kv_heads:] for s in layer_slots]
+            self.kv_blocks = [self.kv_blocks[s] for s in layer_slots]
 
     @property
     def lazily_resident(self) -> bool:
         """Whether the pool's pages become resident only as they are written (the CPU)."""
         return self._mapping is not None
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: every layer's keys and values, or one KV group's."""
+        return self.storage[:, :, : self.block_size].nbytes
 
     @staticmethod
     def bytes_per_block(
@@ -104,7 +120,7 @@ class KVPool:
             # Grown with headroom, so a batch whose contexts creep up does not reallocate (and
             # page-fault a fresh buffer) every few steps.
             self._gather = torch.empty(
-                numel + numel // 4, dtype=self.kv.dtype, device=self.kv.device
+                numel + numel // 4, dtype=self.storage.dtype, device=self.storage.device
             )
         shape = (2 * self.num_kv_heads, num_blocks, self.block_size * self.head_dim)
         return self._gather[:numel].view(shape)
@@ -155,6 +171,12 @@ class StepMetadata:
     decode_tables: DecodeTables | None = None  # set: the kernel attends every decode
     windows: frozenset[int] = frozenset()  # the sliding windows the chunks have masks for
     max_model_len: int = 0  # a window this long or longer hides nothing
+    # A model with KV groups (``engine/kv_groups.py``): per layer, its group's metadata (its
+    # block tables, slots; a sliding group's only within its window, ``group_steps.py``).
+    layer_steps: list[StepMetadata] | None = None
+    # The window this group's layers must ask: its tables reach back no further (None: no
+    # query of the step sees more keys than the window in them).
+    group_window: int | None = None
 
 
 def paged_attention(
@@ -177,6 +199,8 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if sliding_window is not None and sliding_window >= step.max_model_len:
         sliding_window = None  # it covers every key a query can see
+    if step.layer_steps is not None:
+        step = _layer_step(step, module.layer_idx, sliding_window)
     if _asks_more(step, key, value, sliding_window, softcap, s_aux):
         return attention_features.featured_attention(
             module, query, key, value, scale, step, sliding_window, softcap, s_aux
@@ -215,6 +239,16 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
+def _layer_step(step: StepMetadata, layer: int, window: int | None) -> StepMetadata:
+    """The metadata of ``layer``'s KV group, whose window the layer must ask."""
+    step = step.layer_steps[layer]
+    if step.group_window not in (None, window):  # its tables cut off keys the layer reads
+        raise RuntimeError(
+            f"layer {layer} asks a window of {window}; its KV group holds {step.group_window}"
+        )
+    return step
+
+
 def _asks_more(step: StepMetadata, key, value, window, softcap, sinks) -> bool:
     """Whether a layer asks more than causal softmax attention (``attention_features``)."""
     width = step.pool.head_dim
@@ -232,23 +266,38 @@ def _attend_decodes(
 ) -> None:
     """The decodes' attention, written into their rows of ``out``."""
     b, pool = step.num_decodes, step.pool
-    tables = step.decode_tables
-    if tables is not None:
-        torch.ops.llmq.paged_decode_attention(
-            out[:b],
-            query[0, :, :b].transpose(0, 1),
-            pool.kv[layer],
-            tables.block_tables,
-            tables.context_lens,
-            pool.block_size,
-            scale,
-        )
+    if step.decode_tables is not None:
+        kernel_decodes(step, query, out, layer, scale)
         return
     # [Hq, B, D] -> [Hkv, G, B, D]: the G query heads sharing a KV head become G rows.
     num_heads, num_kv_heads = query.shape[1], pool.num_kv_heads
     q_all = query[0, :, :b].unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
     for chunk in step.decode_chunks:
         _decode_chunk(chunk, q_all, out, pool, layer, scale)
+
+
+def kernel_decodes(
+    step: StepMetadata,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    out: torch.Tensor,  # [T, Hq, D]
+    layer: int,
+    scale: float,
+    *features: int | float | torch.Tensor | None,
+) -> None:
+    """The decodes' attention by llmq's C++ kernel, reading the pool in place (the step's
+    ``decode_tables``). ``features``: a layer's window, softcap and sinks (0, 0.0, None: none;
+    ``attention_features``); a plain layer passes none."""
+    b, pool, tables = step.num_decodes, step.pool, step.decode_tables
+    torch.ops.llmq.paged_decode_attention(
+        out[:b],
+        query[0, :, :b].transpose(0, 1),
+        pool.kv[layer],
+        tables.block_tables,
+        tables.context_lens,
+        pool.block_size,
+        scale,
+        *features,
+    )
 
 
 def _decode_chunk(

@@ -15,6 +15,8 @@ as the models' own eager attention computes it (float32 greedy output equals ``g
   to the values' width. Storing the per-head keys and values uncompressed is exact; caching
   MLA's compressed latent instead is the memory optimisation left.
 
+Decodes go to llmq's C++ kernel where the runner turned it on (``decode_tables`` set): it takes
+the window, the softcap and the sinks itself and reads the pool at its one width, as here.
 Layers that ask none of these (and models without any) never come here: ``paged_attention``
 keeps its own path, so a plain model's step does no extra work.
 """
@@ -30,6 +32,7 @@ from llmq.worker.runner.attention import (
     PrefillChunk,
     StepMetadata,
     gather_context,
+    kernel_decodes,
 )
 
 
@@ -65,7 +68,9 @@ def featured_attention(
     window = step_window(step, window)
     num_heads, num_tokens = query.shape[1], query.shape[2]
     out = query.new_empty(num_tokens, num_heads, width)
-    if step.num_decodes:
+    if step.num_decodes and step.decode_tables is not None:
+        kernel_decodes(step, query, out, layer, scale, window or 0, softcap or 0.0, sinks)
+    elif step.num_decodes:
         q_all = query[0, :, : step.num_decodes].unflatten(
             0, (pool.num_kv_heads, num_heads // pool.num_kv_heads)
         )

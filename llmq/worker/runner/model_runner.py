@@ -17,8 +17,9 @@ from contextlib import contextmanager
 
 import torch
 
+from llmq.worker.engine.kv_groups import KVLayout
 from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
-from llmq.worker.runner import cpu_kernels
+from llmq.worker.runner import cpu_kernels, group_steps
 from llmq.worker.runner.attention import (
     ATTN_IMPLEMENTATION,
     DecodeChunk,
@@ -27,7 +28,8 @@ from llmq.worker.runner.attention import (
     PrefillChunk,
     StepMetadata,
 )
-from llmq.worker.runner.decoder_forward import build_forward, supports, take_attached
+from llmq.worker.runner.decode_cuts import best_cuts
+from llmq.worker.runner.decoder_forward import build_forward, compiles, supports, take_attached
 from llmq.worker.runner.malloc_tuning import tune_malloc
 from llmq.worker.runner.model_support import ModelFeatures, model_dims, pool_dims
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
@@ -37,10 +39,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "model_dims", "pool_dims"]
 
-# Fixed cost of one decode chunk (a handful of tensor ops per layer), in gathered token slots:
-# splitting the decodes into one more chunk pays off only when it saves more padding than this.
-CHUNK_COST_SLOTS = 1024
-MAX_DECODE_CHUNKS = 4
 # CPU steps of fewer tokens than this are latency-bound matrix-vector products. Unpacked, they
 # run on one thread: F.linear's do not pay for waking a second one (one stream 31 tok/s on one
 # thread, 22 on two, on 2 cores). Packed oneDNN weights scale (a 1-12 token step 10-20% faster
@@ -67,9 +65,11 @@ class ModelRunner:
         max_batch_size: int = 64,
         max_model_len: int = 2048,
         features: ModelFeatures | None = None,
+        layout: KVLayout | None = None,
     ):
         """``features``: what the model's attention needs (``model_support.inspect_model``);
-        None: nothing beyond causal softmax attention."""
+        None: nothing beyond causal softmax attention. ``layout``: KV groups (sliding windows)."""
+        self.layout = layout
         self._take_features(features or ModelFeatures(), max_model_len)
         self.small_step_threads = small_step_threads
         self._spare_cores = SpareCores(len(os.sched_getaffinity(0)))
@@ -77,17 +77,16 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
-        num_layers, num_kv_heads, head_dim = pool_dims(model.config, features)
         if self.device.type == "cpu":
             tune_malloc()
-        use_graphs = cuda_graphs and self.device.type == "cuda" and fast_forward and supports(model)
-        use_compile = cpu_compile and self.device.type == "cpu" and fast_forward and supports(model)
+        # Graphs and the compiled step attend as for a plain model: none where it asks more.
+        plain = fast_forward and supports(model) and not self.featured and layout is None
+        use_graphs = cuda_graphs and self.device.type == "cuda" and plain
+        use_compile = cpu_compile and self.device.type == "cpu" and plain and compiles(model)
         # One extra block that no sequence owns: graphs pad their batches into it, and tokens
         # whose KV is already cached write theirs there (see pack_step).
         self.scratch_slot = num_blocks * block_size
-        self.pool = KVPool(
-            num_layers, num_kv_heads, head_dim, num_blocks + 1, block_size, self.dtype, self.device
-        )
+        self.pool = self._make_pool(num_blocks + 1, features)
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         kernels = use_kernels and self.device.type == "cpu" and cpu_kernels.load()
@@ -109,17 +108,23 @@ class ModelRunner:
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
             )
         self.compiled = self._compiled_decode() if use_compile else None
-        self.decode_kernel = self._use_kernels(kernels, head_dim)
+        self.decode_kernel = self._use_kernels(kernels, self.pool.head_dim)
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
+
+    def _make_pool(self, num_blocks: int, features: ModelFeatures | None) -> KVPool:
+        """The KV pool: a block holds every layer's keys and values, or one KV group's."""
+        dims = pool_dims(self.model.config, features)
+        slots = self.layout.layer_slots() if self.layout else None
+        return KVPool(*dims, num_blocks, self.block_size, self.dtype, self.device, slots)
 
     def _take_features(self, features: ModelFeatures, max_model_len: int) -> None:
         self.features = features
         self.max_model_len = max_model_len
         # Sliding windows shorter than the context: their masks are built every step.
         self.windows = features.effective_windows(max_model_len)
-        # Layers that need more than causal attention: every prefill gets a mask, decodes go
-        # through the gathered path with the window masks.
+        # Layers that need more than causal attention: every prefill gets a mask; decodes take
+        # the kernel with the layer's features, else the gathered path with the window masks.
         self.featured = features.needs_kernel_features(max_model_len) or features.mla
 
     def _use_kernels(self, loaded: bool, head_dim: int) -> bool:
@@ -127,7 +132,7 @@ class ModelRunner:
         forward; whether the decode attention kernel runs."""
         if self.forward is not None:
             self.forward.small_step_ops = loaded
-        attention = loaded and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0 and not self.featured
+        attention = loaded and head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
         log.info(
             "model runner: decode attention by %s",
             "llmq's C++ kernel" if attention else "torch (gather, batched matmuls)",
@@ -188,6 +193,8 @@ class ModelRunner:
     def _step_metadata(self, batch: PackedBatch) -> StepMetadata:
         """What the attention layers read: cache slots, decode chunks, prefill chunks."""
         kernel = self.decode_kernel and bool(batch.decodes)
+        if self.layout is not None:
+            return group_steps.step_metadata(self, batch, kernel)
         return StepMetadata(
             pool=self.pool,
             slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=self.device),
@@ -308,7 +315,7 @@ class ModelRunner:
             if nbs[i] != nbs[i - 1]:
                 ends.append(i)
         ends.append(len(nbs))
-        cuts = self._best_cuts(ends, nbs)
+        cuts = best_cuts(ends, nbs, bs)
 
         dev = self.device
         chunks: list[DecodeChunk] = []
@@ -353,41 +360,6 @@ class ModelRunner:
         ctx = torch.tensor(contexts, device=self.device)[:, None]
         k_pos = self._positions(width)[None, :]
         return {w: self._decode_mask((k_pos >= ctx) | (k_pos < ctx - w)) for w in self.windows}
-
-    def _best_cuts(self, ends: list[int], nbs: list[int]) -> list[int]:
-        """End rows of the chunks (a subset of the run ends ``ends``, the last one included)."""
-        cost_chunk = CHUNK_COST_SLOTS
-        bs = self.block_size
-        k = len(ends)
-        if k == 1:
-            return ends
-        # best[j]: least cost of rows [0, ends[j]); prev[j]: the run end before its last chunk.
-        inf = float("inf")
-        best = [inf] * k
-        prev = [-1] * k
-        for j in range(k):
-            hi = ends[j]
-            width = nbs[hi - 1] * bs
-            for i in range(-1, j):
-                lo = ends[i] if i >= 0 else 0
-                c = (best[i] if i >= 0 else 0) + cost_chunk + (hi - lo) * width
-                if c < best[j]:
-                    best[j] = c
-                    prev[j] = i
-        cuts: list[int] = []
-        j = k - 1
-        while j >= 0:
-            cuts.append(ends[j])
-            j = prev[j]
-        cuts.reverse()
-        while len(cuts) > MAX_DECODE_CHUNKS:
-            # Merge the chunk whose rows, padded to the next chunk's width, cost least.
-            extra = [
-                (cuts[m] - (cuts[m - 1] if m else 0)) * (nbs[cuts[m + 1] - 1] - nbs[cuts[m] - 1])
-                for m in range(len(cuts) - 1)
-            ]
-            del cuts[extra.index(min(extra))]
-        return cuts
 
 
 def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

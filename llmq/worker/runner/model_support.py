@@ -66,6 +66,7 @@ class ModelFeatures:
     """What the paged attention must do for a model."""
 
     windows: frozenset[int] = frozenset()  # sliding windows some layer asks for
+    layer_windows: tuple[int | None, ...] = ()  # per layer, the window it asks (None: none)
     softcap: bool = False
     sinks: bool = False
     kv_heads: int = 0
@@ -205,6 +206,7 @@ def inspect_model(model: torch.nn.Module) -> ModelFeatures:
         windows=frozenset(
             c.kwargs["sliding_window"] for c in calls if c.kwargs.get("sliding_window")
         ),
+        layer_windows=tuple(c.kwargs.get("sliding_window") or None for c in calls),
         softcap=any(c.kwargs.get("softcap") for c in calls),
         sinks=any(c.kwargs.get("s_aux") is not None for c in calls),
         kv_heads=first.kv_heads,

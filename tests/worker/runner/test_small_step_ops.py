@@ -52,6 +52,36 @@ def test_rms_norm_is_transformers_norm(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_a_float32_weight_is_gemmas_norm(dtype):
+    """A float32 weight (Gemma's 1 + weight): scaled and weighted in float32, cast back once."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    weight = torch.randn(576, generator=g) / 4
+    got = torch.ops.llmq.rms_norm(x, 1.0 + weight, 1e-6)
+    f = x.float()
+    want = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight)).to(dtype)
+    assert torch.equal(DecoderForward._rms_norm(x, 1.0 + weight, 1e-6), want)
+    assert got.dtype == dtype
+    assert ulps_apart(got, want) <= (16 if dtype == torch.float32 else 1.01)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", ["model", "float32"], ids=["qwen3", "gemma3"])
+def test_qk_norm_norms_each_query_and_key_head(dtype, weight_dtype):
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, rows = 9, 3, 64, 5
+    qkv = (torch.randn(rows, hq + 2 * hkv, d, generator=g) * 2).to(dtype)
+    q_w, k_w = (1 + torch.randn(2, d, generator=g) / 4).unbind(0)
+    if weight_dtype == "model":
+        q_w, k_w = q_w.to(dtype), k_w.to(dtype)
+    got = torch.ops.llmq.qk_norm(qkv, q_w, k_w, hq, hkv, 1e-6)
+    query = DecoderForward._rms_norm(qkv[:, :hq], q_w, 1e-6)
+    key = DecoderForward._rms_norm(qkv[:, hq : hq + hkv], k_w, 1e-6)
+    assert got.shape == (rows, hq + hkv, d)
+    assert ulps_apart(got, torch.cat((query, key), 1)) <= (16 if dtype == torch.float32 else 1.01)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [5, 40])
 def test_rotary_is_bit_equal_to_the_torch_ops(dtype, rows):
     g = torch.Generator().manual_seed(1)

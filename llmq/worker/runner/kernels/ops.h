@@ -7,10 +7,15 @@
 
 namespace llmq {
 
+// window, softcap, sinks: none by default (see paged_decode.cpp's Features).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            int64_t block_size, double scale);
+                            int64_t block_size, double scale, int64_t window = 0,
+                            double softcap = 0.0,
+                            const std::optional<at::Tensor>& sinks = std::nullopt);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor qk_norm(const at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                   int64_t heads, int64_t kv_heads, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,

@@ -6,6 +6,11 @@
 // sequence at context 256 on 2 cores). Here each (sequence, KV head) task reads its keys and
 // values once from the pool, with the scores and the softmax in float32.
 //
+// A layer may ask more (Features, as attention_features.py does on the gathered path): a
+// sliding window (the keys before it are neither read nor checked, so their blocks may be
+// gone), an attention logit softcap, and per-head sinks (gpt-oss: one more logit in the
+// softmax's denominator). A layer that asks none of them runs the same loops as before.
+//
 // ATen's Vectorized types, compiled with -march=native on the machine that runs it (AVX-512,
 // AVX2, or their scalar fallback elsewhere); built on first use by cpu_kernels.py.
 
@@ -16,7 +21,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "ops.h"
@@ -37,6 +44,20 @@ struct Shape {
   int64_t kv_heads;
   int64_t max_blocks;  // columns of the block table
 };
+
+struct Features {
+  int64_t window = 0;            // > 0: the query (at context - 1) sees the last `window` keys
+  float softcap = 0.0f;          // > 0: scores become softcap * tanh(scores / softcap)
+  const float* sinks = nullptr;  // [Hq] float32: a logit a head, in the denominator only
+};
+
+// The first key a query at position context - 1 sees: transformers' kv_idx > q_idx - window.
+inline int64_t first_key(int64_t context, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, context - window) : 0;
+}
+
+// Every pass below covers the keys first .. context - 1 of a sequence; its scores and
+// probabilities lie [G, n] (n = context - first), one row a query head.
 
 // The two passes over a sequence's keys and values with the group size G and the head dim D
 // known to the compiler: the G query vectors and the G running sums stay in registers (at
@@ -65,10 +86,11 @@ inline __m512 sum_lanes_16(const __m512* v) {
                        _mm512_shuffle_f32x4(low, high, 0xDD));
 }
 
-// Scores of 16 keys from t on, for every query head: one vector of 16 a head.
+// Scores of 16 keys from t on, for every query head: one vector of 16 a head, stored at
+// scores + g * n.
 template <typename T, int G, int C>
 void scores_of_16(const Vec (&q)[G][C], const T* keys, const int32_t* table, int64_t t, int64_t bs,
-                  int64_t context, float* scores) {
+                  int64_t n, float* scores) {
   constexpr int D = C * kWidth;
   __m512 dots[G][16];
   for (int j = 0; j < 16; ++j) {
@@ -81,20 +103,22 @@ void scores_of_16(const Vec (&q)[G][C], const T* keys, const int32_t* table, int
       dots[g][j] = dot;
     }
   }
-  for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * context + t, sum_lanes_16(dots[g]));
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * n, sum_lanes_16(dots[g]));
 }
 #endif
 
 template <typename T, int G, int D>
-void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t context, int64_t bs,
-                  float* scores) {
+void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t first,
+                  int64_t context, int64_t bs, float* scores) {
   constexpr int C = D / kWidth;
+  const int64_t n = context - first;
   Vec q[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) q[g][c] = Vec::loadu(qf + (g * C + c) * kWidth);
-  int64_t t = 0;
+  int64_t t = first;
 #if defined(CPU_CAPABILITY_AVX512)
-  for (; t + 16 <= context; t += 16) scores_of_16<T, G, C>(q, keys, table, t, bs, context, scores);
+  for (; t + 16 <= context; t += 16)
+    scores_of_16<T, G, C>(q, keys, table, t, bs, n, scores + (t - first));
 #endif
   for (int64_t b = t / bs; t < context; ++b) {
     const T* k = keys + (static_cast<int64_t>(table[b]) * bs + t % bs) * D;
@@ -104,26 +128,27 @@ void scores_fixed(const float* qf, const T* keys, const int32_t* table, int64_t 
       for (int g = 0; g < G; ++g) {
         Vec dot = q[g][0] * row[0];
         for (int c = 1; c < C; ++c) dot = at::vec::fmadd(q[g][c], row[c], dot);
-        scores[g * context + t] = sum_lanes(dot);
+        scores[g * n + (t - first)] = sum_lanes(dot);
       }
     }
   }
 }
 
 template <typename T, int G, int D>
-void weighted_sum_fixed(const float* probs, const T* values, const int32_t* table, int64_t context,
-                        int64_t bs, float* out) {
+void weighted_sum_fixed(const float* probs, const T* values, const int32_t* table, int64_t first,
+                        int64_t context, int64_t bs, float* out) {
   constexpr int C = D / kWidth;
+  const int64_t n = context - first;
   Vec acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = Vec(0.0f);
-  for (int64_t t = 0, b = 0; t < context; ++b) {
-    const T* v = values + static_cast<int64_t>(table[b]) * bs * D;
-    for (const int64_t end = std::min(context, t + bs); t < end; ++t, v += D) {
+  for (int64_t t = first, b = first / bs; t < context; ++b) {
+    const T* v = values + (static_cast<int64_t>(table[b]) * bs + t % bs) * D;
+    for (const int64_t end = std::min(context, (b + 1) * bs); t < end; ++t, v += D) {
       Vec row[C];
       for (int c = 0; c < C; ++c) row[c] = load_float(v + c * kWidth);
       for (int g = 0; g < G; ++g) {
-        const Vec p(probs[g * context + t]);
+        const Vec p(probs[g * n + (t - first)]);
         for (int c = 0; c < C; ++c) acc[g][c] = at::vec::fmadd(p, row[c], acc[g][c]);
       }
     }
@@ -134,11 +159,11 @@ void weighted_sum_fixed(const float* probs, const T* values, const int32_t* tabl
 
 // Any group size and head dim (a multiple of kWidth): the same passes, reloading per key.
 template <typename T>
-void scores_any(const float* qf, const T* keys, const int32_t* table, int64_t context, int64_t bs,
-                float* scores, int64_t G, int64_t D) {
-  const int64_t chunks = D / kWidth;
+void scores_any(const float* qf, const T* keys, const int32_t* table, int64_t first,
+                int64_t context, int64_t bs, float* scores, int64_t G, int64_t D) {
+  const int64_t chunks = D / kWidth, n = context - first;
   Vec row[kMaxChunks];
-  for (int64_t t = 0; t < context; ++t) {
+  for (int64_t t = first; t < context; ++t) {
     const T* k = keys + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * D;
     for (int64_t c = 0; c < chunks; ++c) row[c] = load_float(k + c * kWidth);
     for (int64_t g = 0; g < G; ++g) {
@@ -146,22 +171,22 @@ void scores_any(const float* qf, const T* keys, const int32_t* table, int64_t co
       Vec dot = Vec::loadu(qg) * row[0];
       for (int64_t c = 1; c < chunks; ++c)
         dot = at::vec::fmadd(Vec::loadu(qg + c * kWidth), row[c], dot);
-      scores[g * context + t] = sum_lanes(dot);
+      scores[g * n + (t - first)] = sum_lanes(dot);
     }
   }
 }
 
 template <typename T>
-void weighted_sum_any(const float* probs, const T* values, const int32_t* table, int64_t context,
-                      int64_t bs, float* acc, int64_t G, int64_t D) {
-  const int64_t chunks = D / kWidth;
+void weighted_sum_any(const float* probs, const T* values, const int32_t* table, int64_t first,
+                      int64_t context, int64_t bs, float* acc, int64_t G, int64_t D) {
+  const int64_t chunks = D / kWidth, n = context - first;
   std::fill(acc, acc + G * D, 0.0f);
   Vec row[kMaxChunks];
-  for (int64_t t = 0; t < context; ++t) {
+  for (int64_t t = first; t < context; ++t) {
     const T* v = values + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * D;
     for (int64_t c = 0; c < chunks; ++c) row[c] = load_float(v + c * kWidth);
     for (int64_t g = 0; g < G; ++g) {
-      const Vec p(probs[g * context + t]);
+      const Vec p(probs[g * n + (t - first)]);
       float* a = acc + g * D;
       for (int64_t c = 0; c < chunks; ++c) {
         at::vec::fmadd(p, row[c], Vec::loadu(a + c * kWidth)).store(a + c * kWidth);
@@ -172,8 +197,9 @@ void weighted_sum_any(const float* probs, const T* values, const int32_t* table,
 
 template <typename T>
 struct Passes {
-  void (*scores)(const float*, const T*, const int32_t*, int64_t, int64_t, float*) = nullptr;
-  void (*weighted_sum)(const float*, const T*, const int32_t*, int64_t, int64_t, float*) = nullptr;
+  using Pass = void (*)(const float*, const T*, const int32_t*, int64_t, int64_t, int64_t, float*);
+  Pass scores = nullptr;
+  Pass weighted_sum = nullptr;
 };
 
 // The fixed passes for group sizes 1-8 at head dims 64 and 128; none elsewhere.
@@ -193,49 +219,81 @@ Passes<T> fixed_passes(int64_t G, int64_t D) {
   return {};
 }
 
-// One sequence and one KV head: the `group` query heads that share it. Keys are read once
-// (scores of every query head of the group), values once (every head's weighted sum).
+// Each query head's scores [G, n] -> exp(score - max), and the reciprocal of their sum: after
+// the softcap, with the head's sink taking part in the max and the sum (as the models' eager
+// attention does), its own probability dropped.
+void softmax_rows(float* scores, int64_t n, int64_t G, float softcap, const float* sinks,
+                  float* inv_sum) {
+  const Vec cap(softcap);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    if (softcap > 0.0f) at::vec::map([cap](Vec x) { return (x / cap).tanh() * cap; }, sg, sg, n);
+    float top = at::vec::reduce_all<float>(
+        [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, n);
+    if (sinks != nullptr) top = std::max(top, sinks[g]);
+    at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, sg, sg, n);
+    float sum = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, n);
+    if (sinks != nullptr) sum += std::exp(sinks[g] - top);
+    inv_sum[g] = 1.0f / sum;
+  }
+}
+
+// One sequence and one KV head: the `group` query heads that share it (their sinks: `sinks`).
+// Keys are read once (scores of every query head of the group), values once (every head's
+// weighted sum).
 template <typename T>
 void attend_task(const T* q, int64_t q_head_stride, T* out, const T* keys, const T* values,
                  const int32_t* table, int64_t context, const Shape& s, float scale,
-                 const Passes<T>& fixed, std::vector<float>& scratch) {
+                 const Features& f, const float* sinks, const Passes<T>& fixed,
+                 std::vector<float>& scratch) {
   const int64_t G = s.group, D = s.head_dim, bs = s.block_size, chunks = D / kWidth;
-  scratch.resize(2 * G * D + G * context);
+  const int64_t first = first_key(context, f.window), n = context - first;
+  scratch.resize(2 * G * D + G * n + G);
   float* qf = scratch.data();
   float* acc = qf + G * D;
   float* scores = acc + G * D;
+  float* inv_sum = scores + G * n;
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t c = 0; c < chunks; ++c) {
       (load_float(q + g * q_head_stride + c * kWidth) * Vec(scale)).store(qf + g * D + c * kWidth);
     }
   }
   if (fixed.scores != nullptr) {
-    fixed.scores(qf, keys, table, context, bs, scores);
+    fixed.scores(qf, keys, table, first, context, bs, scores);
   } else {
-    scores_any<T>(qf, keys, table, context, bs, scores, G, D);
+    scores_any<T>(qf, keys, table, first, context, bs, scores, G, D);
   }
-  std::vector<float> inv_sum(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * context;
-    const float top = at::vec::reduce_all<float>(
-        [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, context);
-    at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, sg, sg, context);
-    inv_sum[g] =
-        1.0f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, context);
-  }
+  softmax_rows(scores, n, G, f.softcap, sinks, inv_sum);
   if (fixed.weighted_sum != nullptr) {
-    fixed.weighted_sum(scores, values, table, context, bs, acc);
+    fixed.weighted_sum(scores, values, table, first, context, bs, acc);
   } else {
-    weighted_sum_any<T>(scores, values, table, context, bs, acc, G, D);
+    weighted_sum_any<T>(scores, values, table, first, context, bs, acc, G, D);
   }
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
   }
 }
 
+// The keys the tasks will read (blocks checked: in the pool; contexts: within their tables).
+int64_t keys_read(const int32_t* table, const int32_t* ctx, int64_t n, int64_t blocks,
+                  const Shape& s, int64_t window) {
+  int64_t keys = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ctx[i] >= 1 && ctx[i] <= s.max_blocks * s.block_size,
+                "paged_decode_attention: context length out of its table");
+    const int32_t* row = table + i * s.max_blocks;
+    const int64_t first = first_key(ctx[i], window);
+    for (int64_t b = first / s.block_size; b < (ctx[i] + s.block_size - 1) / s.block_size; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < blocks, "paged_decode_attention: block out of the pool");
+    }
+    keys += ctx[i] - first;
+  }
+  return keys;
+}
+
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const at::Tensor& tables,
-         const at::Tensor& contexts, const Shape& s, double scale) {
+         const at::Tensor& contexts, const Shape& s, double scale, const Features& f) {
   const int64_t n = query.size(0);
   const int64_t slots = kv.size(1);
   const T* q = query.const_data_ptr<T>();
@@ -246,17 +304,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const a
   const int64_t q_seq = query.stride(0), q_head = query.stride(1);
   const int64_t o_seq = out.stride(0), o_head = out.stride(1);
   const int64_t tasks = n * s.kv_heads;
-  int64_t keys = 0;
-  const int64_t blocks = slots / s.block_size;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(ctx[i] >= 1 && ctx[i] <= s.max_blocks * s.block_size,
-                "paged_decode_attention: context length out of its table");
-    const int32_t* row = table + i * s.max_blocks;
-    for (int64_t b = 0; b < (ctx[i] + s.block_size - 1) / s.block_size; ++b) {
-      TORCH_CHECK(row[b] >= 0 && row[b] < blocks, "paged_decode_attention: block out of the pool");
-    }
-    keys += ctx[i];
-  }
+  const int64_t keys = keys_read(table, ctx, n, slots / s.block_size, s, f.window);
   // Waking the other threads costs a few us: below 512 keys of work in all, one thread runs
   // every task (thresholds of 512, 1024 and 4096 measured alike at batch 1-64, context 256;
   // 16384 kept batch 16 on one thread, 0.85x torch's path).
@@ -276,22 +324,25 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const a
       const T* values_h = pool + (s.kv_heads + h) * slots * s.head_dim;
       attend_task<T>(q + i * q_seq + h * s.group * q_head, q_head,
                      o + i * o_seq + h * s.group * o_head, keys_h, values_h,
-                     table + i * s.max_blocks, ctx[i], s, static_cast<float>(scale), fixed,
-                     scratch);
+                     table + i * s.max_blocks, ctx[i], s, static_cast<float>(scale), f,
+                     f.sinks == nullptr ? nullptr : f.sinks + h * s.group, fixed, scratch);
     }
   }
 }
 
 // out [n, Hq, D] (head rows contiguous), query [n, Hq, D] (last dim contiguous), kv [2 * Hkv,
 // slots, D] (one layer of the pool: keys then values), block_tables [n, max_blocks] int32,
-// context_lens [n] int32 (every one at least 1).
+// context_lens [n] int32 (every one at least 1); window (0: none), softcap (0: none), sinks [Hq]
+// (any float dtype) as Features says. Keys narrower than the values (MLA) are stored at the
+// values' width, zero-padded, and the query with them: the pool has one width.
 }  // namespace
 
 namespace llmq {
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            int64_t block_size, double scale) {
+                            int64_t block_size, double scale, int64_t window, double softcap,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv.dim() == 3, "paged_decode_attention: ranks");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "paged_decode_attention: head rows must be contiguous");
@@ -306,14 +357,22 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               "paged_decode_attention: heads");
   TORCH_CHECK(query.size(2) % kWidth == 0 && query.size(2) <= 512,
               "paged_decode_attention: head_dim");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_decode_attention: window, softcap >= 0");
   const Shape s{heads / kv_heads, query.size(2), block_size, kv_heads, block_tables.size(1)};
+  Features f{window, static_cast<float>(softcap), nullptr};
+  at::Tensor sinks_f;  // float32, alive until the tasks are done
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == heads, "paged_decode_attention: one sink a query head");
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    f.sinks = sinks_f.const_data_ptr<float>();
+  }
   switch (kv.scalar_type()) {
     case at::kFloat:
-      return run<float>(out, query, kv, block_tables, context_lens, s, scale);
+      return run<float>(out, query, kv, block_tables, context_lens, s, scale, f);
     case at::kBFloat16:
-      return run<c10::BFloat16>(out, query, kv, block_tables, context_lens, s, scale);
+      return run<c10::BFloat16>(out, query, kv, block_tables, context_lens, s, scale, f);
     case at::kHalf:
-      return run<c10::Half>(out, query, kv, block_tables, context_lens, s, scale);
+      return run<c10::Half>(out, query, kv, block_tables, context_lens, s, scale, f);
     default:
       TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16");
   }
@@ -324,6 +383,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv, Tensor block_tables, "
-      "Tensor context_lens, int block_size, float scale) -> ()");
+      "Tensor context_lens, int block_size, float scale, int window=0, float softcap=0., "
+      "Tensor? sinks=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &llmq::paged_decode_attention);
 }

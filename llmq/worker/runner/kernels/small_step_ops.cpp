@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -29,10 +30,11 @@ inline T round_to(float x) {
   return static_cast<T>(x);
 }
 
-// transformers' LlamaRMSNorm: float32 statistics, scaled in float32, cast back, then times the
-// weight in the model's dtype.
-template <typename T>
-void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
+// transformers' RMSNorms: float32 statistics. A weight of the activations' dtype (Llama's): scaled
+// in float32, cast back, then times the weight in the model's dtype. A float32 weight (Gemma's,
+// which holds 1 + weight): scaled and weighted in float32, cast back once.
+template <typename T, typename W>
+void rms_norm_rows(const T* x, const W* weight, T* out, int64_t rows, int64_t width, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * width;
     T* o = out + r * width;
@@ -46,9 +48,25 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t wi
     for (; i < width; ++i) squares += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
     const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
     for (i = 0; i < width; ++i) {
-      const T scaled = round_to<T>(static_cast<float>(xr[i]) * inv);
-      o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(scaled));
+      if constexpr (std::is_same_v<T, W>) {
+        const T scaled = round_to<T>(static_cast<float>(xr[i]) * inv);
+        o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(scaled));
+      } else {
+        const float scaled = static_cast<float>(xr[i]) * inv;
+        o[i] = round_to<T>(scaled * static_cast<float>(weight[i]));
+      }
     }
+  }
+}
+
+// One row's norm with the weight of either kind (see rms_norm_rows).
+template <typename T>
+void norm_rows(const T* x, const at::Tensor& weight, T* out, int64_t rows, int64_t width,
+               float eps) {
+  if (weight.scalar_type() == at::kFloat && !std::is_same_v<T, float>) {
+    rms_norm_rows<T, float>(x, weight.const_data_ptr<float>(), out, rows, width, eps);
+  } else {
+    rms_norm_rows<T, T>(x, weight.const_data_ptr<T>(), out, rows, width, eps);
   }
 }
 
@@ -122,17 +140,45 @@ void over_rows(int64_t rows, int64_t row_elements, const F& body) {
 
 namespace llmq {
 
+static void check_norm_weight(const at::Tensor& x, const at::Tensor& weight, int64_t width,
+                       const char* name) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == width &&
+                  (weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat),
+              name, ": a weight of the width, in the activations' dtype or float32");
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(),
-              "rms_norm: [rows, width]");
-  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: [rows, width]");
+  check_norm_weight(x, weight, x.size(1), "rms_norm");
   at::Tensor out = at::empty(x.sizes(), x.options());
   LLMQ_DISPATCH(x.scalar_type(), over_rows(x.size(0), x.size(1), [&](int64_t first, int64_t n) {
-                  rms_norm_rows<T>(x.const_data_ptr<T>() + first * x.size(1),
-                                   weight.const_data_ptr<T>(),
-                                   out.mutable_data_ptr<T>() + first * x.size(1), n, x.size(1),
-                                   static_cast<float>(eps));
+                  norm_rows<T>(x.const_data_ptr<T>() + first * x.size(1), weight,
+                               out.mutable_data_ptr<T>() + first * x.size(1), n, x.size(1),
+                               static_cast<float>(eps));
+                }))
+  return out;
+}
+
+// Qwen 3's and Gemma 3's norms of each query and key head: qkv [rows, >= heads + kv_heads,
+// dim] (a packed qkv row: queries, keys, values), each query head normed with q_weight, each key
+// head with k_weight (as rms_norm takes them). Returns a new [rows, heads + kv_heads, dim].
+at::Tensor qk_norm(const at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                   int64_t heads, int64_t kv_heads, double eps) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2) &&
+                  qkv.size(1) >= heads + kv_heads,
+              "qk_norm: qkv [rows, heads, dim] with contiguous heads");
+  const int64_t rows = qkv.size(0), dim = qkv.size(2), width = heads + kv_heads;
+  check_norm_weight(qkv, q_weight, dim, "qk_norm");
+  check_norm_weight(qkv, k_weight, dim, "qk_norm");
+  at::Tensor out = at::empty({rows, width, dim}, qkv.options());
+  LLMQ_DISPATCH(qkv.scalar_type(), over_rows(rows, width * dim, [&](int64_t first, int64_t n) {
+                  for (int64_t r = first; r < first + n; ++r) {
+                    const T* in = qkv.const_data_ptr<T>() + r * qkv.stride(0);
+                    T* o = out.mutable_data_ptr<T>() + r * width * dim;
+                    norm_rows<T>(in, q_weight, o, heads, dim, static_cast<float>(eps));
+                    norm_rows<T>(in + heads * dim, k_weight, o + heads * dim, kv_heads, dim,
+                                 static_cast<float>(eps));
+                  }
                 }))
   return out;
 }
@@ -174,9 +220,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("qk_norm(Tensor qkv, Tensor q_weight, Tensor k_weight, int heads, int kv_heads, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, int heads) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &llmq::rms_norm);
+  m.impl("qk_norm", c10::DispatchKey::CPU, &llmq::qk_norm);
   m.impl("rotary", c10::DispatchKey::CPU, &llmq::rotary);
   m.impl("silu_mul", c10::DispatchKey::CPU, &llmq::silu_mul);
 }

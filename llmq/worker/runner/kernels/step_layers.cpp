@@ -5,7 +5,10 @@
 // torch calls (views, KV writes, adds) each layer makes (with it: 7.1 ms). Here the layer loop
 // runs in C++: the same projections (llmq's panels, oneDNN's packed matmul, or at::linear), the
 // same small-step ops, the decodes' attention kernel, the prompts' SDPA, the KV written by plain
-// copies, so its output is bit-equal to the Python loop's with those ops.
+// copies, so its output is bit-equal to the Python loop's with those ops. The families' layers
+// differ only in what a layer holds: q/k norms per head (Qwen 3, Gemma 3), norms after the
+// attention and after the MLP (Gemma), a GELU-tanh MLP (Gemma), a second rotary base (Gemma 3's
+// sliding layers).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -13,7 +16,9 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
@@ -25,10 +30,44 @@
 
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 10;  // 2 norms, 4 weights (qkv, o, gate_up, down), 4 biases
+// A layer's tensors, in decoder_cpp_step.layer_tensors' order; an empty tensor: none.
+enum LayerTensor : int64_t {
+  kInputNorm,
+  kAttnOutNorm,  // Gemma: the attention's output normed before the residual add
+  kMlpInNorm,
+  kMlpOutNorm,  // Gemma: the MLP's output normed before the residual add
+  kQNorm,       // Qwen 3, Gemma 3: each query head normed, then each key head
+  kKNorm,
+  kQkv,
+  kO,
+  kGateUp,
+  kDown,
+  kQkvBias,
+  kOBias,
+  kGateUpBias,
+  kDownBias,
+  kTensorsPerLayer,
+};
+
+// decoder_layers.ACTIVATION_CODES: the MLP's activation of gate, times up.
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+bool given(const at::Tensor& t) { return t.defined() && t.numel(); }
 
 std::optional<at::Tensor> bias_of(const at::Tensor& b) {
-  return b.defined() && b.numel() ? std::optional<at::Tensor>(b) : std::nullopt;
+  return given(b) ? std::optional<at::Tensor>(b) : std::nullopt;
+}
+
+// act(gate) * up over [rows, 2 * width], as the Python loop computes it.
+at::Tensor activate(const at::Tensor& gate_up, int64_t activation) {
+  if (activation == kSilu) return llmq::silu_mul(gate_up);
+  const int64_t width = gate_up.size(1) / 2;
+  return at::mul(at::gelu(gate_up.narrow(1, 0, width), "tanh"), gate_up.narrow(1, width, width));
+}
+
+// x normed with `weight` where the layer has one; x itself where not.
+at::Tensor norm_if(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return given(weight) ? llmq::rms_norm(x, weight, eps) : x;
 }
 
 // packed_linear.padded_rows: the row counts oneDNN's packed matmul runs (each one a primitive it
@@ -129,23 +168,29 @@ void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qk
 
 namespace llmq {
 
-// h [T, hidden] (the tokens' embeddings: decodes first, then prompt chunks), cos and sin
-// [T, 1, D]; weights: kTensorsPerLayer per layer (an empty tensor: no bias); kv: the whole pool
-// [layers, 2 * Hkv, slots, D]; slots [T] int64; the decodes' block tables and context lengths as
-// for paged_decode_attention; the prompt chunks as Prompts holds them. Returns the last layer's
-// hidden states.
-at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
-                       at::TensorList weights, int64_t layout, at::IntArrayRef out_features,
-                       at::Tensor kv, const at::Tensor& slots, int64_t num_decodes,
+// h [T, hidden] (the tokens' embeddings: decodes first, then prompt chunks); cos and sin: per
+// rotary base [T, 1, D], layer_rotary[l] the one layer l uses; weights: kTensorsPerLayer per
+// layer; kv: the whole pool [layers, 2 * Hkv, slots, D]; slots [T] int64; the decodes' block
+// tables and context lengths as for paged_decode_attention; the prompt chunks as Prompts holds
+// them. Returns the last layer's hidden states.
+at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin,
+                       at::IntArrayRef layer_rotary, at::TensorList weights, int64_t layout,
+                       int64_t activation, at::IntArrayRef out_features, at::Tensor kv,
+                       const at::Tensor& slots, int64_t num_decodes,
                        const at::Tensor& block_tables, const at::Tensor& context_lens,
                        at::IntArrayRef prompt_starts, at::IntArrayRef prompt_lens,
                        at::IntArrayRef prompt_contexts, at::TensorList prompt_blocks,
                        const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
                        int64_t heads, int64_t kv_heads, double scale, double eps) {
-  TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 10 tensors a layer");
+  TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 14 tensors a layer");
   TORCH_CHECK(layout >= kPlain && layout <= kPanels, "step_layers: layout 0, 1 or 2");
+  TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "step_layers: activation 0 or 1");
   TORCH_CHECK(out_features.size() == 4, "step_layers: the qkv, o, gate_up, down widths");
   const int64_t layers = weights.size() / kTensorsPerLayer;
+  TORCH_CHECK(cos.size() == sin.size() && static_cast<int64_t>(layer_rotary.size()) == layers,
+              "step_layers: a cos and sin per rotary base, a base per layer");
+  for (const int64_t r : layer_rotary)
+    TORCH_CHECK(r >= 0 && r < static_cast<int64_t>(cos.size()), "step_layers: rotary base");
   TORCH_CHECK(
       kv.dim() == 4 && kv.size(0) >= layers && kv.size(1) == 2 * kv_heads && kv.is_contiguous(),
       "step_layers: pool [layers, 2 * kv_heads, slots, head_dim]");
@@ -167,23 +212,31 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
   at::Tensor attn = at::empty({tokens, heads, dim}, h.options());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
-    at::Tensor x = rms_norm(h, w[0], eps);
-    at::Tensor qkv =
-        project(x, w[2], w[6], layout, out_features[0]).view({tokens, heads + 2 * kv_heads, dim});
-    at::Tensor qk = rotary(qkv, cos, sin, heads + kv_heads);
+    at::Tensor x = llmq::rms_norm(h, w[kInputNorm], eps);
+    at::Tensor qkv = project(x, w[kQkv], w[kQkvBias], layout, out_features[0])
+                         .view({tokens, heads + 2 * kv_heads, dim});
+    at::Tensor qk = given(w[kQNorm])
+                        ? llmq::qk_norm(qkv, w[kQNorm], w[kKNorm], heads, kv_heads, eps)
+                        : qkv;
+    const int64_t r = layer_rotary[l];
+    qk = llmq::rotary(qk, cos[r], sin[r], heads + kv_heads);
     at::Tensor layer_kv = kv[l];
     write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv,
              slot, kv_heads);
     if (num_decodes > 0) {
       at::Tensor decoded = attn.narrow(0, 0, num_decodes);
-      paged_decode_attention(decoded, qk.narrow(0, 0, num_decodes).narrow(1, 0, heads), layer_kv,
-                             block_tables, context_lens, block_size, scale);
+      llmq::paged_decode_attention(decoded, qk.narrow(0, 0, num_decodes).narrow(1, 0, heads),
+                                   layer_kv, block_tables, context_lens, block_size, scale);
     }
     attend_prompts(attn, qk, qkv, layer_kv, prompts, heads, kv_heads, block_size, scale);
-    h = at::add(h, project(attn.view({tokens, heads * dim}), w[3], w[7], layout, out_features[1]));
-    x = rms_norm(h, w[1], eps);
-    const at::Tensor gate_up = project(x, w[4], w[8], layout, out_features[2]);
-    h = at::add(h, project(silu_mul(gate_up), w[5], w[9], layout, out_features[3]));
+    const at::Tensor o = project(attn.view({tokens, heads * dim}), w[kO], w[kOBias], layout,
+                                 out_features[1]);
+    h = at::add(h, norm_if(o, w[kAttnOutNorm], eps));
+    x = llmq::rms_norm(h, w[kMlpInNorm], eps);
+    const at::Tensor gate_up = project(x, w[kGateUp], w[kGateUpBias], layout, out_features[2]);
+    const at::Tensor down =
+        project(activate(gate_up, activation), w[kDown], w[kDownBias], layout, out_features[3]);
+    h = at::add(h, norm_if(down, w[kMlpOutNorm], eps));
   }
   return h;
 }
@@ -192,8 +245,8 @@ at::Tensor step_layers(const at::Tensor& h_in, const at::Tensor& cos, const at::
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def(
-      "step_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int layout, int[] "
-      "out_features, Tensor(a!) kv, "
+      "step_layers(Tensor h, Tensor[] cos, Tensor[] sin, int[] layer_rotary, Tensor[] weights, "
+      "int layout, int activation, int[] out_features, Tensor(a!) kv, "
       "Tensor slots, int num_decodes, Tensor block_tables, Tensor context_lens, int[] "
       "prompt_starts, "
       "int[] prompt_lens, int[] prompt_contexts, Tensor[] prompt_blocks, Tensor?[] prompt_masks, "

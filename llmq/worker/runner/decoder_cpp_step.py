@@ -1,0 +1,100 @@
+"""A step's decoder layers in one C++ call (``kernels/step_layers.cpp``), bit-equal to the
+Python layer loop with llmq's C++ ops.
+
+It serves a model whose layers share one attention scale, one norm epsilon, one activation and
+one set of projection widths, each with a dense MLP; and a step whose attention needs nothing
+beyond causal softmax attention (no softcap; every sliding window longer than the step's
+longest context, so that it hides nothing) with the decodes' block tables for the attention
+kernel. Other steps run the Python loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmq.worker.runner.attention import StepMetadata
+from llmq.worker.runner.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
+from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout
+
+_NO_TABLE = torch.zeros(0, 1, dtype=torch.int32)  # step_layers' tables without decodes
+_NO_CONTEXT = torch.zeros(0, dtype=torch.int32)
+_NONE = torch.empty(0)  # step_layers' "this layer has no such tensor"
+
+
+def serves_model(layers: list[DecoderLayer]) -> bool:
+    """Whether step_layers can run these layers (uniform scale, eps, activation, widths)."""
+    if not all(isinstance(layer.mlp, DenseMLP) for layer in layers):
+        return False
+    shapes = {
+        (
+            layer.scaling,
+            layer.eps,
+            layer.mlp.activation,
+            layer.qkv_proj.out_features,
+            layer.o_proj.out_features,
+            layer.mlp.gate_up_proj.out_features,
+            layer.mlp.down_proj.out_features,
+        )
+        for layer in layers
+    }
+    return len(shapes) == 1
+
+
+def _optional(t: torch.Tensor | None) -> torch.Tensor:
+    return _NONE if t is None else t
+
+
+def layer_tensors(layers: list[DecoderLayer]) -> list[torch.Tensor]:
+    """step_layers' weights: per layer its norms (input, attention output, MLP input, MLP output,
+    query heads, key heads), then the weights and the biases of its qkv, o, gate_up and down
+    projections (an empty tensor: none)."""
+    tensors = []
+    for layer in layers:
+        mlp = layer.mlp
+        projections = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        tensors += [layer.input_norm, _optional(layer.attn_out_norm), layer.mlp_in_norm]
+        tensors += [_optional(layer.mlp_out_norm), _optional(layer.q_norm)]
+        tensors += [_optional(layer.k_norm)]
+        tensors += [p.weight for p in projections]
+        tensors += [_optional(p.bias) for p in projections]
+    return tensors
+
+
+def run_layers(
+    h: torch.Tensor,
+    cos: list[torch.Tensor],
+    sin: list[torch.Tensor],
+    layers: list[DecoderLayer],
+    tensors: list[torch.Tensor],
+    layout: Layout,
+    heads: tuple[int, int],  # query heads, key/value heads
+    step: StepMetadata,
+) -> torch.Tensor:
+    """The last layer's hidden states of the step (``layer_tensors(layers)`` as ``tensors``)."""
+    tables, first, prompts = step.decode_tables, layers[0], step.prefills
+    mlp = first.mlp
+    return torch.ops.llmq.step_layers(
+        h,
+        cos,
+        sin,
+        [layer.rotary for layer in layers],
+        tensors,
+        LAYOUT_CODES[layout],
+        ACTIVATION_CODES[mlp.activation],
+        [p.out_features for p in (first.qkv_proj, first.o_proj, mlp.gate_up_proj, mlp.down_proj)],
+        step.pool.kv,
+        step.slot_mapping,
+        step.num_decodes,
+        tables.block_tables if tables is not None else _NO_TABLE,
+        tables.context_lens if tables is not None else _NO_CONTEXT,
+        [p.q_start for p in prompts],
+        [p.q_len for p in prompts],
+        [p.ctx_len for p in prompts],
+        [p.block_ids for p in prompts],
+        [p.mask for p in prompts],
+        step.pool.block_size,
+        heads[0],
+        heads[1],
+        first.scaling,
+        first.eps,
+    )

@@ -1,0 +1,157 @@
+"""A GGUF file's quantized tensors as llmq's quantized projections.
+
+transformers loads a GGUF model dequantized to floats (config, weights, tokenizer from the
+file); this reads the file's own blocks again (``gguf``'s reader) for the kernels:
+
+- Q4_K (llama.cpp's 4-bit k-quant: 256-value super-blocks of eight 32-value sub-blocks, each
+  ``w = d * sc * q - dmin * m`` with 6-bit sc and m, q in 0..15) maps onto torch's int4pack
+  with group 32: ``scale = d * sc``, ``zero = 8 * scale - dmin * m``, the same q. The scale
+  and zero are held in bfloat16 (the kernel's dtype), so the weights are the file's within
+  their rounding (2**-9 relative of each); tested against ``gguf``'s ``dequantize``.
+- Q8_0, Q5_K, Q6_K and float tensors have no torch kernel of their layout: their dequantized
+  weights are re-quantized per output channel to int8 (W8A16), as are groups of projections
+  fused into one kernel call whose members differ (Q4_K_M's Q6_K ``attn_v`` beside Q4_K q, k).
+
+Query and key rows come permuted in llama.cpp's files (its rotary layout); they are put back as
+transformers' loader puts them back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from llmq.worker.runner.quantized_linear import (
+    ACTIVATIONS,
+    Int4Linear,
+    Int4Weight,
+    Int8Weight,
+    QuantizedLinear,
+    quantized_linear,
+)
+
+log = logging.getLogger(__name__)
+
+Q4_K_BLOCK = 144  # bytes: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+# GGUF tensor names of a llama-style layer's fused projections, per llmq role
+ROLE_TENSORS = {
+    "qkv": ("attn_q", "attn_k", "attn_v"),
+    "o": ("attn_output",),
+    "gate_up": ("ffn_gate", "ffn_up"),
+    "down": ("ffn_down",),
+}
+
+
+def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``get_scale_min_k4`` for all eight sub-blocks: [B, 12] -> two [B, 8]."""
+    s = packed.astype(np.uint8)
+    sc = np.empty((s.shape[0], 8), dtype=np.uint8)
+    m = np.empty_like(sc)
+    sc[:, :4] = s[:, 0:4] & 63
+    m[:, :4] = s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
+    m[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return sc, m
+
+
+def q4_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Weight:
+    """A Q4_K tensor's bytes ([rows, cols / 256 * 144]) as an ``Int4Weight`` [rows, cols]."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q4_K_BLOCK)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = _scales_and_mins(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(-1, 4, 32)  # four chunks of 64 values: low nibbles, then high
+    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)  # [B, sub-block, value]
+    scale = d * sc  # [B, 8]
+    zero = 8 * scale - dmin * m
+    groups = cols // 32
+    return Int4Weight(
+        torch.from_numpy(q.reshape(rows, cols).astype(np.int32)),
+        torch.from_numpy(scale.reshape(rows, groups)).to(ACTIVATIONS),
+        torch.from_numpy(zero.reshape(rows, groups)).to(ACTIVATIONS),
+    )
+
+
+def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's query/key row permutation (transformers' ``_reverse_permute_weights``)."""
+    dim = t.shape[0] // heads // 2
+    return t.reshape(heads, dim, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+class GGUFTensors:
+    """The file's tensors by name, read once (memory-mapped by ``gguf``'s reader)."""
+
+    def __init__(self, path: str, num_heads: int, num_kv_heads: int):
+        import gguf
+
+        self.reader = gguf.GGUFReader(path)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.q4_k = gguf.GGMLQuantizationType.Q4_K
+        architecture = self.reader.fields["general.architecture"].contents()
+        # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
+        permuted = architecture == "llama"
+        self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if permuted else {}
+
+    def int4(self, name: str) -> Int4Weight | None:
+        """The tensor as an exact ``Int4Weight`` where it is Q4_K; None otherwise."""
+        tensor = self.tensors.get(name)
+        if tensor is None or tensor.tensor_type != self.q4_k:
+            return None
+        cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest dimension first
+        weight = q4_k_weight(tensor.data, rows, cols)
+        heads = self.heads.get(name.split(".")[-2])
+        if heads is not None:
+            weight = Int4Weight(
+                unpermute_rows(weight.q, heads),
+                unpermute_rows(weight.scale, heads),
+                unpermute_rows(weight.zero, heads),
+            )
+        return weight
+
+    def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear:
+        """One fused projection of the tensors ``names``: int4 where all are Q4_K, else int8
+        from the (dequantized) fused float weight."""
+        parts = [self.int4(name) for name in names]
+        if parts and all(p is not None for p in parts):
+            fused = Int4Weight(
+                torch.cat([p.q for p in parts]),
+                torch.cat([p.scale for p in parts]),
+                torch.cat([p.zero for p in parts]),
+            )
+            if _same_weights(fused, plain_weight):
+                return Int4Linear(fused, bias)
+            log.warning("%s: the file's blocks differ from the loaded weights; int8", names[0])
+        return quantized_linear(plain_weight, bias, 8)
+
+
+def _same_weights(weight: Int4Weight, loaded: torch.Tensor) -> bool:
+    """Whether the blocks read here are the weights transformers loaded (its dequantized ones,
+    in its row order), within the bfloat16 rounding of scale and zero: a check that the
+    blocks map onto the right rows of an architecture, made once at load."""
+    scale = weight.scale.float().repeat_interleave(32, dim=1)
+    zero = weight.zero.float().repeat_interleave(32, dim=1)
+    slack = 2**-7 * (scale.abs() * (weight.q - 8).abs() + zero.abs()) + 1e-6
+    ours = weight.dequantize()
+    return ours.shape == loaded.shape and bool(((ours - loaded.float()).abs() <= slack).all())
+
+
+class GGUFQuantizer:
+    """``quantize``'s quantizer for a model loaded from a GGUF file (``llmq_gguf_path`` on its
+    config): each projection from the file's blocks."""
+
+    def __init__(self, forward):
+        config = forward.model.config
+        self.file = GGUFTensors(config.llmq_gguf_path, forward.num_heads, forward.num_kv_heads)
+
+    def linear(self, index: int, role: str, plain) -> QuantizedLinear:
+        if index < 0:  # the head: its own tensor, or the embedding's where tied
+            name = "output.weight" if "output.weight" in self.file.tensors else "token_embd.weight"
+            names = [name]
+        else:
+            names = [f"blk.{index}.{t}.weight" for t in ROLE_TENSORS[role]]
+        return self.file.linear(names, plain.weight, plain.bias)
+
+    def embedding(self, table: torch.Tensor) -> Int4Weight | Int8Weight:
+        return self.file.int4("token_embd.weight") or Int8Weight.quantize(table)

@@ -1,0 +1,215 @@
+"""Quantization at load (``LLMQ_QUANTIZATION``): llmq's decoder forward with its projections,
+head and embedding table in 8 or 4 bits (``quantized_linear``).
+
+- ``int8``: every projection and the head per-output-channel int8 (W8A16); the embedding table
+  int8 per row, rows dequantized as they are looked up (as llama.cpp's Q8_0 keeps
+  ``token_embd`` in Q8_0 and reads its rows with ``get_rows``).
+- ``int4``: projections 4-bit in groups of 32, except the tensors kept at 8 bits, as Q4_K_M
+  keeps them at 6 (``llama_tensor_get_type``): the head (``output.weight``), and in the layers
+  llama.cpp's ``use_more_bits`` picks (the first and last eighth, every third between) the
+  down projection (``ffn_down``) and the query/key/value projection (``attn_v``: fused here
+  with q and k, which take the same kernel call). The embedding table is 4-bit in groups of 32
+  (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's 8-bit table.
+  ``bench/quant_quality.py --sensitivity`` measures the KL each role adds at 4 bits.
+
+The fused C++ step (``kernels/step_layers.cpp``) takes bfloat16/float32 weights only: a
+quantized model's steps run the Python layer loop (with the C++ small-step ops where loaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from llmq.worker.runner.quantized_linear import (
+    GROUP,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    QuantizedLinear,
+    quantized_linear,
+)
+
+log = logging.getLogger(__name__)
+
+Scheme = Literal["int8", "int4", "gguf"]
+SCHEMES: tuple[Scheme, ...] = ("int8", "int4", "gguf")
+ROLES = ("qkv", "o", "gate_up", "down", "head", "embed")
+# bits(layer index, layer count, role) -> 4 or 8 (layer index -1: head and embedding)
+BitsPlan = Callable[[int, int, str], int]
+_DENSE = ("gate_up_proj", "down_proj")
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers Q4_K_M gives more bits (integer arithmetic)."""
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
+
+
+def int8_plan(layer: int, layers: int, role: str) -> int:
+    return 8
+
+
+def int4_plan(layer: int, layers: int, role: str) -> int:
+    if role == "head":
+        return 8
+    if role in ("qkv", "down") and more_bits(layer, layers):
+        return 8
+    return 4
+
+
+PLANS: dict[Scheme, BitsPlan] = {"int8": int8_plan, "int4": int4_plan}
+
+
+def only_role_plan(role: str, bits: int = 4) -> BitsPlan:
+    """``role`` at ``bits``, everything else at 8 (the sensitivity sweep's plans)."""
+    return lambda layer, layers, r: bits if r == role else 8
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """An embedding table in 8 bits per row (``Int8Weight``) or 4 bits per group of 32
+    (``Int4Weight``, two values a byte): the looked-up rows are dequantized to ``dtype``."""
+
+    def __init__(
+        self, weight: Int8Weight | Int4Weight, dtype: torch.dtype, scale: torch.Tensor | None
+    ):
+        super().__init__()
+        self.dtype = dtype
+        self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
+        self.int8 = weight if isinstance(weight, Int8Weight) else None
+        if isinstance(weight, Int4Weight):
+            q = weight.q.to(torch.uint8)
+            self.nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
+            self.scale, self.zero = weight.scale, weight.zero
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            rows = (self.int8.q[ids].float() * self.int8.scale[ids].float()[..., None]).to(
+                self.dtype
+            )
+        else:
+            packed = self.nibbles[ids]
+            q = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+            rows = Int4Weight(q, self.scale[ids], self.zero[ids]).dequantize().to(self.dtype)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(self.dtype)
+        return rows
+
+
+def _plain_storages(linears) -> set[int]:
+    return {lin.weight.untyped_storage().data_ptr() for lin in linears}
+
+
+def _release(model: torch.nn.Module, storages: set[int]) -> None:
+    """Drop the model's float weights that view ``storages`` (fused weights now quantized)."""
+    for param in model.parameters():
+        if param.numel() and param.untyped_storage().data_ptr() in storages:
+            param.data = param.data.new_empty(0)
+
+
+class _Quantizer:
+    """How each of a forward's weights is quantized: by a bits plan, from the float weights."""
+
+    def __init__(self, plan: BitsPlan, layers: int):
+        self.plan, self.layers = plan, layers
+
+    def linear(self, index: int, role: str, plain) -> QuantizedLinear:
+        """Layer ``index``'s (-1: the head's) projection ``role`` from its plain ``Linear``."""
+        return quantized_linear(plain.weight, plain.bias, self.plan(index, self.layers, role))
+
+    def embedding(self, table: torch.Tensor) -> Int8Weight | Int4Weight:
+        if self.plan(-1, self.layers, "embed") == 4 and table.shape[1] % GROUP == 0:
+            return Int4Weight.quantize(table)
+        return Int8Weight.quantize(table)
+
+
+def _quantizer(forward, scheme: str | BitsPlan):
+    count = len(forward.layers)
+    if scheme == "gguf":
+        from llmq.worker.runner.gguf_weights import GGUFQuantizer
+
+        return GGUFQuantizer(forward)
+    return _Quantizer(PLANS[scheme] if isinstance(scheme, str) else scheme, count)
+
+
+def quantize_forward(forward, scheme: str | BitsPlan) -> None:
+    """Replace the projections, head and embedding of ``forward`` (a ``DecoderForward`` built
+    with plain, unpacked weights) by quantized ones, and free their float weights. A mixture of
+    experts' MLP keeps its float experts. ``scheme``: int8, int4, a bits plan, or gguf (the
+    model's GGUF file's own blocks where a kernel takes them)."""
+    if forward.layout != "plain":
+        raise ValueError("quantize a forward built with plain (unpacked) weights")
+    device = forward.inner.embed_tokens.weight.device
+    if device.type != "cpu":
+        raise ValueError(f"quantized weights run on the CPU only, not on {device}")
+    quantizer = _quantizer(forward, scheme)
+    replaced = []
+    for index, layer in enumerate(forward.layers):
+        owners = [(layer, "qkv_proj", "qkv"), (layer, "o_proj", "o")]
+        if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP
+            owners += [(layer.mlp, "gate_up_proj", "gate_up"), (layer.mlp, "down_proj", "down")]
+        for owner, attr, role in owners:
+            plain = getattr(owner, attr)
+            replaced.append(plain)
+            setattr(owner, attr, quantizer.linear(index, role, plain))
+    _release(forward.model, _plain_storages(replaced))
+    _quantize_head_and_embedding(forward, quantizer)
+    forward.layout = scheme if isinstance(scheme, str) else "int4"
+    forward.packed = True  # small steps take the worker's threads, as packed weights do
+    # step_layers.cpp reads float weights only: the Python layer loop runs every step.
+    forward._uniform_layers = False
+    _return_freed_memory()
+    log.info("weights quantized (%s): %.0f MiB", forward.layout, quantized_bytes(forward) / 2**20)
+
+
+def _quantize_head_and_embedding(forward, quantizer) -> None:
+    inner, model = forward.inner, forward.model
+    embedding = inner.embed_tokens
+    dtype = embedding.weight.dtype
+    head = model.lm_head
+    tied = head.weight.data_ptr() == embedding.weight.data_ptr()
+    forward.lm_head = quantizer.linear(-1, "head", forward.lm_head)
+    table = embedding.weight.detach()
+    if tied and isinstance(forward.lm_head, Int8Linear):
+        # One 8-bit table: the head's rows are the embedding's (the padding is K's: none here).
+        weight = Int8Weight(forward.lm_head.q[:, : table.shape[1]], forward.lm_head.scale)
+    else:
+        weight = quantizer.embedding(table)
+    inner.embed_tokens = QuantizedEmbedding(weight, dtype, getattr(embedding, "embed_scale", None))
+    head.weight.data = head.weight.new_empty(0)
+    embedding.weight.data = embedding.weight.new_empty(0)
+
+
+def quantized_bytes(forward) -> int:
+    """Bytes of the quantized weights (projections, head, embedding table)."""
+    total = forward.lm_head.nbytes()
+    for layer in forward.layers:
+        mlp = layer.mlp
+        for p in (layer.qkv_proj, layer.o_proj, *(getattr(mlp, a, None) for a in _DENSE)):
+            total += p.nbytes() if hasattr(p, "nbytes") else 0
+    table = forward.inner.embed_tokens
+    if table.int8 is not None:
+        head = forward.lm_head
+        if not (isinstance(head, Int8Linear) and table.int8.q.data_ptr() == head.q.data_ptr()):
+            total += table.int8.q.nbytes + table.int8.scale.nbytes
+    else:
+        total += table.nibbles.nbytes + table.scale.nbytes + table.zero.nbytes
+    return total
+
+
+def _return_freed_memory() -> None:
+    """Give the float weights' freed memory back to the kernel: pieces under glibc's mmap
+    threshold (raised by ``malloc_tuning``) stay in the heap, resident, until trimmed."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def quantization_of(model: torch.nn.Module) -> Scheme | None:
+    """The scheme ``load_causal_lm`` recorded on the model's config (``LLMQ_QUANTIZATION``)."""
+    scheme = getattr(model.config, "llmq_quantization", None)
+    return scheme if scheme in SCHEMES else None

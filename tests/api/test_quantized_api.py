@@ -1,0 +1,88 @@
+"""A worker serving int4 weights (``LLMQ_QUANTIZATION=int4``: 4-bit projections with 8-bit head
+and sensitive layers) answers, through the API, the greedy tokens of the same quantized model
+stepped on each prompt alone: concurrent requests batched together, a pool too small for them
+(preempted and recomputed), and prompts sharing a prefix (prefix cache hits)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmq.common.model_loader import load_causal_lm, load_tokenizer
+from llmq.common.sampling_params import SamplingParams
+from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from tests.api.api_stack import aclient, stack
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# 8 blocks of 16 tokens: each conversation (17-66 prompt tokens, then 40) fits alone, the first
+# four together need more than twice the pool: decoding side by side, some are preempted.
+KV_BLOCKS = 8
+OUTPUT_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def int4_stack(llama_dir, logs):
+    settings = dict(quantization="int4", kv_blocks=KV_BLOCKS)
+    with stack(llama_dir, logs, "w-int4", settings, {}) as s:
+        yield s
+
+
+SYSTEM = "You answer questions about Redis streams, consumer groups and pending entries. "
+QUESTIONS = [
+    "What does XREADGROUP do when the group does not exist yet, and how is it created?",
+    "def fibonacci(n):\n    return n if n < 2 else",
+    "import asyncio",
+    "Why claim entries?",
+]
+
+
+def _conversations() -> list[list[dict]]:
+    talks = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return talks + [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        for q in ("Hi", "And XACK?")
+    ]
+
+
+def test_api_greedy_equals_the_quantized_model_stepped_alone(int4_stack, llama_dir):
+    talks = _conversations()
+    tok = load_tokenizer(str(llama_dir))
+    prompts = [
+        list(
+            tok.apply_chat_template(t, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        for t in talks
+    ]
+    engine = LLMEngine(
+        load_causal_lm(str(llama_dir), "float32", "cpu", "int4"),
+        EngineConfig(num_blocks=64),
+        eos_token_ids=set(),
+    )
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    expected = [engine.generate([p], params)[0] for p in prompts]
+    assert len({tuple(t) for t in expected}) == len(expected)
+    assert all(len(set(t)) >= OUTPUT_TOKENS // 2 for t in expected)
+    texts = [tok.decode(t, skip_special_tokens=True) for t in expected]
+
+    async def ask(client, messages):
+        return await client.chat.completions.create(
+            model=int4_stack.model,
+            messages=messages,
+            max_tokens=OUTPUT_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    async def all_at_once():
+        client = aclient(int4_stack.base, timeout=120)
+        together = await asyncio.gather(*(ask(client, t) for t in talks[:4]))
+        return [*together, await ask(client, talks[4]), await ask(client, talks[5])]
+
+    answers = asyncio.run(all_at_once())
+    assert [a.choices[0].message.content for a in answers] == texts
+    assert [a.usage.completion_tokens for a in answers] == [OUTPUT_TOKENS] * len(talks)
+    # The last shares its system prompt with the one before it: a prefix cache hit.
+    assert answers[5].usage.prompt_tokens_details.cached_tokens >= 32
+    assert sum(len(p) + OUTPUT_TOKENS for p in prompts[:4]) > 2 * KV_BLOCKS * 16

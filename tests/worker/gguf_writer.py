@@ -1,0 +1,115 @@
+"""GGUF files for the importer's tests, written with the ``gguf`` package's writer from a
+transformers Llama folder: the metadata llama.cpp's converter writes (hyperparameters, a GPT-2
+style BPE tokenizer, the chat template), the query and key rows permuted as it permutes them,
+and each tensor in the type asked for.
+
+``gguf.quants`` quantizes Q8_0 (so those tensors are the model's); it has no k-quant encoder,
+so Q4_K, Q5_K and Q6_K tensors are random blocks (valid by construction: any bits are a block,
+given finite scales), which is what the importer's exactness needs: the same file read by
+llmq and by ``gguf``'s ``dequantize``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+Q = gguf.GGMLQuantizationType
+# bytes per 256-value block, and the byte offsets of the fp16 super-block scales
+_K_BLOCKS = {Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, index, rest = hf.split(".", 3)
+    module = rest.removesuffix(".weight")
+    return f"blk.{index}.{_NAMES[module]}.weight"
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's query/key row order."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def random_k_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    size, scale_at = _K_BLOCKS[kind]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for offset in scale_at:  # small positive fp16 scales: weights of about the model's size
+        d = rng.uniform(1e-4, 4e-4, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(folder: Path, out: Path, types: dict[str, Q], seed: int = 0) -> Path:
+    """``folder``'s Llama as a GGUF file; ``types``: GGUF tensor name -> type (others F32)."""
+    config = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    rope = config.get("rope_parameters") or config  # transformers 5 nests it
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(config["vocab_size"])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["id"]: t["content"] for t in tok["added_tokens"]}
+    tokens = [specials.get(i, t) for i, (t, _) in enumerate(vocab)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_pad_token_id(config["pad_token_id"])
+    w.add_add_bos_token(False)
+    template = folder / "chat_template.jinja"  # transformers 5 keeps it beside the config
+    w.add_chat_template(template.read_text() if template.exists() else tok_config["chat_template"])
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for hf, tensor in sorted(load_file(str(folder / "model.safetensors")).items()):
+        name = gguf_name(hf)
+        data = tensor.astype(np.float32)
+        kind = heads.get(name.split(".")[-2])
+        if kind is not None:
+            data = _permute(data, kind)
+        wanted = types.get(name, Q.F32)
+        if wanted in _K_BLOCKS:
+            raw = random_k_blocks(wanted, data.shape[0], data.shape[1], rng)
+            w.add_tensor(name, raw, raw_dtype=wanted)
+        elif wanted == Q.Q8_0:
+            w.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

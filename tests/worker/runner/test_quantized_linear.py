@@ -1,0 +1,156 @@
+"""Quantized projections: torch's int8/int4 kernels against the float32 matmul of the
+dequantized weights, the quantizers' rounding, the embedding table, and the int4 plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llmq.worker.runner.decoder_forward import DecoderForward
+from llmq.worker.runner.quantize import (
+    QuantizedEmbedding,
+    int4_plan,
+    more_bits,
+    quantize_forward,
+)
+from llmq.worker.runner.quantized_linear import (
+    GROUP,
+    Int4Linear,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    quantized_linear,
+)
+
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
+
+# (rows, out features, in features): odd counts of each; int4 needs in features % 32 == 0.
+SHAPES = [(1, 97, 64), (5, 33, 96), (3, 5, 33), (17, 64, 128), (64, 48, 160), (2, 1, 32), (9, 7, 7)]
+
+
+def _within_tolerance(y: torch.Tensor, x: torch.Tensor, deq: torch.Tensor, bias) -> None:
+    """The kernels' stated tolerance: output rounding to bfloat16 (2**-8 of the magnitude) plus
+    1e-5 of |x| @ |w|.T, against float32 on the bfloat16-rounded activations; in bfloat16 the
+    bias's addition rounds once more."""
+    xb = x.bfloat16().float()
+    product = xb @ deq.T
+    ref = product + bias.float()
+    bound = 2**-8 * product.abs() + 1e-5 * (xb.abs() @ deq.abs().T)
+    if y.dtype == torch.bfloat16:
+        bound += 2**-8 * ref.abs()
+    err = (y.float() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_dequantized_matmul(shape, bits, dtype):
+    rows, n, k = shape
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    linear = quantized_linear(weight, bias, bits)
+    four = bits == 4 and k % GROUP == 0
+    assert isinstance(linear, Int4Linear if four else Int8Linear)
+    quantized = (Int4Weight if four else Int8Weight).quantize(weight)
+    y = linear(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    _within_tolerance(y, x, quantized.dequantize(), bias)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch():
+    """Greedy equality under batching needs each row's output independent of its neighbours."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 128, generator=gen)
+    x = torch.randn(40, 128, generator=gen)
+    for bits in (8, 4):
+        linear = quantized_linear(weight, None, bits)
+        whole = linear(x)
+        for start, stop in ((0, 1), (5, 6), (3, 20), (39, 40)):
+            assert torch.equal(linear(x[start:stop]), whole[start:stop]), (bits, start)
+
+
+def test_int8_rounds_to_the_nearest_step_per_channel():
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    q = Int8Weight.quantize(weight)
+    assert q.q.dtype == torch.int8 and int(q.q.abs().max()) <= 127
+    step = q.scale.float()[:, None]
+    assert bool(((q.dequantize() - weight).abs() <= 0.5 * step + 1e-6).all())
+    # The largest weight of each channel is represented (up to the scale's bfloat16 rounding).
+    assert bool((q.q.abs().amax(dim=1) >= 126).all())
+
+
+def test_int4_groups_round_to_the_nearest_step():
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
+    q = Int4Weight.quantize(weight)
+    assert int(q.q.min()) >= 0 and int(q.q.max()) <= 15
+    assert q.scale.shape == q.zero.shape == (32, 128 // GROUP)
+    step = q.scale.float().repeat_interleave(GROUP, dim=1)
+    # Half a step, plus what the bfloat16 rounding of the zero moves the grid by.
+    slack = 2**-8 * q.zero.float().abs().repeat_interleave(GROUP, dim=1)
+    assert bool(((q.dequantize() - weight).abs() <= 0.5 * step + slack + 1e-6).all())
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Int4Weight.quantize(torch.randn(4, 33))
+
+
+@pytest.mark.parametrize("four", [False, True])
+def test_embedding_rows_are_the_dequantized_table(four):
+    table = torch.randn(50, 64, generator=torch.Generator().manual_seed(4))
+    weight = Int4Weight.quantize(table) if four else Int8Weight.quantize(table)
+    embedding = QuantizedEmbedding(weight, torch.float32, None)
+    ids = torch.tensor([0, 7, 49, 7, 3])
+    assert torch.equal(embedding(ids), weight.dequantize()[ids])
+    if four:  # two values a byte
+        assert embedding.nibbles.shape == (50, 32) and embedding.nibbles.dtype == torch.uint8
+
+
+def test_int4_plan_keeps_llama_cpp_sensitive_tensors_at_8_bits():
+    # llama.cpp's use_more_bits for 16 layers: the first and last two, and 4, 7, 10, 13.
+    assert [i for i in range(16) if more_bits(i, 16)] == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert int4_plan(-1, 16, "head") == 8
+    assert int4_plan(-1, 16, "embed") == 4
+    assert int4_plan(4, 16, "down") == int4_plan(4, 16, "qkv") == 8
+    assert int4_plan(4, 16, "gate_up") == int4_plan(4, 16, "o") == 4
+    assert int4_plan(5, 16, "down") == int4_plan(5, 16, "qkv") == 4
+
+
+def _tiny(tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        initializer_range=0.2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_forward_frees_float_weights_and_shares_a_tied_table(scheme, tied):
+    model = _tiny(tied)
+    table = model.model.embed_tokens.weight.detach().clone()
+    forward = DecoderForward(model, pack=False)
+    quantize_forward(forward, scheme)
+    assert forward.layout == scheme
+    layer = forward.layers[1]  # the last layer: 8 bits in int4's plan too
+    assert layer.mlp.down_proj.bits == 8 and forward.lm_head.bits == 8
+    assert forward.layers[0].mlp.gate_up_proj.bits == (4 if scheme == "int4" else 8)
+    # The model keeps no float projection, head or embedding weights: only norms.
+    left = [n for n, p in model.named_parameters() if p.numel() and "norm" not in n]
+    assert left == []
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding)
+    if tied:  # one 8-bit table for both
+        assert embedding.int8.q.data_ptr() == forward.lm_head.q.data_ptr()
+    ids = torch.tensor([1, 2, 199])
+    err = (embedding(ids) - table[ids]).abs().max()
+    steps = 7.5 if embedding.int8 is None else 127  # half a step: the largest rounding
+    assert float(err) <= 0.51 * float(table.abs().max()) / steps

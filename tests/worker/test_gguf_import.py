@@ -1,0 +1,141 @@
+"""GGUF import: a file holding Q8_0, Q4_K, Q5_K and Q6_K tensors (a Q4_K_M-like mix) loads
+with its tokenizer and chat template from the metadata; its Q4_K tensors become int4 weights
+equal to ``gguf``'s own ``dequantize`` (within the bfloat16 rounding of scale and zero), the
+others int8 weights of transformers' dequantized ones; and the engine serves it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
+from llmq.common.sampling_params import SamplingParams
+from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.runner.gguf_weights import GGUFTensors, q4_k_weight
+from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear
+from tests.worker.gguf_writer import Q, write_gguf
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Q4_K_M's pattern at two layers: Q6_K for the head, layer 1's attn_v and ffn_down; one Q5_K.
+TYPES = {
+    "token_embd.weight": Q.Q4_K,
+    "output.weight": Q.Q6_K,
+    **{f"blk.{i}.{t}.weight": Q.Q4_K for i in (0, 1) for t in ("attn_q", "attn_k", "attn_v")},
+    **{f"blk.{i}.{t}.weight": Q.Q4_K for i in (0, 1) for t in ("ffn_gate", "ffn_up")},
+    "blk.1.attn_v.weight": Q.Q6_K,
+    "blk.1.ffn_down.weight": Q.Q6_K,
+    "blk.0.ffn_down.weight": Q.Q5_K,
+    "blk.0.attn_output.weight": Q.Q8_0,
+    "blk.1.attn_output.weight": Q.Q4_K,
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(llama_dir, tmp_path_factory) -> Path:
+    """A Llama of k-quant widths (256 wide: a k-quant block) with the tiny model's tokenizer,
+    as a folder holding one GGUF file."""
+    folder = tmp_path_factory.mktemp("gguf-src")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (llama_dir / name).exists():
+            shutil.copy(llama_dir / name, folder / name)
+    tiny = LlamaConfig.from_pretrained(llama_dir)
+    config = LlamaConfig(
+        **{k: getattr(tiny, k) for k in ("vocab_size", "bos_token_id", "eos_token_id")},
+        pad_token_id=tiny.pad_token_id,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    out = tmp_path_factory.mktemp("gguf")
+    write_gguf(folder, out / "model-Q4_K_M.gguf", TYPES)
+    return out
+
+
+def test_a_folder_or_a_file_is_found(gguf_dir, llama_dir):
+    assert gguf_location(str(gguf_dir)) == (str(gguf_dir), "model-Q4_K_M.gguf")
+    assert gguf_location(str(gguf_dir / "model-Q4_K_M.gguf")) == (
+        str(gguf_dir),
+        "model-Q4_K_M.gguf",
+    )
+    assert gguf_location(str(llama_dir)) is None
+
+
+def test_q4_k_blocks_equal_gguf_dequantize(gguf_dir):
+    reader = gguf.GGUFReader(str(gguf_dir / "model-Q4_K_M.gguf"))
+    checked = 0
+    for tensor in reader.tensors:
+        if tensor.tensor_type != Q.Q4_K:
+            continue
+        cols, rows = (int(n) for n in tensor.shape[:2])
+        ours = q4_k_weight(tensor.data, rows, cols)
+        want = torch.from_numpy(gguf.quants.dequantize(tensor.data, Q.Q4_K).astype(np.float32))
+        scale = ours.scale.float().repeat_interleave(32, dim=1)
+        zero = ours.zero.float().repeat_interleave(32, dim=1)
+        # The scale and zero round to bfloat16: each off by at most 2**-9 of itself.
+        slack = 2**-8 * (scale.abs() * (ours.q - 8).abs() + zero.abs()) + 1e-7
+        assert bool(((ours.dequantize() - want.view(rows, cols)).abs() <= slack).all()), tensor.name
+        checked += 1
+    assert checked == sum(t == Q.Q4_K for t in TYPES.values())
+
+
+def test_the_model_loads_quantized_as_the_file_is(gguf_dir):
+    model = load_causal_lm(str(gguf_dir), "float32", "cpu")
+    assert model.config.llmq_quantization == "gguf"
+    floats = {n: p.detach().clone() for n, p in model.named_parameters()}  # transformers' own
+    file = GGUFTensors(model.config.llmq_gguf_path, 4, 2)
+    # Q4_K query rows, put back in transformers' order, equal transformers' dequantized ones.
+    query = file.int4("blk.0.attn_q.weight").dequantize()
+    assert torch.allclose(query, floats["model.layers.0.self_attn.q_proj.weight"], atol=1e-3)
+    engine = LLMEngine(model, EngineConfig(num_blocks=32), eos_token_ids=set())
+    forward = engine.runner.forward
+    assert forward.layout == "gguf"
+    layer0, layer1 = forward.layers
+    assert isinstance(layer0.qkv_proj, Int4Linear)  # all three Q4_K
+    assert isinstance(layer1.qkv_proj, Int8Linear)  # Q6_K attn_v beside Q4_K q, k
+    assert isinstance(layer0.o_proj, Int8Linear) and isinstance(layer1.o_proj, Int4Linear)
+    assert isinstance(layer0.mlp.down_proj, Int8Linear)  # Q5_K
+    assert isinstance(forward.lm_head, Int8Linear)  # Q6_K
+    embed = model.model.embed_tokens
+    assert embed.int8 is None  # Q4_K, as the file holds it
+    ids = torch.tensor([3, 17, 900])
+    table = floats["model.embed_tokens.weight"]
+    assert torch.allclose(embed(ids), table[ids], atol=1e-3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = engine.generate([[5, 6, 7, 8], [9, 10]], params)
+    assert [len(t) for t in out] == [12, 12]
+
+
+def test_tokenizer_and_chat_template_come_from_the_metadata(gguf_dir, llama_dir):
+    ours, original = load_tokenizer(str(gguf_dir)), load_tokenizer(str(llama_dir))
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
+    assert ours.encode(text) == original.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == original.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert ours.eos_token_id == original.eos_token_id
+
+
+def test_the_api_reads_the_tokenizer_without_torch(gguf_dir):
+    """The API process loads tokenizers and must never import torch."""
+    code = (
+        "import sys; from llmq.common.model_loader import load_tokenizer; "
+        f"load_tokenizer({str(gguf_dir)!r}); assert 'torch' not in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

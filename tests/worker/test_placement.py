@@ -1,0 +1,209 @@
+"""Cache-aware placement against real processes: a redis-server, `llmq worker` processes (one
+torch thread each, started side by side) and `llmq api`, shared by the module's tests, which
+run in order (the last ones freeze and kill workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import openai
+import pytest
+import redis
+
+from llmq.common.block_hashes import prompt_hashes
+from llmq.common.redis_server import RedisServer
+from llmq.common.transport import GROUP, Keys
+from tests.harness import Proc, heartbeat, start_api, start_worker, wait_for, wait_worker
+
+WORDS = ["red", "green", "blue", "amber", "violet", "cyan", "ochre", "umber", "teal", "olive"]
+SETTINGS = dict(heartbeat_ttl=2, torch_threads=1, inactivity_timeout=60, kv_blocks=512)
+
+
+class Fleet:
+    def __init__(self, server: RedisServer, model, logs):
+        self.server, self.model, self.logs = server, str(model), logs
+        self.workers: dict[str, Proc] = {}
+        self.r = redis.Redis.from_url(server.url)
+        self.keys = Keys()
+
+    def start(self, *names: str) -> None:
+        for name in names:  # side by side: each loads while the others do
+            self.workers[name] = start_worker(
+                self.server.url, self.model, name, self.logs, wait=False, **SETTINGS
+            )
+        for name in names:
+            wait_worker(self.server.url, name, self.workers[name])
+
+    def served(self, name: str) -> int:
+        return int(heartbeat(self.server.url, name).get("requests_total", 0) or 0)
+
+    def holders(self, hashes: list[int]) -> list[str]:
+        """The live workers whose published cached set holds the first block."""
+        return [w for w in self.workers if self.r.sismember(self.keys.cached(w), hashes[0])]
+
+    def pending(self, name: str) -> int:
+        rows = self.r.xpending_range(self.keys.requests(self.model), GROUP, "-", "+", 100, name)
+        return len(rows)
+
+
+@pytest.fixture(scope="module")
+def fleet(llama_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("placement")
+    with RedisServer() as server:
+        f = Fleet(server, llama_dir, logs)
+        try:
+            f.start("w1", "w2")
+            f.api, f.base = start_api(server.url, llama_dir, logs, **SETTINGS)
+            yield f
+        finally:
+            for proc in f.workers.values():
+                proc.terminate()
+            if hasattr(f, "api"):
+                f.api.terminate()
+
+
+def system_prompt(i: int, words: int = 60) -> str:
+    return " ".join(WORDS[(i * 7 + j * (i + 3)) % len(WORDS)] for j in range(words))
+
+
+def messages(system: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+async def chat(base: str, msgs: list[dict], max_tokens: int = 4) -> tuple[str, dict]:
+    """Streamed greedy chat; its text and usage."""
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    text, usage = [], None
+    stream = await client.chat.completions.create(
+        model=client_model(base),
+        messages=msgs,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        text += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    await client.close()
+    return "".join(text), usage.model_dump()
+
+
+def client_model(base: str) -> str:
+    return httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+
+
+def gather(*coros):
+    async def run():
+        return await asyncio.gather(*coros)
+
+    return asyncio.run(run())
+
+
+def prompt_ids(base: str, msgs: list[dict]) -> list[int]:
+    body = {"messages": msgs, "add_generation_prompt": True}
+    return httpx.post(f"{base}/tokenize", json=body).json()["tokens"]
+
+
+def full_hit(usage: dict) -> bool:
+    prompt = usage["prompt_tokens"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return cached == min(prompt // 16 * 16, prompt - 1)
+
+
+def test_repeated_prompts_reach_the_worker_that_holds_them(fleet):
+    convs = [messages(system_prompt(i), f"question {i}") for i in range(6)]
+    first = gather(*(chat(fleet.base, m) for m in convs))
+    again = gather(*(chat(fleet.base, m) for m in convs + convs))
+    assert [t for t, _ in again] == [t for t, _ in first] * 2
+    misses = [u for _, u in again if not full_hit(u)]
+    assert not misses, misses  # unplaced, about half would land on the other worker
+    assert fleet.served("w1") > 0 and fleet.served("w2") > 0  # and the prompts spread
+    # The worker's cache and the API hash the same: its published set holds the prompt.
+    hashes = prompt_hashes(prompt_ids(fleet.base, convs[0]), 16)
+    assert len(fleet.holders(hashes)) >= 1
+
+
+def _first_entry(fleet, base: str) -> tuple[dict, str]:
+    """The stream entry of a request sent through ``base`` (seen while it runs), and its
+    answer."""
+    stream, seen = fleet.keys.requests(fleet.model), []
+
+    async def watch():
+        while not seen:
+            seen.extend(f for _, f in fleet.r.xrange(stream) if f)
+            await asyncio.sleep(0.005)
+
+    async def run():
+        watcher = asyncio.ensure_future(watch())
+        text, _ = await chat(base, messages(system_prompt(9), "q"), max_tokens=48)
+        await asyncio.wait_for(watcher, 5)
+        return text
+
+    text = asyncio.run(run())
+    return seen[0], text
+
+
+def test_placement_off_sends_requests_unplaced(fleet):
+    proc, off = start_api(fleet.server.url, fleet.model, fleet.logs, "api-off", placement=False)
+    try:
+        unplaced, text_off = _first_entry(fleet, off)
+        placed, text_on = _first_entry(fleet, fleet.base)
+    finally:
+        proc.terminate()
+    assert b"target" not in unplaced and placed[b"target"] in (b"w1", b"w2")
+    assert text_off == text_on
+
+
+def test_a_late_worker_gets_work_once_it_heartbeats(fleet):
+    fleet.start("w3")
+    rounds = iter(range(100))
+
+    def w3_served() -> bool:  # the API reads the live engines once a second
+        i = next(rounds)
+        gather(
+            *(chat(fleet.base, messages(system_prompt(20 + i * 4 + j), "late")) for j in range(4))
+        )
+        return fleet.served("w3") > 0
+
+    wait_for(w3_served, 20, "the late worker to take work")
+
+
+def _placed_burst_survives(fleet, sig: signal.Signals) -> str:
+    """Requests sharing a cached prefix go to its holder; right after the holder has them in
+    its pending list it gets ``sig``: every answer still equals the undisturbed one."""
+    system = system_prompt(40 + sig.value, words=80)
+    convs = [messages(system, f"part {i}") for i in range(3)]
+    expected = [t for t, _ in gather(*(chat(fleet.base, m, max_tokens=120) for m in convs))]
+    hashes = prompt_hashes(prompt_ids(fleet.base, convs[0]), 16)
+    wait_for(lambda: fleet.holders(hashes), 10, "the prefix published")
+    # The first requests may have left the prefix on both workers: either is its holder then.
+    holders = fleet.holders(hashes)
+
+    async def burst():
+        runs = [asyncio.ensure_future(chat(fleet.base, m, max_tokens=120)) for m in convs]
+        while not (taken := [h for h in holders if fleet.pending(h)]):
+            if all(r.done() for r in runs):
+                raise AssertionError(f"the burst did not go to a holder of the prefix {holders}")
+            await asyncio.sleep(0.002)
+        holder = taken[0]
+        fleet.workers[holder].proc.send_signal(sig)
+        return holder, await asyncio.gather(*runs)
+
+    holder, got = asyncio.run(burst())
+    assert [t for t, _ in got] == expected
+    return holder
+
+
+def test_a_frozen_worker_has_its_placed_requests_taken_over(fleet):
+    holder = _placed_burst_survives(fleet, signal.SIGSTOP)
+    fleet.workers[holder].proc.send_signal(signal.SIGCONT)
+    wait_worker(fleet.server.url, holder, fleet.workers[holder])
+
+
+def test_a_worker_killed_with_placed_requests_loses_none(fleet):
+    holder = _placed_burst_survives(fleet, signal.SIGKILL)
+    fleet.workers.pop(holder).terminate()
