@@ -10,6 +10,10 @@ import pytest
 from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from tests.api.api_stack import Reference, stack
+from tests.tool_model import with_tools_template
+
+# The key of the shared tools-model stack's API.
+TOOLS_KEY = "sk-tools-test"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,17 @@ def small(llama_dir, logs):
     """A second Redis with a worker of a short context (64 tokens): schemathesis' generated
     requests are either refused with 400 or finish fast."""
     with stack(llama_dir, logs, "w-small", dict(max_model_len=64), dict(request_timeout=30)) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def tools_stack(llama_dir, tmp_path_factory):
+    """A Redis, a worker of the test model with a chat template that renders tools, and an API
+    that requires TOOLS_KEY: shared by the API surfaces' modules (Messages, Ollama), which
+    neither stop the worker nor change its settings."""
+    model = with_tools_template(llama_dir, tmp_path_factory.mktemp("tools-model") / "llama")
+    logs = tmp_path_factory.mktemp("tools-logs")
+    with stack(model, logs, "w-tools-shared", {}, {"api_key": TOOLS_KEY}) as s:
         yield s
 
 

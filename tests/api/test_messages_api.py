@@ -15,11 +15,10 @@ import openai
 import pytest
 
 from llmq.common.model_loader import load_tokenizer
-from tests.api.api_stack import Reference, Stack, stack
+from tests.api.api_stack import Reference, Stack
+from tests.api.conftest import TOOLS_KEY as KEY
 from tests.harness import wait_for
-from tests.tool_model import with_tools_template
 
-KEY = "sk-messages-test"
 QUESTION = "What is the weather in Paris?"
 SYSTEM = "You answer questions about the weather, briefly and precisely."
 WEATHER_SCHEMA = {
@@ -47,11 +46,8 @@ STREAM_TYPES = [
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory):
-    model = with_tools_template(llama_dir, tmp_path_factory.mktemp("messages-model") / "llama")
-    logs = tmp_path_factory.mktemp("messages-logs")
-    with stack(model, logs, "w-messages", {}, {"api_key": KEY}) as s:
-        yield s
+def served(tools_stack):
+    return tools_stack
 
 
 @pytest.fixture(scope="module")

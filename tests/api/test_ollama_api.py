@@ -14,10 +14,9 @@ import ollama
 import pytest
 
 from llmq.common.model_loader import load_tokenizer
-from tests.api.api_stack import client, stack
-from tests.tool_model import with_tools_template
+from tests.api.api_stack import client
+from tests.api.conftest import TOOLS_KEY as KEY
 
-KEY = "sk-ollama-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GREEDY = {"temperature": 0, "num_predict": 8}
 USER = [{"role": "user", "content": "What does XREADGROUP do?"}]
@@ -37,11 +36,8 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory):
-    model = with_tools_template(llama_dir, tmp_path_factory.mktemp("ollama-model") / "llama")
-    logs = tmp_path_factory.mktemp("ollama-logs")
-    with stack(model, logs, "w-ollama", {}, dict(api_key=KEY)) as s:
-        yield s
+def served(tools_stack):
+    return tools_stack
 
 
 @pytest.fixture(scope="module")
