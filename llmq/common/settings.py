@@ -94,9 +94,10 @@ class Settings(BaseSettings):
     )
     fast_forward: bool = Field(
         True,
-        description="Llama/Qwen2/Mistral models run llmq's lean decoder forward (fused "
-        "projections, no per-module overhead); false: transformers' forward, with llmq's "
-        "paged attention. Both give the same tokens.",
+        description="Llama, Qwen2, Mistral, Qwen3, Phi-3, Gemma 2/3 and (on CPU) Qwen3-MoE and "
+        "Mixtral models run llmq's lean decoder forward (fused projections, no per-module "
+        "overhead); false: transformers' forward, with llmq's paged attention. Both give the "
+        "same tokens.",
     )
     pack_weights: bool = Field(
         True,
