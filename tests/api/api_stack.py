@@ -3,6 +3,7 @@ processes on it, the openai clients, and checks of streams and error bodies."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections import defaultdict
@@ -191,3 +192,27 @@ def stopped(proc) -> Iterator[None]:
         yield
     finally:
         os.kill(proc.proc.pid, signal.SIGCONT)
+
+
+def batch_results(
+    client: openai.OpenAI, endpoint: str, lines: list[tuple[str, dict]]
+) -> dict[str, dict]:
+    """Each line's response (status_code, body) by custom_id, from a batch of ``lines`` (custom
+    id, body) on ``endpoint``, run to completion through the Batch API."""
+    content = "".join(
+        json.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + "\n"
+        for cid, body in lines
+    )
+    f = client.files.create(file=("lines.jsonl", content.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+
+    def done():
+        b = client.batches.retrieve(batch.id)
+        return b if b.status in ("completed", "failed", "cancelled", "expired") else None
+
+    batch = wait_for(done, 120, f"batch {batch.id}", 0.2)
+    assert batch.status == "completed", batch
+    rows = [client.files.content(batch.output_file_id).text]
+    if batch.error_file_id:
+        rows.append(client.files.content(batch.error_file_id).text)
+    return {o["custom_id"]: o["response"] for t in rows for o in map(json.loads, t.splitlines())}

@@ -15,9 +15,8 @@ import openai
 import pytest
 
 from llmq.common.model_loader import load_tokenizer
-from tests.api.api_stack import Reference, Stack
+from tests.api.api_stack import Reference, Stack, batch_results
 from tests.api.conftest import TOOLS_KEY as KEY
-from tests.harness import wait_for
 
 QUESTION = "What is the weather in Paris?"
 SYSTEM = "You answer questions about the weather, briefly and precisely."
@@ -319,26 +318,8 @@ def test_batch_lines_call_messages(served):
         "messages": [{"role": "user", "content": QUESTION}],
     }  # fmt: skip
     lines = [("good", good), ("bad", {k: v for k, v in good.items() if k != "max_tokens"})]
-    content = "".join(
-        json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/messages", "body": body}) + "\n"
-        for cid, body in lines
-    )
     with chat_client(served) as client:
-        f = client.files.create(file=("messages.jsonl", content.encode()), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=f.id, endpoint="/v1/messages", completion_window="24h"
-        )
-
-        def done():
-            b = client.batches.retrieve(batch.id)
-            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
-
-        batch = wait_for(done, 120, f"batch {batch.id}", 0.2)
-        assert batch.status == "completed", batch
-        rows = [client.files.content(batch.output_file_id).text]
-        if batch.error_file_id:
-            rows.append(client.files.content(batch.error_file_id).text)
-    results = {o["custom_id"]: o["response"] for t in rows for o in map(json.loads, t.splitlines())}
+        results = batch_results(client, "/v1/messages", lines)
     assert results["good"]["status_code"] == 200
     answer = results["good"]["body"]
     direct = sdk(served).messages.create(

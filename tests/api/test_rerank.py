@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from llmq.common.redis_server import RedisServer
-from tests.api.api_stack import Stack, assert_error
-from tests.harness import start_worker, wait_for, wait_worker
+from tests.api.api_stack import Stack, assert_error, batch_results
+from tests.harness import start_worker, wait_worker
 
 MAX_LEN = 64  # the model's positions: pairs are cut to this many tokens
 TOLERANCE = 1e-5
@@ -220,26 +220,8 @@ def test_batch_lines_call_rerank(served):
     """A batch of /v1/rerank lines: each answered as the route answers it, bad input too."""
     good = {"model": served.model, "query": QUERY, "documents": DOCUMENTS, "top_n": 2}
     lines = [("good", good), ("bad", {**good, "documents": []})]
-    content = "".join(
-        json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/rerank", "body": body}) + "\n"
-        for cid, body in lines
-    )
     with openai.OpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0) as client:
-        f = client.files.create(file=("rerank.jsonl", content.encode()), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=f.id, endpoint="/v1/rerank", completion_window="24h"
-        )
-
-        def done():
-            b = client.batches.retrieve(batch.id)
-            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
-
-        batch = wait_for(done, 120, f"batch {batch.id}", 0.2)
-        assert batch.status == "completed", batch
-        rows = [client.files.content(batch.output_file_id).text]
-        if batch.error_file_id:
-            rows.append(client.files.content(batch.error_file_id).text)
-    results = {o["custom_id"]: o["response"] for t in rows for o in map(json.loads, t.splitlines())}
+        results = batch_results(client, "/v1/rerank", lines)
     over_http = ok(post(served, "/v1/rerank", good))["results"]
     assert results["good"]["status_code"] == 200
     got = results["good"]["body"]["results"]
