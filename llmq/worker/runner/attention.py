@@ -308,6 +308,15 @@ def _decode_chunk(
     layer: int,
     scale: float,
 ) -> None:
+    q, kv = gather_decode_chunk(chunk, q_all, pool, layer)
+    scatter_decode_chunk(chunk, attend_gathered(q, kv, chunk.mask, scale), out)
+
+
+def gather_decode_chunk(
+    chunk: DecodeChunk, q_all: torch.Tensor, pool: KVPool, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's queries [Hkv * n, G, D] (query heads sharing a KV head as rows) and its
+    sequences' keys and values gathered from the pool [2, Hkv * n, ctx, D]."""
     s, e = chunk.start, chunk.end
     n = e - s
     num_kv_heads, group, _, head_dim = q_all.shape
@@ -317,7 +326,14 @@ def _decode_chunk(
     kv = pool.gather_buffer(n * chunk.num_blocks)
     ids = (pool.head_offsets + chunk.block_ids).view(-1)  # the blocks of every head, in turn
     torch.index_select(pool.kv_blocks[layer], 0, ids, out=kv.view(ids.shape[0], -1))
-    attn = attend_gathered(q, kv.view(2, num_kv_heads * n, ctx, head_dim), chunk.mask, scale)
+    return q, kv.view(2, num_kv_heads * n, ctx, head_dim)
+
+
+def scatter_decode_chunk(chunk: DecodeChunk, attn: torch.Tensor, out: torch.Tensor) -> None:
+    """The chunk's attention [Hkv * n, G, D] into its rows of ``out`` [T, Hq, D]."""
+    s, e = chunk.start, chunk.end
+    n, head_dim = e - s, attn.shape[-1]
+    num_kv_heads, group = attn.shape[0] // n, attn.shape[1]
     out[s:e].view(n, num_kv_heads, group, head_dim).copy_(
         attn.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
     )

@@ -32,7 +32,9 @@ from llmq.worker.runner.attention import (
     PrefillChunk,
     StepMetadata,
     gather_context,
+    gather_decode_chunk,
     kernel_decodes,
+    scatter_decode_chunk,
 )
 
 
@@ -144,21 +146,12 @@ def _decode_chunk(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> None:
-    s, e = chunk.start, chunk.end
-    n = e - s
-    num_kv_heads, group, _, head_dim = q_all.shape
-    ctx = chunk.num_blocks * pool.block_size
-    q = q_all[:, :, s:e].transpose(1, 2).reshape(num_kv_heads * n, group, head_dim)
-    kv = pool.gather_buffer(n * chunk.num_blocks)
-    ids = (pool.head_offsets + chunk.block_ids).view(-1)
-    torch.index_select(pool.kv_blocks[layer], 0, ids, out=kv.view(ids.shape[0], -1))
-    kv = kv.view(2, num_kv_heads * n, ctx, head_dim)
+    n = chunk.end - chunk.start
+    num_kv_heads, group = q_all.shape[:2]
+    q, kv = gather_decode_chunk(chunk, q_all, pool, layer)
     mask = chunk.mask if window is None else chunk.window_masks[window]
     scores = torch.bmm(q, kv[0].transpose(1, 2)) * scale  # [Hkv * n, G, ctx]
     if sinks is not None:  # query head h * G + g: row (h, i), column g
         sinks = sinks.view(num_kv_heads, 1, group, 1).expand(-1, n, -1, -1)
         sinks = sinks.reshape(num_kv_heads * n, group, 1)
-    attn = torch.bmm(_probs(scores, mask, softcap, sinks), kv[1])
-    out[s:e].view(n, num_kv_heads, group, head_dim).copy_(
-        attn.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
-    )
+    scatter_decode_chunk(chunk, torch.bmm(_probs(scores, mask, softcap, sinks), kv[1]), out)
