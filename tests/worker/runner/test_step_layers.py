@@ -100,8 +100,6 @@ ARCH_CASES += [(arch, case) for arch in FAMILIES for case in ("3", "chunked")]
 def test_layers_in_one_call_equal_the_python_loop(
     arch, dtype, layout, case, request, monkeypatch, family_dir
 ):
-    if dtype == "bfloat16" and layout == "plain" and arch not in FAMILIES:
-        pytest.skip("Llama's and Qwen2's bfloat16 steps: their packed layouts cover them")
     path = family_dir(arch) if arch in FAMILIES else request.getfixturevalue(f"{arch}_dir")
     prompts, config = CASES[case]
     if layout == "onednn":
