@@ -7,12 +7,9 @@ another)."""
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 
-from llmq.common.model_loader import _model_file, _quiet_transformers, resolve_device, resolve_dtype
-
-log = logging.getLogger(__name__)
+from llmq.common.model_loader import _model_file, load_float32_auto
 
 # Position ids of these start after the padding index: two fewer positions than the table has.
 _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"}
@@ -67,14 +64,8 @@ def cross_encoder_config(model: str) -> CrossEncoderConfig | None:
 
 def load_cross_encoder(model: str, dtype: str = "auto", device: str = "auto"):
     """The classifier. auto dtype is float32: rankings turn on small score differences."""
-    import torch
     from transformers import AutoModelForSequenceClassification
 
-    _quiet_transformers()
-    device = resolve_device(device)
-    torch_dtype = torch.float32 if dtype == "auto" else resolve_dtype(dtype, device)
-    log.info("loading cross-encoder %s (%s on %s)", model, torch_dtype, device)
-    classifier = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch_dtype)
-    classifier.to(device).eval()
-    classifier.requires_grad_(False)
-    return classifier
+    return load_float32_auto(
+        AutoModelForSequenceClassification, "cross-encoder", model, dtype, device
+    )

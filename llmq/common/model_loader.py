@@ -217,14 +217,21 @@ def embedding_config(model: str) -> EmbeddingConfig | None:
 def load_encoder(model: str, dtype: str = "auto", device: str = "auto"):
     """An encoder for embeddings. auto dtype is float32: embeddings are compared by cosine,
     where bfloat16 rounding shows."""
-    import torch
     from transformers import AutoModel
+
+    return load_float32_auto(AutoModel, "encoder", model, dtype, device)
+
+
+def load_float32_auto(auto_class, what: str, model: str, dtype: str, device: str):
+    """``auto_class``'s model of ``model`` for inference, float32 unless ``dtype`` says
+    otherwise (encoders' outputs are compared closely, where bfloat16 rounding shows)."""
+    import torch
 
     _quiet_transformers()
     device = resolve_device(device)
     torch_dtype = torch.float32 if dtype == "auto" else resolve_dtype(dtype, device)
-    log.info("loading encoder %s (%s on %s)", model, torch_dtype, device)
-    enc = AutoModel.from_pretrained(model, dtype=torch_dtype)
-    enc.to(device).eval()
-    enc.requires_grad_(False)
-    return enc
+    log.info("loading %s %s (%s on %s)", what, model, torch_dtype, device)
+    loaded = auto_class.from_pretrained(model, dtype=torch_dtype)
+    loaded.to(device).eval()
+    loaded.requires_grad_(False)
+    return loaded
