@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-unit lint format up install clean browser
+.PHONY: test test-unit lint format up install clean browser docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-unit: $(STAMP)
 
 up: $(STAMP)
 	$(BIN)/llmq up
+
+# The documentation site on http://127.0.0.1:8001, rebuilt on every change (8000 is llmq's).
+# `make test` builds it strict and runs its examples (tests/tools/test_docs_*.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8001
 
 # Debian's Chromium, for the playground's browser test (skipped without it, except under CI).
 browser:

@@ -7,7 +7,11 @@ the same next token), and the perplexity of the text. The reference computes in 
 checkpoint's bf16 weights (bfloat16 matmuls are emulated on CPUs without AVX512-BF16 and round
 more); the quantized forms run as the worker runs them (activations into the kernels in
 bfloat16). ``--sensitivity`` quantizes one role at a time to 4 bits (the rest at 8) and prints
-the KL each adds: which tensors the int4 plan should keep at 8 bits.
+the KL each adds: which tensors the int4 plan should keep at 8 bits. ``--kv-cache-dtype int8,fp8``
+scores the bf16 weights with each 8-bit KV cache (LLMQ_KV_CACHE_DTYPE): every key and value
+quantized per token and head after the rotary embedding and dequantized, as the pool stores them
+(``runner/kv_quant.py``; the engine's output equals this simulation, tests/worker/
+test_kv_cache_int8.py).
 
 The text: the first ``--tokens`` tokens of Python's own ``textwrap.py`` (the test models'
 tokenizer learned from the standard library), also written to bench/out/quant_quality.txt so that
@@ -16,11 +20,13 @@ llama.cpp's ``llama-perplexity --kl-divergence`` can score the same text.
     .venv/bin/python bench/quant_quality.py                               # llama-1b shape
     .venv/bin/python bench/quant_quality.py --size smollm2-135m --sensitivity
     .venv/bin/python bench/quant_quality.py --model path/to/folder --tokens 256
+    .venv/bin/python bench/quant_quality.py --forms "" --kv-cache-dtype int8,fp8
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import math
 import platform
@@ -38,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from llmq.common.model_factory import make_model  # noqa: E402
 from llmq.common.model_loader import load_causal_lm, load_tokenizer  # noqa: E402
 from llmq.worker.runner.decoder_forward import DecoderForward  # noqa: E402
+from llmq.worker.runner.kv_quant import code_dtype, dequantize, quantize  # noqa: E402
 from llmq.worker.runner.quantize import (  # noqa: E402
     ROLES,
     only_role_plan,
@@ -56,6 +63,13 @@ def _attend(layer, query, key, value) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def _attend_through_cache(codes: torch.dtype, layer, query, key, value) -> torch.Tensor:
+    """``_attend`` over keys and values as an 8-bit cache of ``codes`` holds them."""
+    key = dequantize(*quantize(key, codes), codes, key.dtype)
+    value = dequantize(*quantize(value, codes), codes, value.dtype)
+    return _attend(layer, query, key, value)
+
+
 def text_tokens(tokenizer, count: int) -> list[int]:
     text = inspect.getsource(textwrap)
     ids = tokenizer.encode(text)[:count]
@@ -65,9 +79,12 @@ def text_tokens(tokenizer, count: int) -> list[int]:
 
 
 @torch.inference_mode()
-def log_probs(model_dir: str, ids: list[int], form) -> tuple[torch.Tensor, int, float]:
+def log_probs(
+    model_dir: str, ids: list[int], form, kv_cache: str = "auto"
+) -> tuple[torch.Tensor, int, float]:
     """Next-token log-probabilities [T, V] of the text through ``form`` (None: the bf16
-    weights), the weights' bytes, and the seconds the forward took."""
+    weights) and the KV cache ``kv_cache`` (auto: the model's dtype), the weights' bytes, and
+    the seconds the forward took."""
     model = load_causal_lm(model_dir, "float32", "cpu")
     forward = DecoderForward(model, pack=False)
     if form is None:
@@ -77,7 +94,9 @@ def log_probs(model_dir: str, ids: list[int], form) -> tuple[torch.Tensor, int, 
         nbytes = quantized_bytes(forward)
     tokens = torch.tensor(ids)
     start = time.perf_counter()
-    logits = forward.run(tokens, torch.arange(len(ids)), None, _attend)
+    codes = code_dtype(kv_cache)
+    attend = _attend if codes is None else functools.partial(_attend_through_cache, codes)
+    logits = forward.run(tokens, torch.arange(len(ids)), None, attend)
     return torch.log_softmax(logits.float(), dim=-1), nbytes, time.perf_counter() - start
 
 
@@ -110,6 +129,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--forms", default="int8,int4")
     p.add_argument("--sensitivity", action="store_true")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="",
+        help="8-bit KV caches to score, e.g. int8,fp8 (bf16 weights)",
+    )
     args = p.parse_args()
     model_dir = _model_dir(args)
     ids = text_tokens(load_tokenizer(model_dir), args.tokens)
@@ -123,8 +147,10 @@ def main() -> None:
     if args.sensitivity:
         forms += [("all 8-bit", lambda i, n, r: 8)]
         forms += [(f"{role} at 4 bits", only_role_plan(role)) for role in ROLES]
-    for name, form in forms:
-        got, nbytes, seconds = log_probs(model_dir, ids, form)
+    forms = [(name, form, "auto") for name, form in forms]
+    forms += [(f"bf16, {c} KV cache", None, c) for c in args.kv_cache_dtype.split(",") if c]
+    for name, form, kv_cache in forms:
+        got, nbytes, seconds = log_probs(model_dir, ids, form, kv_cache)
         s = score(ref, got, ids)
         print(
             f"| {name} | {nbytes / 2**20:.1f} | {s['kl']:.5f} | {s['kl_p99']:.4f} "

@@ -12,7 +12,7 @@ which counts the commands a script runs too) and CPU (``used_cpu_user + used_cpu
 from INFO before and after each load, and Redis's idle CPU rate (its cron, the worker's polls)
 over 3 s before them, which is subtracted for the net figure. Prints them per generated token,
 the ratio of the net CPU, and how many
-workers of --worker-tok-s output tokens per second (default: the README's H100 figure) one
+workers of --worker-tok-s output tokens per second (default: the H100 figure of docs/performance.md) one
 Redis core feeds. The model is tiny by default: Redis's work per token depends on how many
 sequences a step carries, not on the model.
 """

@@ -5,7 +5,7 @@
 Starts a real redis-server, then one `llmq worker` (LLMQ_TORCH_THREADS=1) and drives it with
 --requests concurrent requests (short prompts, --output-tokens each, ignore_eos) through the
 pipeline; then the same with two workers. Prints requests/s, output tok/s, the ratio, and
-Redis's own CPU time and commands per generated token (from INFO), from which the README
+Redis's own CPU time and commands per generated token (from INFO), from which docs/performance.md
 estimates how many workers one Redis can feed. Before that it measures how far the machine
 itself scales two CPU-bound processes (a matmul loop alone, then two at once), the ceiling the
 two workers' ratio is read against.

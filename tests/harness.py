@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,6 +63,18 @@ class Proc:
         return self.proc.returncode
 
 
+def stop_all(procs) -> None:
+    """SIGTERM to every process first, then wait for each: their warm shutdowns overlap."""
+    procs = [p for p in procs if p is not None]
+    for proc in procs:
+        if proc.alive():
+            proc.proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.proc.wait(30)
+        proc.terminate()  # closes its log; kills it if it is still running
+
+
 def base_env(redis_url: str, model: str | Path, **settings) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -100,6 +113,22 @@ def start_worker(
     if wait:
         wait_worker(redis_url, name, proc, settings.get("key_prefix", "llmq"))
     return proc
+
+
+def start_workers(
+    redis_url: str, model: str | Path, names, log_dir: Path, **settings
+) -> dict[str, Proc]:
+    """Workers of one model started side by side (each loads while the others do); returned
+    once every one is up, or all killed if one is not."""
+    procs = {n: start_worker(redis_url, model, n, log_dir, wait=False, **settings) for n in names}
+    try:
+        for name, proc in procs.items():
+            wait_worker(redis_url, name, proc, settings.get("key_prefix", "llmq"))
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+        raise
+    return procs
 
 
 def engine_key(redis_url: str, name: str, prefix: str = "llmq") -> str:

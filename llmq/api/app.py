@@ -21,7 +21,7 @@ from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.responses_store import ResponsesStore
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import Store
-from llmq.common.tenants import ANONYMOUS, owner_id
+from llmq.common.tenants import ANONYMOUS, current_owner, owner_id
 from llmq.common.transport import AsyncTransport
 
 log = logging.getLogger("llmq.api")
@@ -65,13 +65,29 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def require_api_key(request: Request) -> None:
+class OllamaJsonBodies:
+    """Ollama's server reads every body as JSON whatever its content type; its clients and
+    scripts (``curl -d`` sends a form's type) rely on it. Bodies under ``/api/`` are taken as
+    JSON here too, instead of a 422 for a form body."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/api/"):
+            headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+async def require_api_key(request: Request) -> None:
     """Let in a request that carries one of the API keys (``Authorization: Bearer`` or
     ``x-api-key``), and name its tenant in ``request.state.owner`` (the anonymous one when no
     key is set)."""
     keys: list[tuple[bytes, str]] = request.app.state.api_keys
     if not keys:
         request.state.owner = ANONYMOUS
+        current_owner.set(ANONYMOUS)
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -90,10 +106,13 @@ def require_api_key(request: Request) -> None:
             "a valid API key is required: Authorization: Bearer <key> (or x-api-key: <key>)"
         )
     request.state.owner = owner
+    # An async dependency runs in the route's own context: the service reads the tenant there.
+    current_owner.set(owner)
 
 
 def _include_routes(app: FastAPI) -> None:
     from llmq.api import (
+        adapter_routes,
         batches_routes,
         completions_routes,
         embeddings_routes,
@@ -110,6 +129,7 @@ def _include_routes(app: FastAPI) -> None:
     app.include_router(health.router)
     app.include_router(playground.router)
     keyed = (models_routes, completions_routes, responses_routes, embeddings_routes, rerank_routes)
+    keyed += (adapter_routes,)
     for routes in (*keyed, messages_routes, ollama_routes, batches_routes, tokenizer_routes):
         app.include_router(routes.router, dependencies=[Depends(require_api_key)])
 
@@ -157,6 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # An upload is refused with a 400 past max_file_bytes as it streams in (api/uploads.py),
     # its rest read and dropped so that the client sees the answer; only a body far past the
     # limit has its connection cut with a 413.
+    app.add_middleware(OllamaJsonBodies)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,

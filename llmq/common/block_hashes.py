@@ -9,6 +9,7 @@ earlier block differs in every later hash."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 
@@ -17,18 +18,33 @@ def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def adapter_root(lora_name: str) -> int:
+    """The parent of a prompt's first block under a LoRA adapter (0: the base model), so the
+    same tokens under two adapters never share a block. A digest, not ``hash(str)``: that one
+    is salted per process, and the API's chain must equal the worker's."""
+    if not lora_name:
+        return 0
+    digest = hashlib.blake2b(lora_name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
+
+
 def chain_hashes(
-    token_ids: Sequence[int], block_size: int, num_blocks: int, hashes: list[int] | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    hashes: list[int] | None = None,
+    root: int = 0,
 ) -> list[int]:
     """The hashes of the first ``num_blocks`` full blocks of ``token_ids``, extending
-    ``hashes`` (the chain already computed for them, extended in place) where given."""
+    ``hashes`` (the chain already computed for them, extended in place) where given; ``root``:
+    the first block's parent (``adapter_root``)."""
     hashes = [] if hashes is None else hashes
     for i in range(len(hashes), num_blocks):
-        parent = hashes[i - 1] if i else 0
+        parent = hashes[i - 1] if i else root
         hashes.append(block_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
     return hashes
 
 
-def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chain of every full block of a prompt."""
-    return chain_hashes(token_ids, block_size, len(token_ids) // block_size)
+def prompt_hashes(token_ids: Sequence[int], block_size: int, root: int = 0) -> list[int]:
+    """The chain of every full block of a prompt (under the adapter whose root is ``root``)."""
+    return chain_hashes(token_ids, block_size, len(token_ids) // block_size, root=root)

@@ -42,6 +42,7 @@ class EngineStatus:
     pending_tokens: int = 0
     block_size: int = 0  # of its prefix cache's blocks (0: it caches none)
     placement: bool = False  # it hands requests placed on another worker over to it
+    loras: str = ""  # the LoRA adapters it holds loaded, comma-separated
     steps_per_s: float = 0.0
     tokens_per_s: float = 0.0
     updated: float = 0.0

@@ -128,12 +128,73 @@ def load_causal_lm(
         lm = AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], dtype=torch_dtype)
         lm.config.llmq_gguf_path = str(Path(gguf[0]) / gguf[1])
         quantization = "gguf"
+    elif (quantized := quantization_config(model)) is not None:
+        lm = load_quantized_checkpoint(model, quantized, torch_dtype)
+        quantization = "checkpoint" if hasattr(lm.config, "llmq_checkpoint_files") else "none"
     else:
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     lm.to(device).eval()
     lm.requires_grad_(False)
     if quantization != "none":
         lm.config.llmq_quantization = quantization
+    return lm
+
+
+def quantization_config(model: str) -> dict | None:
+    """config.json's ``quantization_config`` (a checkpoint published quantized); None where
+    there is none."""
+    path = _model_file(model, "config.json")
+    if path is None:
+        return None
+    with open(path) as f:
+        return json.load(f).get("quantization_config")
+
+
+def _weight_files(model: str) -> list[str]:
+    index = _model_file(model, "model.safetensors.index.json")
+    if index is None:
+        single = _model_file(model, "model.safetensors")
+        if single is None:
+            raise ValueError(f"{model}: a quantized checkpoint is read from safetensors files")
+        return [single]
+    with open(index) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    return [_model_file(model, shard) for shard in shards]
+
+
+def load_quantized_checkpoint(model: str, quantized: dict, dtype: torch.dtype):
+    """A checkpoint published quantized (compressed-tensors, GPTQ, AWQ: ``common/
+    quant_checkpoint``), built as its float model (the quantization_config taken off, so that
+    transformers does not look for its own kernels' packages) holding the dequantized weights.
+    Where torch's int4/int8 kernels take any of its projections, the worker's forward reads
+    them again from the files (``worker/runner/checkpoint_weights.py``); the rest stay float."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from llmq.common.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
+
+    fmt = checkpoint_format(quantized)  # refuses what is not implemented, naming it
+    files = _weight_files(model)
+    state, kernels = QuantCheckpoint(files, fmt).float_state_dict(dtype)
+    config = AutoConfig.from_pretrained(model)
+    del config.quantization_config
+    lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+        None, config=config, state_dict=state, dtype=dtype
+    )
+    if _model_file(model, "generation_config.json") is not None:
+        lm.generation_config = GenerationConfig.from_pretrained(model)
+    floats = kernels.pop(None, 0)
+    if kernels:
+        lm.config.llmq_checkpoint_files = files
+        lm.config.llmq_checkpoint_quantization = quantized
+    if floats:
+        log.info(
+            "%s: %d quantized projections of a layout torch's int4/int8 kernels do not take "
+            "(4-bit groups not a multiple of 32, 8-bit not per channel and symmetric): "
+            "dequantized, served as float",
+            fmt.description,
+            floats,
+        )
     return lm
 
 

@@ -9,9 +9,11 @@ import time
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import ModelNotFound, ModelNotSupported
+from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.model_loader import load_tokenizer
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.settings import Settings
+from llmq.common.tenants import current_owner
 from llmq.common.transport import AsyncTransport
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class ModelRegistry:
         self._pipelines: dict[str, TokenGeneratorPipeline] = {}
         self._loading: dict[str, asyncio.Future] = {}
         self._known: tuple[float, dict[str, dict]] = (0.0, {})
+        self._adapters: tuple[float, dict[str, AdapterRecord]] = (0.0, {})
         # Engines' heartbeats, shared by all pipelines (one SCAN per second at most).
         self._probe = self._new_pipeline(None, self.default_name)
 
@@ -53,6 +56,23 @@ class ModelRegistry:
             self._known = (time.monotonic(), known)
         return known
 
+    async def adapters(self, fresh: bool = False) -> dict[str, AdapterRecord]:
+        """The LoRA adapters the current tenant (``tenants.current_owner``) may use."""
+        stamp, adapters = self._adapters
+        if fresh or time.monotonic() - stamp > 2.0:
+            adapters = await self.transport.adapters()
+            self._adapters = (time.monotonic(), adapters)
+        owner = current_owner.get()
+        return {n: a for n, a in adapters.items() if a.visible_to(owner)}
+
+    async def adapter(self, name: str) -> AdapterRecord | None:
+        """The adapter ``name`` for the current tenant (read again once when not known: one
+        loaded through another API process a moment ago)."""
+        found = (await self.adapters()).get(name)
+        if found is None:
+            found = (await self.adapters(fresh=True)).get(name)
+        return found
+
     async def default_model(self) -> str:
         live = {e.model for e in await self.engines()}
         if len(live) == 1 and self.default_name not in live:
@@ -71,7 +91,11 @@ class ModelRegistry:
             known = await self.transport.known_models()
             self._known = (time.monotonic(), known)
         if name not in known:
-            raise ModelNotFound(f"the model {name!r} does not exist; see /v1/models", "model")
+            adapter = await self.adapter(name)
+            if adapter is None:
+                raise ModelNotFound(f"the model {name!r} does not exist; see /v1/models", "model")
+            pipeline, engine = await self.get(adapter.base, kind)
+            return pipeline.for_adapter(adapter), engine
         refused = known[name].get("refused")
         if refused and not any(e.model == name for e in await self.engines()):
             raise ModelNotSupported(f"the model {name!r} is not served: {refused}", "model")

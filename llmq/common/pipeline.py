@@ -11,6 +11,7 @@ nothing arrives for too long).
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import EngineFailure, InvalidRequest, QueueFull, Unavailable
+from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.placer import Placer
 from llmq.common.prompt_encoder import (
     PromptEncoder,
@@ -72,7 +74,9 @@ class TokenGeneratorPipeline:
         self.transport = transport
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer)
-        self.model = model
+        self.model = model  # the name answers carry: the model's, or an adapter's
+        self.base_model = model  # the model whose stream requests go on
+        self.adapter: AdapterRecord | None = None
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.inactivity_timeout = inactivity_timeout
@@ -82,6 +86,14 @@ class TokenGeneratorPipeline:
         self.output = OutputReader(
             transport, self.engines, inactivity_timeout, no_worker_grace, record_ttl
         )
+
+    def for_adapter(self, adapter: AdapterRecord) -> TokenGeneratorPipeline:
+        """This model's pipeline for requests under a LoRA adapter: the same tokenizer, queue
+        and output reader; answers name the adapter, entries carry it."""
+        view = copy.copy(self)
+        view.model = adapter.name
+        view.adapter = adapter
+        return view
 
     # ---- tokenizing ------------------------------------------------------------------
     async def encode(
@@ -188,11 +200,13 @@ class TokenGeneratorPipeline:
             id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            model=model or self.model,
+            model=model or self.base_model,
             priority=priority,
             deadline=started + timeout,
             created=started,
         )
+        if self.adapter is not None:
+            request.lora_name, request.lora_path = self.adapter.name, self.adapter.path
         queue, request.reply_to = await self.transport.subscribe(request_id, request.model)
         try:
             entry = await self._enqueue(request, timeout, attach, queue_slots)
@@ -251,7 +265,7 @@ class TokenGeneratorPipeline:
             kind=kind,
             inputs=[list(x) for x in inputs],
             options={**(options or {}), **({"dimensions": dimensions} if dimensions else {})},
-            model=model or self.model,
+            model=model or self.base_model,
             priority=priority,
             deadline=started + timeout,
             created=started,

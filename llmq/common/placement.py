@@ -33,13 +33,14 @@ class Candidate:
     worker: str
     held_blocks: int  # leading blocks of the prompt it holds (or was just sent)
     load_tokens: int  # tokens it has still to compute
+    extra_tokens: int = 0  # work it would do first, as tokens (reading a LoRA adapter)
 
 
 def cost(c: Candidate, prompt_tokens: int, block_size: int, load_weight: float) -> float:
     """Tokens this request would compute there, plus its load weighed. At least one prompt
     token is always computed (its step yields the first output token)."""
     spared = min(c.held_blocks * block_size, max(prompt_tokens - 1, 0))
-    return prompt_tokens - spared + load_weight * c.load_tokens
+    return prompt_tokens - spared + c.extra_tokens + load_weight * c.load_tokens
 
 
 def choose(

@@ -10,13 +10,24 @@ from collections.abc import Awaitable, Callable
 
 import redis.exceptions
 
-from llmq.common.block_hashes import prompt_hashes
+from llmq.common.block_hashes import adapter_root, prompt_hashes
 from llmq.common.engine_status import EngineStatus
 from llmq.common.placement import Candidate, RecentPlacements, choose, cost
 from llmq.common.protocol import EngineRequest
 from llmq.common.transport import AsyncTransport
 
 log = logging.getLogger(__name__)
+
+# What a worker that has not loaded a request's LoRA adapter pays first, as prompt tokens: it
+# reads the adapter from disk and may drop another to make room. A short prompt's worth, so
+# that the adapter's worker wins unless it is far busier.
+ADAPTER_LOAD_TOKENS = 256
+
+
+def _adapter_cost(engine: EngineStatus, lora_name: str) -> int:
+    if not lora_name or lora_name in engine.loras.split(","):
+        return 0
+    return ADAPTER_LOAD_TOKENS
 
 
 class Placer:
@@ -46,7 +57,7 @@ class Placer:
             return ""
         block_size = block_sizes.pop()
         prompt = request.prompt_token_ids
-        hashes = prompt_hashes(prompt, block_size)
+        hashes = prompt_hashes(prompt, block_size, adapter_root(request.lora_name))
         workers = [e.worker for e in live]
         try:
             published = await self.transport.cached_prefixes(request.model, workers, hashes)
@@ -59,6 +70,7 @@ class Placer:
                 e.worker,
                 recent.held_blocks(e.worker, hashes, published[e.worker]),
                 recent.load(e.worker, e.pending_tokens, e.updated),
+                _adapter_cost(e, request.lora_name),
             )
             for e in live
         ]

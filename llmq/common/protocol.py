@@ -39,6 +39,10 @@ class EngineRequest:
     # per request: a worker sends each process one message a step). Empty: the request's
     # own channel (a request written by hand, followed with redis-cli).
     reply_to: str = ""
+    # A LoRA adapter of the model applied to this request (its name as clients give it, and
+    # the PEFT folder the worker reads it from); empty: the base model.
+    lora_name: str = ""
+    lora_path: str = ""
 
     def to_json(self) -> str:
         data = asdict(self)

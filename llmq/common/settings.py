@@ -1,17 +1,16 @@
 """The one place llmq reads its configuration: environment (prefix ``LLMQ_``), a ``.env`` file,
-and CLI flags that override both. Nothing else reads ``os.environ``."""
+and CLI flags that override both. Nothing else reads ``os.environ`` for settings (the embedded
+Redis's state file, ``embedded_redis``, is found through the runtime directory)."""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmq.common.embedded_redis import embedded_redis_url
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -46,6 +45,22 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(
         None, description="Longest prompt plus output in tokens; defaults to the model's own limit."
     )
+    lora_modules: str = Field(
+        "",
+        description="LoRA adapters served on the base model from the start, as "
+        "`name=path,name=path` (PEFT folders: adapter_config.json and "
+        "adapter_model.safetensors); each is offered as a model of its own. More load and "
+        "unload at run time through POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
+    )
+    max_lora_rank: int = Field(
+        64, ge=1, description="Largest LoRA rank an adapter may have; a larger one is refused."
+    )
+    max_loras: int = Field(
+        8,
+        ge=1,
+        description="Adapters a worker keeps loaded at once; past it the least recently used one "
+        "that no running request uses is dropped (and read from disk again when asked for).",
+    )
 
     # Engine budgets
     block_size: int = Field(16, description="Tokens per KV cache block.")
@@ -59,6 +74,15 @@ class Settings(BaseSettings):
         "max_batch_size sequences of min(max_model_len, 1024) tokens (and at least one of "
         "max_model_len), within 2 GiB. On the CPU its memory becomes resident as blocks are "
         "first used; on a GPU all of it at start.",
+    )
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        "auto",
+        description="How the KV cache stores keys and values: auto in the model's dtype; int8 "
+        "or fp8 (float8 e4m3) as 8-bit codes with a float32 scale per token and KV head, "
+        "quantized as they are written and dequantized as attention reads them. The same "
+        "kv_cache_memory_gb then holds about 2x the tokens of a bfloat16 cache (4x of float32), "
+        "at a small loss of accuracy. CUDA graphs, the compiled CPU decode and the fused C++ "
+        "step are then off (they write the cache in the model's dtype).",
     )
     max_batch_size: int = Field(64, description="Most sequences in one engine step.")
     max_batch_tokens: int = Field(
@@ -191,9 +215,9 @@ class Settings(BaseSettings):
     )
     workers: int | None = Field(
         None,
-        description="Engine workers `llmq up` starts; unset: one per GPU on CUDA, two on a CPU "
-        "of two or more cores (each with half the cores as torch threads: one process leaves "
-        "cores idle while Python dispatches ops, two keep them busy).",
+        description="Engine workers `llmq up` starts; unset: one per GPU on CUDA, one on a CPU "
+        "with every core as its torch threads (one worker caches every prompt it serves; more "
+        "share the cores as torch threads unless LLMQ_TORCH_THREADS says otherwise).",
     )
 
     # API
@@ -331,51 +355,6 @@ class Settings(BaseSettings):
 
 def _split_keys(value: str) -> list[str]:
     return [k.strip() for k in value.split(",") if k.strip()]
-
-
-def _embedded_redis_file() -> Path:
-    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / (
-        f"llmq-up-{os.getuid()}.json"
-    )
-
-
-def publish_embedded_redis(url: str | None) -> Path:
-    """Where `llmq up` tells this machine's other llmq commands its embedded Redis lives, its
-    password included, in a file only this user reads (None: it stopped; a file another
-    `llmq up` wrote since stays). Returns the file's path."""
-    path = _embedded_redis_file()
-    if url is None:
-        if _read_state(path).get("pid") == os.getpid():
-            path.unlink(missing_ok=True)
-        return path
-    path.unlink(missing_ok=True)  # created anew with mode 0600, never readable in between
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"redis_url": url, "pid": os.getpid()}))
-    return path
-
-
-def _read_state(path: Path) -> dict:
-    """The state file, if this user owns it and nobody else can read or write it: another
-    user's file could point llmq at a Redis of theirs."""
-    try:
-        info = path.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            return {}
-        state = json.loads(path.read_text())
-        return state if isinstance(state, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def embedded_redis_url() -> str | None:
-    """The URL of a running `llmq up`'s embedded Redis, if there is one."""
-    state = _read_state(_embedded_redis_file())
-    try:
-        os.kill(int(state["pid"]), 0)  # still running?
-        return str(state["redis_url"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 @lru_cache

@@ -4,10 +4,15 @@ derived from the key, never the key itself (Redis readers must not learn the key
 from __future__ import annotations
 
 import hashlib
+from contextvars import ContextVar
 
 # The one tenant of an API without keys (LLMQ_API_KEY unset), and the owner of objects stored
 # before owners were recorded.
 ANONYMOUS = "anonymous"
+
+# The tenant of the request being served: set by the API's key check, and by a batch task for
+# its lines. What a tenant owns (LoRA adapters) is offered to it alone.
+current_owner: ContextVar[str] = ContextVar("llmq_owner", default=ANONYMOUS)
 
 
 def owner_id(key: str) -> str:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import asdict
 
 import redis
 
 from llmq.common.engine_status import EngineStatus
+from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.redis_clients import keys_for, tool_client
 from llmq.common.settings import Settings
 from llmq.common.transport import GROUP, Keys
@@ -84,6 +86,10 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
         "engines": engines,
         "batches": batches,
         "refused": _refused_models(client, keys),
+        "adapters": [
+            asdict(AdapterRecord.from_json(raw))
+            for _, raw in sorted(client.hgetall(keys.loras).items())
+        ],
     }
 
 
@@ -128,8 +134,13 @@ def render(snap: dict) -> str:
                 f"    prompt tokens: {cached} from cache, {computed} computed ({share:.0f}% "
                 f"cached){', placement on' if e.get('placement') else ''}"
             )
+        if e.get("loras"):
+            out.append(f"    LoRA adapters loaded: {e['loras'].replace(',', ', ')}")
     for r in snap.get("refused", []):
         out.append(f"  REFUSED {r['model']} (worker {r.get('worker')}): {r['refused']}")
+    for a in snap.get("adapters", []):
+        owner = f", owner {a['owner']}" if a.get("owner") else ""
+        out.append(f"  ADAPTER {a['name']} on {a['base']} (rank {a['rank']}{owner}): {a['path']}")
     out.append("BATCHES IN PROGRESS")
     if not snap["batches"]:
         out.append("  (none)")

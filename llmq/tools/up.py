@@ -185,8 +185,8 @@ def start_embedded_redis() -> tuple[RedisServer, Path]:
     (in the state file, mode 0600, through which `llmq inspect` and friends find it; never in
     a command line): without one any local user could read every answer or inject work.
     Returns the running server and the state file's path."""
+    from llmq.common.embedded_redis import publish_embedded_redis
     from llmq.common.redis_server import RedisServer
-    from llmq.common.settings import publish_embedded_redis
 
     password = secrets.token_urlsafe(24)
     # AOF fsynced once a second, not at every write: each write is in the file (the page cache)
@@ -202,7 +202,7 @@ def start_embedded_redis() -> tuple[RedisServer, Path]:
 
 
 def run_up(log_level: str = "INFO") -> int:
-    from llmq.common.settings import publish_embedded_redis
+    from llmq.common.embedded_redis import publish_embedded_redis
 
     settings = get_settings()
     os.environ["LLMQ_MODEL"] = resolve_model()

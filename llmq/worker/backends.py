@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmq.common.protocol import EngineRequest, OutputMessage
 from llmq.worker.engine.embeddings import EmbeddingsScheduler
+from llmq.worker.engine.sequence import LoraRef
 from llmq.worker.request_error import RequestError
 
 if TYPE_CHECKING:  # the engine loop imports this module; torch stays out of it
@@ -75,6 +76,7 @@ class GenerationBackend:
             request.params,
             request.priority,
             output_token_ids=prior_tokens,
+            lora=LoraRef(request.lora_name, request.lora_path) if request.lora_name else None,
         )
 
     def abort(self, request_id: str) -> OutputMessage | None:
@@ -136,6 +138,7 @@ class GenerationBackend:
                 max(1, s.num_tokens - s.num_computed_tokens) for s in e.requests.values()
             ),
             "block_size": bm.block_size if bm.enable_prefix_caching else 0,
+            "loras": e.loras.names() if e.loras is not None else "",
         }
 
     def cached_block_hashes(self) -> list[int]:

@@ -58,8 +58,10 @@ def kv_pool_and_layout(
         layout = kv_layout(features.layer_windows, max_len)
         width = layout.width if layout else layers
         pool = kv_pool_size(
+            # An 8-bit cache (LLMQ_KV_CACHE_DTYPE): its codes and scales, so the same memory
+            # holds about 2x the blocks of bfloat16, 4x of float32.
             bytes_per_block=KVPool.bytes_per_block(
-                width, kv_heads, head_dim, config.block_size, dtype
+                width, kv_heads, head_dim, config.block_size, dtype, config.kv_cache_dtype
             ),
             block_size=config.block_size,
             model_limit=model_limit,

@@ -11,8 +11,9 @@ from llmq.common.model_loader import resolve_device
 from llmq.common.protocol import EngineError
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import Scheduler
-from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from llmq.worker.engine.sequence import FinishReason, LoraRef, Sequence, SequenceStatus
 from llmq.worker.kv_setup import block_manager, kv_pool_and_layout, served_features
+from llmq.worker.lora_pool import LoraPool
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.prompt_logprobs import reduce_prompt_rows
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
@@ -38,6 +39,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: sized to the batch (engine/kv_sizing.py)
+    kv_cache_dtype: str = "auto"  # int8 or fp8: 8-bit codes and scales (runner/kv_quant.py)
     max_batch_size: int = 64
     max_batch_tokens: int = 512
     max_prefill_tokens_with_decodes: int | None = None  # None: max_batch_tokens
@@ -50,6 +52,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode-only steps on CUDA replayed from captured graphs
     cpu_compile: bool = False  # decode-only steps on CPU through a torch.compile'd forward
     cpu_kernels: bool = True  # llmq's C++ kernels on CPU (decode attention, small steps)
+    max_loras: int = 8  # LoRA adapters loaded at once
+    max_lora_rank: int = 64
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -57,6 +61,7 @@ class EngineConfig:
             block_size=settings.block_size,
             num_blocks=settings.kv_blocks,
             kv_cache_memory_gb=settings.kv_cache_memory_gb,
+            kv_cache_dtype=settings.kv_cache_dtype,
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_prefill_tokens_with_decodes=settings.max_prefill_tokens_with_decodes
@@ -74,6 +79,8 @@ class EngineConfig:
             cuda_graphs=settings.cuda_graphs,
             cpu_compile=settings.cpu_compile,
             cpu_kernels=settings.cpu_kernels,
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
         )
 
 
@@ -133,6 +140,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             features=features,
             layout=self.kv_layout,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.block_manager = block_manager(
             config, num_blocks, self.kv_layout, self.runner.pool.lazily_resident
@@ -151,6 +159,7 @@ class LLMEngine:
             if tokenizer is not None
             else None
         )
+        self.loras: LoraPool | None = None  # made with the first request for an adapter
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
         self.num_steps = 0
@@ -181,9 +190,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         output_token_ids: list[int] | None = None,
+        lora: LoraRef | None = None,
     ) -> Sequence:
         """Queue a request. ``output_token_ids``: tokens it already generated elsewhere
-        (resuming after a worker died); generation continues after them."""
+        (resuming after a worker died); generation continues after them. ``lora``: the LoRA
+        adapter applied to it (loaded first where it is not)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request {request_id!r} is already running")
@@ -198,6 +209,8 @@ class LLMEngine:
             )
         if params.grammar is not None and self.constrained is None:
             raise RequestError("this worker cannot run constrained requests (no tokenizer)")
+        if lora is not None and self.loras is None:
+            self.loras = LoraPool.for_runner(self.runner, self.config)
         seq = Sequence(
             request_id,
             list(prompt_token_ids),
@@ -205,22 +218,28 @@ class LLMEngine:
             priority=priority,
             arrival=self._arrivals,
             output_token_ids=list(output_token_ids or []),
+            lora=lora,
+            hash_root=self.loras.hash_root(lora) if lora is not None else 0,
         )
         self._arrivals += 1
         self.num_requests_total += 1
         self.requests[request_id] = seq
-        if params.grammar is not None:
+        if lora is None or self.loras.add(seq):  # else it waits for its adapter
+            self._enter(seq)
+        return seq
+
+    def _enter(self, seq: Sequence) -> None:
+        if seq.params.grammar is not None:
             self.constrained.add(seq)  # it enters the scheduler once its matcher is built
         else:
             self.scheduler.add(seq)
-        return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are free when this returns."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        if self.constrained is not None and self.constrained.discard(request_id):
+        if self._discard(seq):  # it was still waiting for its adapter or its matcher
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         else:
             self.scheduler.abort(seq)
@@ -231,8 +250,9 @@ class LLMEngine:
 
     @property
     def _num_building(self) -> int:
-        """Requests waiting for their grammar's matcher."""
-        return len(self.constrained.pending) if self.constrained is not None else 0
+        """Requests waiting for their grammar's matcher or their adapter."""
+        grammars = len(self.constrained.pending) if self.constrained is not None else 0
+        return grammars + (len(self.loras.pending) if self.loras is not None else 0)
 
     @property
     def num_running(self) -> int:
@@ -244,13 +264,16 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_constrained() if self._num_building else []
+        failed = self._admit_waiting() if self._num_building else []
         out = self.scheduler.schedule()
         if not out:
             if self._num_building and not failed:
-                self.constrained.wait(GRAMMAR_WAIT_S)
+                self._wait_for_builds()
             return failed
-        logits, entries, prompt_rows = self.runner.execute(out)
+        if self.loras is not None and self.loras.resident:
+            logits, entries, prompt_rows = self.runner.execute(out, self.loras.resident)
+        else:
+            logits, entries, prompt_rows = self.runner.execute(out)
         if prompt_rows:
             reduce_prompt_rows(logits[len(entries) :], prompt_rows)
             logits = logits[: len(entries)]
@@ -284,13 +307,28 @@ class LLMEngine:
                 self._forget(u.seq)
         return outputs
 
-    def _admit_constrained(self) -> list[RequestOutput]:
-        """Hand the sequences whose matcher is ready to the scheduler; fail those whose grammar
-        could not be built."""
-        ready, failed = self.constrained.ready()
-        for seq in ready:
-            self.scheduler.add(seq)
-        return [self._fail(seq, error, "invalid_grammar", scheduled=False) for seq, error in failed]
+    def _admit_waiting(self) -> list[RequestOutput]:
+        """Move on the sequences whose adapter is loaded, hand those whose matcher is ready to
+        the scheduler; fail those whose adapter or grammar failed."""
+        outputs = []
+        if self.loras is not None and self.loras.busy:
+            ready, failed = self.loras.ready()
+            for seq in ready:
+                self._enter(seq)
+            outputs += [self._fail(s, e, "lora_load_failed", scheduled=False) for s, e in failed]
+        if self.constrained is not None and self.constrained.pending:
+            ready, failed = self.constrained.ready()
+            for seq in ready:
+                self.scheduler.add(seq)
+            outputs += [self._fail(s, e, "invalid_grammar", scheduled=False) for s, e in failed]
+        return outputs
+
+    def _wait_for_builds(self) -> None:
+        """An idle step: wait a little for a matcher or an adapter being built."""
+        if self.loras is not None and self.loras.loading:
+            self.loras.wait(GRAMMAR_WAIT_S)
+        elif self.constrained is not None and self.constrained.pending:
+            self.constrained.wait(GRAMMAR_WAIT_S)
 
     def _fail(self, seq: Sequence, error: str, code: str, scheduled: bool = True) -> RequestOutput:
         """End ``seq`` now with ``error`` (its blocks freed); the output that says so.
@@ -306,8 +344,17 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
+        self._discard(seq)
+
+    def _discard(self, seq: Sequence) -> bool:
+        """Drop ``seq`` from the matchers and as its adapter's user; whether it was still waiting
+        for either."""
+        waiting = False
+        if seq.lora is not None and self.loras is not None:
+            waiting = self.loras.release(seq)
         if self.constrained is not None:
-            self.constrained.discard(seq.request_id)
+            waiting = self.constrained.discard(seq.request_id) or waiting
+        return waiting
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; their output token ids, in order. For tests and tools."""

@@ -8,6 +8,7 @@ import socket
 import time
 
 from llmq.common.engine_status import EngineStatus
+from llmq.common.lora_adapters import AdapterError, AdapterRecord, check_adapter, parse_lora_modules
 from llmq.common.redis_clients import engine_client, keys_for
 from llmq.common.settings import Settings
 from llmq.common.transport import EngineTransport
@@ -79,6 +80,29 @@ def torch_threads(settings: Settings) -> int:
     return settings.torch_threads or torch.get_num_threads()
 
 
+def configured_adapters(
+    settings: Settings, name: str, config: dict, kind: str
+) -> tuple[AdapterRecord, ...]:
+    """LLMQ_LORA_MODULES as registry records, each checked against the model; one that
+    cannot be applied is left out with its reason logged (the others are served)."""
+    if not settings.lora_modules:
+        return ()
+    if kind != "generate":
+        log.error("LLMQ_LORA_MODULES ignored: %s is not a generation model", name)
+        return ()
+    records = []
+    created = int(time.time())
+    for lora_name, path in parse_lora_modules(settings.lora_modules):
+        try:
+            info = check_adapter(path, config, settings.max_lora_rank)
+        except AdapterError as exc:
+            log.error("LoRA adapter %s not offered: %s", lora_name, exc)
+            continue
+        records.append(AdapterRecord(lora_name, name, path, "", info.rank, created))
+        log.info("LoRA adapter %s (rank %d, %s) offered on %s", lora_name, info.rank, path, name)
+    return tuple(records)
+
+
 def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
     import torch
 
@@ -100,6 +124,7 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
         name,
         settings.request_ttl,
         placement=settings.placement and backend.kind == "generate",
+        adapters=configured_adapters(settings, name, model.config.to_dict(), backend.kind),
     )
     status = EngineStatus(
         model=name,

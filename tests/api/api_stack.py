@@ -25,6 +25,7 @@ from tests.harness import (
     heartbeat,
     start_api,
     start_worker,
+    stop_all,
     wait_for,
     wait_worker,
 )
@@ -106,9 +107,7 @@ def stack(model: Path, logs: Path, worker_name: str, worker_settings: dict, api_
             wait_worker(server.url, worker_name, worker)
             yield s
         finally:
-            for proc, _ in s.apis.values():
-                proc.terminate()
-            worker.terminate()
+            stop_all([worker, *(proc for proc, _ in s.apis.values())])
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""Fixtures of the API tests: a shared stack (Redis, worker, API) per module, and the
-in-process reference engine."""
+"""Fixtures of the API tests: stacks (Redis, worker, API) shared by the package's modules, and
+the in-process reference engine. A worker's start (its model loaded, its kernels readied) is
+the slowest part of most modules: the modules that neither change a worker's settings nor
+leave it changed share one, kept until the package's last test."""
 
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("api-logs")
 
 
-@pytest.fixture(scope="module")
-def main(llama_dir, logs):
-    """The shared Redis, worker and API (queue limit 50)."""
+@pytest.fixture(scope="package")
+def main(llama_dir, tmp_path_factory):
+    """The shared Redis, worker and API (queue limit 50) of the test model: tests that stop
+    the worker (SIGSTOP) let it go on before they end; those that need other API settings
+    start an API of their own on it (``Stack.api``)."""
+    logs = tmp_path_factory.mktemp("main-logs")
     # A long heartbeat TTL: the 429 test stops this worker (SIGSTOP) for a moment.
     with stack(llama_dir, logs, "w-api", dict(heartbeat_ttl=15), dict(max_queue=50)) as s:
         yield s
@@ -37,18 +42,18 @@ def small(llama_dir, logs):
         yield s
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tools_stack(llama_dir, tmp_path_factory):
     """A Redis, a worker of the test model with a chat template that renders tools, and an API
-    that requires TOOLS_KEY: shared by the API surfaces' modules (Messages, Ollama), which
-    neither stop the worker nor change its settings."""
+    that requires TOOLS_KEY: shared by the API surfaces' modules (Messages, Ollama, Responses,
+    tool calls), which neither stop the worker nor change its settings."""
     model = with_tools_template(llama_dir, tmp_path_factory.mktemp("tools-model") / "llama")
     logs = tmp_path_factory.mktemp("tools-logs")
     with stack(model, logs, "w-tools-shared", {}, {"api_key": TOOLS_KEY}) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ref(llama_dir) -> Reference:
     """The in-process engine in float32, as the worker runs in tests."""
     tok = load_tokenizer(str(llama_dir))

@@ -12,11 +12,9 @@ naming the feature, and `llmq inspect` shows the refusal.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from llmq.common.model_factory import make_model
 from llmq.common.model_loader import load_causal_lm, load_tokenizer
 from llmq.common.redis_server import RedisServer
 from tests.api.api_stack import aclient, assert_error
-from tests.harness import LLMQ, Proc, base_env, start_api, start_worker, wait_worker
+from tests.harness import LLMQ, base_env, start_api, start_worker, stop_all, wait_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -91,17 +89,6 @@ def archs(models, logs):
             yield server.url, base, workers
         finally:
             stop_all([*workers.values(), *([api] if api is not None else [])])
-
-
-def stop_all(procs: list[Proc]) -> None:
-    """SIGTERM to every process first, then wait for each: their warm shutdowns overlap."""
-    for proc in procs:
-        if proc.alive():
-            proc.proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.proc.wait(30)
-        proc.terminate()  # closes its log; kills it if it is still running
 
 
 async def _complete_at_once(base: str, model: str, batch: list[list[int]]) -> list[str]:

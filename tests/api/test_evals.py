@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from llmq.common.model_loader import load_tokenizer
-from tests.api.api_stack import MESSAGES, PROMPT, assert_error, stack
+from tests.api.api_stack import MESSAGES, PROMPT, assert_error
 
 TOL = 1e-4
 TASK = "llmq_tiny_mc"
@@ -28,10 +28,9 @@ DOCS = [
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("evals-logs")
-    with stack(llama_dir, logs, "w-evals", {}, {}) as s:
-        yield s
+def served(main):
+    """The package's shared stack of the test model."""
+    return main
 
 
 def test_tokenize_detokenize_and_tokenizer_info(served, llama_dir):

@@ -13,9 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmq.common.redis_server import RedisServer
-from tests.harness import start_api, start_worker
-
 PROMPT = "Tell me about queues"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
@@ -29,16 +26,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("playground-logs")
-    with RedisServer() as server:
-        worker = start_worker(server.url, llama_dir, "w-play", logs)
-        api, base = start_api(server.url, llama_dir, logs, "api-play")
-        try:
-            yield base
-        finally:
-            api.terminate()
-            worker.terminate()
+def served(main):
+    """The base URL of the package's shared stack of the test model."""
+    return main.base
 
 
 def test_playground_streams_a_chat_in_chromium(served, tmp_path):

@@ -15,16 +15,15 @@ import torch
 from llmq.common.generation.logprobs import token_text
 from llmq.common.model_loader import load_causal_lm, load_tokenizer
 from llmq.common.transport import Keys
-from tests.api.api_stack import MESSAGES, PROMPT, PROMPT2, assert_error, stack
+from tests.api.api_stack import MESSAGES, PROMPT, PROMPT2, assert_error
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("prompt-logprobs-logs")
-    with stack(llama_dir, logs, "w-plp", {}, {}) as s:
-        yield s
+def served(main):
+    """The package's shared stack of the test model."""
+    return main
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,6 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmq.common.redis_server import RedisServer
-from tests.harness import start_api, start_worker, wait_worker
-from tests.tool_model import with_tools_template
-
 KEY, OTHER_KEY = "sk-responses-a", "sk-responses-b"
 WEATHER_SCHEMA = {
     "type": "object",
@@ -60,18 +56,12 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory) -> Served:
-    model = with_tools_template(llama_dir, tmp_path_factory.mktemp("responses-model") / "llama")
-    logs = tmp_path_factory.mktemp("responses-logs")
-    with RedisServer() as server:
-        worker = start_worker(server.url, model, "w-responses", logs, wait=False)
-        api, url = start_api(server.url, model, logs, "api-responses", api_key=f"{KEY},{OTHER_KEY}")
-        try:
-            wait_worker(server.url, "w-responses", worker)
-            yield Served(url, str(model))
-        finally:
-            api.terminate()
-            worker.terminate()
+def served(tools_stack) -> Served:
+    """The shared tools-model stack's worker, behind an API of its own that knows two
+    tenants' keys."""
+    url = tools_stack.api("responses", api_key=f"{KEY},{OTHER_KEY}")
+    yield Served(url, tools_stack.model)
+    tools_stack.apis.pop("responses")[0].terminate()
 
 
 def test_create_answers_the_chat_routes_greedy_text(served):

@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 from openai.lib._pydantic import to_strict_json_schema
 
-from llmq.common.redis_server import RedisServer
-from tests.harness import start_api, start_worker, wait_for, wait_worker
+from tests.harness import wait_for
 from tests.structured_schemas import MODELS, Event
 
 MESSAGES = [{"role": "user", "content": "Describe the thing as JSON."}]
@@ -26,18 +24,9 @@ LARK = 'start: "(" num ("," num)* ")"\nnum: /[1-9][0-9]?/'
 
 
 @pytest.fixture(scope="module")
-def base(llama_dir, tmp_path_factory) -> str:
-    """One Redis, one worker and one API; the API's base URL."""
-    logs: Path = tmp_path_factory.mktemp("structured-logs")
-    with RedisServer() as server:
-        worker = start_worker(server.url, llama_dir, "w-so", logs, wait=False)
-        api, url = start_api(server.url, llama_dir, logs, "api-so")
-        try:
-            wait_worker(server.url, "w-so", worker)
-            yield url
-        finally:
-            api.terminate()
-            worker.terminate()
+def base(main) -> str:
+    """The base URL of the package's shared stack of the test model."""
+    return main.base
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from llmq.common.redis_server import RedisServer
-from tests.harness import start_api, start_worker, wait_worker
-from tests.tool_model import with_tools_template
+from tests.api.conftest import TOOLS_KEY
 
 WEATHER = {
     "type": "function",
@@ -52,36 +49,25 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def tools_model(llama_dir, tmp_path_factory) -> Path:
-    """The test model with a chat template that renders tools."""
-    return with_tools_template(llama_dir, tmp_path_factory.mktemp("tools-model") / "llama")
-
-
 @dataclass(frozen=True)
 class Served:
     url: str
     model: str
+    headers = {"Authorization": f"Bearer {TOOLS_KEY}"}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=TOOLS_KEY, max_retries=0, timeout=120
+        )
 
     def create(self, **kwargs):
-        client = openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120
-        )
-        return client.chat.completions.create(model=self.model, **kwargs)
+        return self.client().chat.completions.create(model=self.model, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def base(tools_model, tmp_path_factory) -> Served:
-    logs = tmp_path_factory.mktemp("tool-logs")
-    with RedisServer() as server:
-        worker = start_worker(server.url, tools_model, "w-tools", logs, wait=False)
-        api, url = start_api(server.url, tools_model, logs, "api-tools")
-        try:
-            wait_worker(server.url, "w-tools", worker)
-            yield Served(url, str(tools_model))
-        finally:
-            api.terminate()
-            worker.terminate()
+def base(tools_stack) -> Served:
+    """The shared tools-model stack (its API requires TOOLS_KEY)."""
+    return Served(tools_stack.base, tools_stack.model)
 
 
 def valid_call(name: str, arguments: str) -> dict:
@@ -236,7 +222,8 @@ def test_tool_requests_refused_with_400(base):
     history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [bad_args]}]
     cases.append(({"messages": history}, "messages.1.tool_calls.0.function.arguments"))
     for extra, param in cases:
-        r = httpx.post(url, json={"messages": MESSAGES, "model": base.model, **extra}, timeout=60)
+        body = {"messages": MESSAGES, "model": base.model, **extra}
+        r = httpx.post(url, json=body, headers=base.headers, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
 
@@ -318,7 +305,7 @@ def _assembled_events(events) -> tuple[list[tuple[str, str, str]], str]:
 def test_responses_cut_calls_are_the_same_streamed_and_whole(base):
     """The same on the Responses API (greedy: it takes no seed): function_call items, the last
     one incomplete with its arguments so far (or an empty message, cut before a call's name)."""
-    client = openai.OpenAI(base_url=f"{base.url}/v1", api_key="none", max_retries=0)
+    client = base.client()
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     cut_calls = 0
     for limit in (20, 33, 45):
@@ -345,6 +332,6 @@ def test_responses_cut_calls_are_the_same_streamed_and_whole(base):
 def test_reasoning_effort_refused_by_a_template_without_the_knob(base):
     """This template reads no reasoning_effort: a 400 naming it, never dropped silently."""
     body = {"messages": MESSAGES, "model": base.model, "reasoning_effort": "low"}
-    r = httpx.post(f"{base.url}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{base.url}/v1/chat/completions", json=body, headers=base.headers, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "reasoning_effort", r.text

@@ -12,7 +12,7 @@ import httpx
 from llmq.common.redis_server import RedisServer
 from llmq.common.transport import Keys
 from tests.faults.stack import complete, completion, greedy_texts
-from tests.harness import start_api, start_worker
+from tests.harness import start_api, start_worker, wait_worker
 from tests.redis_cluster import RedisClusterNodes
 
 PROMPTS = [[5 + i, 17, 33, 2 + 3 * i] for i in range(6)]
@@ -27,11 +27,15 @@ def test_two_models_through_two_replicas_on_a_cluster_equal_one_node(
     with RedisClusterNodes(tmp_path / "cluster") as cluster, RedisServer() as broker:
         common = dict(celery_broker_url=broker.url)
         procs = [
-            start_worker(cluster.url, m, f"w{i}", tmp_path, **common) for i, m in enumerate(models)
+            start_worker(cluster.url, m, f"w{i}", tmp_path, wait=False, **common)
+            for i, m in enumerate(models)
         ]
+        # The APIs start while the workers load, side by side.
         apis = [start_api(cluster.url, models[0], tmp_path, f"api{i}", **common) for i in (0, 1)]
-        procs += [proc for proc, _ in apis]
+        workers, procs = procs, procs + [proc for proc, _ in apis]
         try:
+            for i, proc in enumerate(workers):
+                wait_worker(cluster.url, f"w{i}", proc)
 
             async def ask_all() -> dict[tuple[str, int, int, bool], str]:
                 bodies = [

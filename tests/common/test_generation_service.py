@@ -18,7 +18,7 @@ from llmq.common.protocol import PRIORITY_BATCH
 from llmq.common.redis_server import RedisServer
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport, Keys
-from tests.harness import start_api, start_worker
+from tests.harness import start_api, start_worker, wait_worker
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -30,9 +30,10 @@ def served(llama_dir, tmp_path_factory):
     """Redis, one worker and one API process on the tiny Llama."""
     logs = tmp_path_factory.mktemp("service-logs")
     with RedisServer() as server:
-        worker = start_worker(server.url, llama_dir, "w-service", logs)
-        api, base = start_api(server.url, llama_dir, logs, "api-service")
+        worker = start_worker(server.url, llama_dir, "w-service", logs, wait=False)
+        api, base = start_api(server.url, llama_dir, logs, "api-service")  # as it loads
         try:
+            wait_worker(server.url, "w-service", worker)
             yield server.url, base, str(llama_dir)
         finally:
             api.terminate()

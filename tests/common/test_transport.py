@@ -17,7 +17,7 @@ from llmq.common.model_loader import load_tokenizer
 from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
-from tests.harness import LLMQ, heartbeat, recorded_tokens, start_worker, wait_for
+from tests.harness import LLMQ, heartbeat, recorded_tokens, start_worker, start_workers, wait_for
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 
 
@@ -364,8 +364,7 @@ def test_a_worker_stopped_warm_hands_its_request_over_at_once(llama_dir, referen
     expected = reference(batch, 1800)
     with RedisServer() as server:
         settings = dict(heartbeat_ttl=5, shutdown_grace=0.3)
-        workers = {name: start_worker(server.url, llama_dir, name, tmp_path, **settings)
-                   for name in ("wa", "wb")}  # fmt: skip
+        workers = start_workers(server.url, llama_dir, ("wa", "wb"), tmp_path, **settings)
         client = redis.Redis.from_url(server.url)
 
         async def run():

@@ -19,7 +19,7 @@ from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from tests.harness import Proc, heartbeat, start_api, start_worker
+from tests.harness import Proc, heartbeat, start_api, start_worker, stop_all, wait_worker
 
 
 @dataclass
@@ -53,17 +53,23 @@ def served(
 ) -> Iterator[Served]:
     """Redis (no persistence: `--save "" --appendonly no`), a worker and an API on it."""
     with RedisServer(extra_args=redis_args) as server:
-        w = start_worker(server.url, model, name, logs, **(worker or {}))
-        try:
+        settings = worker or {}
+        w = start_worker(server.url, model, name, logs, wait=False, **settings)
+        try:  # the API starts while the worker loads
             proc, base = start_api(server.url, model, logs, f"api-{name}", **(api or {}))
         except BaseException:
             w.terminate()
             raise
         try:
-            yield Served(server, w, name, proc, base, str(model))
-        finally:
+            wait_worker(server.url, name, w, settings.get("key_prefix", "llmq"))
+        except BaseException:
             proc.terminate()
             w.terminate()
+            raise
+        try:
+            yield Served(server, w, name, proc, base, str(model))
+        finally:
+            stop_all([proc, w])
 
 
 @dataclass

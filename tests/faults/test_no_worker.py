@@ -18,7 +18,14 @@ import redis
 
 from llmq.common.redis_server import RedisServer
 from llmq.common.transport import GROUP, Keys
-from tests.harness import heartbeat, recorded_tokens, start_api, start_worker, wait_for
+from tests.harness import (
+    heartbeat,
+    recorded_tokens,
+    start_api,
+    start_worker,
+    wait_for,
+    wait_worker,
+)
 
 TTL = 2.0  # the worker's heartbeat TTL: how long a dead worker still looks alive
 BOUND = TTL + 3.0  # every request of the dead worker's model ends within this of the kill
@@ -52,13 +59,14 @@ def setup(llama_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("no-worker")
     with RedisServer() as server:
         worker = start_worker(
-            server.url, llama_dir, "w-only", logs, heartbeat_ttl=TTL, max_batch_size=2
+            server.url, llama_dir, "w-only", logs, wait=False, heartbeat_ttl=TTL, max_batch_size=2
         )
-        apis = [
+        apis = [  # started while the worker loads
             start_api(server.url, llama_dir, logs, "api-fast", inactivity_timeout=60),
             start_api(server.url, llama_dir, logs, "api-patient", no_worker_grace=60),
         ]
         try:
+            wait_worker(server.url, "w-only", worker)
             yield Setup(server.url, str(llama_dir), logs, apis[0][1], apis[1][1]), worker
         finally:
             for proc, _ in apis:

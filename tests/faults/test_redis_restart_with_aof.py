@@ -66,7 +66,7 @@ def test_requests_right_after_a_redis_restart_succeed(llama_dir, tmp_path):
     """The API's pooled connections die with a Redis restart; the first requests after it
     retry on fresh ones instead of answering 503."""
     with RedisServer(appendonly=True) as server:
-        worker = start_worker(server.url, llama_dir, "w-rr", tmp_path)
+        worker = start_worker(server.url, llama_dir, "w-rr", tmp_path, wait=False)
         api, base = start_api(server.url, llama_dir, tmp_path, "api-rr")
         try:
             wait_worker(server.url, "w-rr", worker)

@@ -15,7 +15,11 @@ import psutil
 import pytest
 import redis
 
-from llmq.common.settings import _embedded_redis_file, embedded_redis_url, publish_embedded_redis
+from llmq.common.embedded_redis import (
+    _embedded_redis_file,
+    embedded_redis_url,
+    publish_embedded_redis,
+)
 from llmq.tools.up import start_embedded_redis
 from tests.harness import LLMQ
 

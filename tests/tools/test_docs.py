@@ -1,4 +1,4 @@
-"""The README and docker/compose.yaml say what the code does."""
+"""The README, the configuration page and docker/compose.yaml say what the code does."""
 
 from __future__ import annotations
 
@@ -9,15 +9,20 @@ import pytest
 import yaml
 
 from llmq.cli import build_parser
-from llmq.tools.settings_doc import BEGIN, END, settings_table
+from llmq.tools.settings_doc import BEGIN, END, PAGE, settings_table, undocumented
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_settings_table_is_generated_from_settings():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert section == settings_table(), "run: python -m llmq.tools.settings_doc --write README.md"
+def test_configuration_page_is_generated_from_settings():
+    page = (ROOT / PAGE).read_text()
+    section = page.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert section == settings_table(), "run: python -m llmq.tools.settings_doc --write"
+
+
+def test_every_setting_has_its_description():
+    """A setting added without a description would reach the page as an empty row."""
+    assert undocumented() == [], "give each of these a Field(description=...)"
 
 
 def test_readme_shows_the_two_commands():

@@ -15,7 +15,15 @@ import redis
 from llmq.common.block_hashes import prompt_hashes
 from llmq.common.redis_server import RedisServer
 from llmq.common.transport import GROUP, Keys
-from tests.harness import Proc, heartbeat, start_api, start_worker, wait_for, wait_worker
+from tests.harness import (
+    Proc,
+    heartbeat,
+    start_api,
+    start_worker,
+    stop_all,
+    wait_for,
+    wait_worker,
+)
 
 WORDS = ["red", "green", "blue", "amber", "violet", "cyan", "ochre", "umber", "teal", "olive"]
 SETTINGS = dict(heartbeat_ttl=2, torch_threads=1, inactivity_timeout=60, kv_blocks=512)
@@ -29,10 +37,16 @@ class Fleet:
         self.keys = Keys()
 
     def start(self, *names: str) -> None:
+        self.launch(*names)
+        self.wait(*names)
+
+    def launch(self, *names: str) -> None:
         for name in names:  # side by side: each loads while the others do
             self.workers[name] = start_worker(
                 self.server.url, self.model, name, self.logs, wait=False, **SETTINGS
             )
+
+    def wait(self, *names: str) -> None:
         for name in names:
             wait_worker(self.server.url, name, self.workers[name])
 
@@ -54,14 +68,12 @@ def fleet(llama_dir, tmp_path_factory):
     with RedisServer() as server:
         f = Fleet(server, llama_dir, logs)
         try:
-            f.start("w1", "w2")
-            f.api, f.base = start_api(server.url, llama_dir, logs, **SETTINGS)
+            f.launch("w1", "w2")
+            f.api, f.base = start_api(server.url, llama_dir, logs, **SETTINGS)  # as they load
+            f.wait("w1", "w2")
             yield f
         finally:
-            for proc in f.workers.values():
-                proc.terminate()
-            if hasattr(f, "api"):
-                f.api.terminate()
+            stop_all([*f.workers.values(), getattr(f, "api", None)])
 
 
 def system_prompt(i: int, words: int = 60) -> str:

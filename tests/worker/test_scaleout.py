@@ -29,7 +29,9 @@ from tests.harness import (
     recorded_tokens,
     request_ids,
     start_worker,
+    stop_all,
     wait_for,
+    wait_worker,
 )
 
 PROMPTS = [f"Tell me about item {i} of the list, please." for i in range(8)]
@@ -181,10 +183,12 @@ def test_two_models_on_one_redis(llama_dir, qwen2_dir, tmp_path):
     assert expected[llama_dir] != expected[qwen2_dir]
     with RedisServer() as server:
         settings = dict(heartbeat_ttl=2)
-        wl = start_worker(server.url, llama_dir, "w-llama", tmp_path, **settings)
-        wq = start_worker(server.url, qwen2_dir, "w-qwen", tmp_path, **settings)
+        wl = start_worker(server.url, llama_dir, "w-llama", tmp_path, wait=False, **settings)
+        wq = start_worker(server.url, qwen2_dir, "w-qwen", tmp_path, wait=False, **settings)
         api, url = start_api(server.url, llama_dir, tmp_path, request_timeout=20)
         try:
+            for name, proc in (("w-llama", wl), ("w-qwen", wq)):  # loaded side by side
+                wait_worker(server.url, name, proc)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             listed = {m.id for m in client.models.list().data}
             assert listed == {str(llama_dir), str(qwen2_dir)}
@@ -224,9 +228,8 @@ def test_two_models_on_one_redis(llama_dir, qwen2_dir, tmp_path):
                     model="never-served", messages=[{"role": "user", "content": "hi"}], max_tokens=4
                 )
         finally:
-            api.terminate()
-            wl.terminate()
             wq.kill()
+            stop_all([api, wl])
 
 
 # ---- 3. two API replicas --------------------------------------------------------------------
@@ -235,8 +238,8 @@ def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path)
         # torch's ops, not llmq's C++ kernels: with those the tiny model makes its long
         # requests (1,500 tokens) in under the second a heartbeat takes to show them running.
         worker = start_worker(
-            server.url, llama_dir, "w-rep", tmp_path, heartbeat_ttl=60, max_batch_size=1,
-            cpu_kernels=False,
+            server.url, llama_dir, "w-rep", tmp_path, wait=False, heartbeat_ttl=60,
+            max_batch_size=1, cpu_kernels=False,
         )  # fmt: skip
         limit = 10
         a, url_a = start_api(server.url, llama_dir, tmp_path, max_queue=limit)
@@ -244,6 +247,7 @@ def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path)
         r = redis.Redis.from_url(server.url)
         stream = Keys().requests(str(llama_dir))
         try:
+            wait_worker(server.url, "w-rep", worker)  # loaded while the APIs started
             # A stream opened on replica A and dropped by its client frees its blocks.
             body = {
                 "model": str(llama_dir),
@@ -314,34 +318,35 @@ def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path)
             assert codes.count(0) == limit, codes
             assert queued == limit
         finally:
-            a.terminate()
-            b.terminate()
-            worker.terminate()
+            stop_all([a, b, worker])
 
 
 # ---- 4. a worker that joins late --------------------------------------------------------------
+BACKLOG = 8  # requests kept waiting in the stream until the late worker takes one
+
+
 def test_three_workers_one_joining_late(llama_dir, tmp_path):
     with RedisServer() as server:
         # One sequence per worker, and a backlog kept up until the late worker takes work.
         settings = dict(max_batch_size=1, torch_threads=1)
-        w1 = start_worker(server.url, llama_dir, "w1", tmp_path, **settings)
-        w2 = start_worker(server.url, llama_dir, "w2", tmp_path, **settings)
+        w1 = start_worker(server.url, llama_dir, "w1", tmp_path, wait=False, **settings)
+        w2 = start_worker(server.url, llama_dir, "w2", tmp_path, wait=False, **settings)
         api, url = start_api(server.url, llama_dir, tmp_path)
-        r = redis.Redis.from_url(server.url)
-        stream = Keys().requests(str(llama_dir))
-
+        for name, proc in (("w1", w1), ("w2", w2)):  # loaded side by side
+            wait_worker(server.url, name, proc)
+        r, stream = redis.Redis.from_url(server.url), Keys().requests(str(llama_dir))
         body = {"model": str(llama_dir), "prompt": "x", "max_tokens": 300, "ignore_eos": True}
 
         async def feed(http: httpx.AsyncClient, took: asyncio.Event) -> list[httpx.Response]:
-            """Keep at least 30 requests waiting in the stream until w3 takes work: however
-            fast w1 and w2 go, the backlog outlasts w3's start."""
+            """BACKLOG requests waiting beside the two running until w3 takes work: it outlasts
+            w3's start however fast w1 and w2 go, and little is left to finish after."""
             sent: list[asyncio.Task] = []
             while not took.is_set():
-                if await asyncio.to_thread(r.xlen, stream) < 30:
-                    sent += [
-                        asyncio.create_task(http.post(f"{url}/v1/completions", json=body))
-                        for _ in range(10)
-                    ]
+                short = BACKLOG + 2 - sum(not t.done() for t in sent)
+                sent += [
+                    asyncio.create_task(http.post(f"{url}/v1/completions", json=body))
+                    for _ in range(short)
+                ]
                 await asyncio.sleep(0.05)
             return list(await asyncio.gather(*sent))
 
@@ -351,7 +356,7 @@ def test_three_workers_one_joining_late(llama_dir, tmp_path):
                 feeding = asyncio.create_task(feed(http, took_work))
                 try:
                     await asyncio.to_thread(
-                        wait_for, lambda: r.xlen(stream) >= 30, 30, "a backlog", 0.05
+                        wait_for, lambda: r.xlen(stream) >= BACKLOG, 30, "a backlog", 0.05
                     )
                     w3 = await asyncio.to_thread(
                         start_worker, server.url, llama_dir, "w3", tmp_path, wait=False, **settings
@@ -380,7 +385,7 @@ def test_three_workers_one_joining_late(llama_dir, tmp_path):
 
         codes, delay, w3 = asyncio.run(scenario())
         try:
-            assert len(codes) >= 30 and set(codes) == {200}
+            assert len(codes) >= BACKLOG + 2 and set(codes) == {200}
             # The heartbeat refreshes once a second, so this bounds "took work within a second".
             assert delay < 2.0, f"w3 took {delay:.2f}s to take work"
             counts = {
@@ -388,5 +393,4 @@ def test_three_workers_one_joining_late(llama_dir, tmp_path):
             }
             assert all(c > 0 for c in counts.values()), counts
         finally:
-            for p in (api, w1, w2, w3):
-                p.terminate()
+            stop_all([api, w1, w2, w3])

@@ -1,10 +1,12 @@
-"""The models of /v1/models: what live workers serve, one card per model."""
+"""The models of /v1/models: what live workers serve, one card per model, and one per LoRA
+adapter of a served model (``parent``: its base)."""
 
 from __future__ import annotations
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import ModelNotFound
 from llmq.common.generation.responses import ModelCard, ModelList
+from llmq.common.lora_adapters import AdapterRecord
 
 
 def model_card(e: EngineStatus) -> ModelCard:
@@ -18,8 +20,11 @@ def model_card(e: EngineStatus) -> ModelCard:
     )
 
 
-def live_models(engines: list[EngineStatus]) -> dict[str, ModelCard]:
-    """A card per served model; created when its first live worker started."""
+def live_models(
+    engines: list[EngineStatus], adapters: dict[str, AdapterRecord] | None = None
+) -> dict[str, ModelCard]:
+    """A card per served model, created when its first live worker started; then a card per
+    adapter whose base is served."""
     models: dict[str, ModelCard] = {}
     for e in engines:
         card = models.get(e.model)
@@ -27,16 +32,31 @@ def live_models(engines: list[EngineStatus]) -> dict[str, ModelCard]:
             models[e.model] = model_card(e)
         else:
             card.created = min(card.created, int(e.started))
+    for a in (adapters or {}).values():
+        base = models.get(a.base)
+        if base is not None and base.kind == "generate" and a.name not in models:
+            models[a.name] = ModelCard(
+                id=a.name,
+                created=a.created or base.created,
+                root=a.path,
+                parent=a.base,
+                max_model_len=base.max_model_len,
+                kind=base.kind,
+            )
     return models
 
 
-def model_list(engines: list[EngineStatus]) -> ModelList:
-    models = live_models(engines)
+def model_list(
+    engines: list[EngineStatus], adapters: dict[str, AdapterRecord] | None = None
+) -> ModelList:
+    models = live_models(engines, adapters)
     return ModelList(data=sorted(models.values(), key=lambda m: m.id))
 
 
-def find_model(engines: list[EngineStatus], model_id: str) -> ModelCard:
-    models = live_models(engines)
+def find_model(
+    engines: list[EngineStatus], model_id: str, adapters: dict[str, AdapterRecord] | None = None
+) -> ModelCard:
+    models = live_models(engines, adapters)
     if model_id not in models:
         raise ModelNotFound(f"the model {model_id!r} is not served right now", "model")
     return models[model_id]

@@ -67,7 +67,7 @@ class SamplingFields(BaseModel):
         description="Token id (as a string) -> bias in [-100, 100] added to its logit before "
         "sampling; -100 bans a token, 100 all but forces it.",
     )
-    # vLLM's options (documented in the README), out of the OpenAPI schema: a generated
+    # vLLM's options (documented in docs/api/chat.md), out of the OpenAPI schema: a generated
     # request of OpenAI's fields should not trip over their cross-field rules.
     include_stop_str_in_output: SkipJsonSchema[bool] = Field(
         False, description="End the text with the stop string that stopped it (vLLM's option)."

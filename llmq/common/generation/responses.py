@@ -219,7 +219,7 @@ class EmbeddingList(WireModel):
 
 # ---- models ----------------------------------------------------------------------------------
 class ModelCard(WireModel):
-    omit_if_none = frozenset({"random_weights"})
+    omit_if_none = frozenset({"random_weights", "parent"})
 
     id: str
     object: str = "model"
@@ -229,6 +229,7 @@ class ModelCard(WireModel):
     max_model_len: int
     kind: str
     random_weights: bool | None = None  # only for a demo model's random weights
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(WireModel):

@@ -165,10 +165,11 @@ class GenerationService:
         return tokenization.tokenizer_info(pipeline, engine)
 
     async def models(self) -> ModelList:
-        return model_list(await self.registry.engines())
+        return model_list(await self.registry.engines(), await self.registry.adapters())
 
     async def model(self, model_id: str) -> ModelCard:
-        return find_model(await self.registry.engines(), model_id)
+        engines = await self.registry.engines()
+        return find_model(engines, model_id, await self.registry.adapters())
 
     async def answer(
         self, endpoint: str, body: dict, options: SubmitOptions

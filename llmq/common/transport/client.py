@@ -11,6 +11,7 @@ import logging
 import redis.asyncio as aioredis
 
 from llmq.common.engine_status import EngineStatus
+from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.protocol import EngineRequest
 from llmq.common.transport.keys import CANCEL_SCRIPT, ENQUEUE_SCRIPT, GROUP, Keys, as_text
 from llmq.common.transport.output_log import merge
@@ -159,6 +160,18 @@ class AsyncTransport:
         """Every model a worker has ever served, with where its weights come from."""
         raw = await self.r.hgetall(self.keys.models)
         return {as_text(k): json.loads(v) for k, v in raw.items()}
+
+    async def adapters(self) -> dict[str, AdapterRecord]:
+        """Every LoRA adapter offered, by name."""
+        raw = await self.r.hgetall(self.keys.loras)
+        return {as_text(k): AdapterRecord.from_json(v) for k, v in raw.items()}
+
+    async def add_adapter(self, record: AdapterRecord) -> bool:
+        """Offer an adapter; False when one of that name is offered already."""
+        return bool(await self.r.hsetnx(self.keys.loras, record.name, record.to_json()))
+
+    async def remove_adapter(self, name: str) -> bool:
+        return bool(await self.r.hdel(self.keys.loras, name))
 
     async def engines(self) -> list[EngineStatus]:
         """The live engines' heartbeats, from the registry of workers (a SCAN of the keyspace

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import redis
 
 from llmq.common.engine_status import EngineStatus
+from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.protocol import EngineError, EngineRequest, OutputMessage
 from llmq.common.transport.engine_placement import PlacementSide
 from llmq.common.transport.entries import (
@@ -62,7 +63,11 @@ class EngineTransport(PlacementSide):
         model: str,
         request_ttl: int,
         placement: bool = False,
+        adapters: tuple[AdapterRecord, ...] = (),
     ):
+        """``adapters``: the LoRA adapters configured on this worker (LLMQ_LORA_MODULES),
+        offered in the registry at each setup."""
+        self.adapters = adapters
         self.r = client
         self.keys = keys.for_model(model)
         self.worker = worker
@@ -91,6 +96,8 @@ class EngineTransport(PlacementSide):
                 "max_model_len": status.max_model_len,
             }
             self.r.hset(self.keys.models, self.model, json.dumps(model_info))
+        for record in self.adapters:
+            self.r.hset(self.keys.loras, record.name, record.to_json())
         self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self._pubsub.subscribe(self.keys.cancel)
 

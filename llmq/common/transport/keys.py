@@ -33,6 +33,8 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
                                    the API reads live engines from, instead of a SCAN)
 - ``{p}:dead``                     stream: requests delivered too often, with the reason
 - ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
+- ``{p}:loras``                    hash: every LoRA adapter offered -> JSON base model, folder,
+                                   owner (``common/lora_adapters.AdapterRecord``)
 - ``{p}:files:{id}``, ``{p}:files:{id}:content``, ``{p}:files:expiry``
                                    OpenAI Batch API files: object hash (with its ``owner``),
                                    content as a list of pieces of at most 1 MiB (both with a
@@ -191,6 +193,11 @@ class Keys:
 
     def tenant_bytes(self, owner: str) -> str:
         return f"{self._g}:tenants:{owner}:bytes"
+
+    @property
+    def loras(self) -> str:
+        """Hash: LoRA adapter name -> AdapterRecord JSON (its base model, folder, owner)."""
+        return f"{self._g}:loras"
 
     @property
     def models(self) -> str:

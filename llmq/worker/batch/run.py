@@ -19,6 +19,7 @@ from llmq.common.batch_checkpoint import LineCheckpoint
 from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import get_settings
 from llmq.common.store import FINAL_STATES, Store
+from llmq.common.tenants import current_owner
 from llmq.worker.batch.executor import open_executor
 from llmq.worker.batch.feed import run_lines
 from llmq.worker.batch.finalize import finalize
@@ -103,6 +104,8 @@ class BatchRun:
         if batch["status"] in FINAL_STATES:
             return {"batch": self.batch_id, "status": batch["status"]}
         self.expires_at = batch["expires_at"]
+        # Its lines see what its tenant owns (LoRA adapters), as that tenant's requests do.
+        current_owner.set(await store.batch_owner(self.batch_id))
         if self._expired():
             await self._finalize(batch, "expired", ("validating", "in_progress", "finalizing"))
             return self._result(await store.get_batch(self.batch_id))

@@ -89,8 +89,11 @@ class BlockManager:
 
     # ---- hashing -------------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        """Hash chain of the sequence's first ``num_full_blocks`` blocks, memoized on it."""
-        return chain_hashes(seq.token_ids, self.block_size, num_full_blocks, seq.block_hashes)
+        """Hash chain of the sequence's first ``num_full_blocks`` blocks, memoized on it; chained
+        from its adapter's root, so that no block is shared across adapters."""
+        return chain_hashes(
+            seq.token_ids, self.block_size, num_full_blocks, seq.block_hashes, root=seq.hash_root
+        )
 
     # ---- allocation ----------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

@@ -14,6 +14,15 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A LoRA adapter as a request names it: its name, and the PEFT folder it is read from. The
+    same name with another folder is another adapter."""
+
+    name: str
+    path: str
+
+
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -43,6 +52,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache
     finish_reason: FinishReason | None = None
+    lora: LoraRef | None = None  # the adapter applied to it; None: the base model
+    hash_root: int = 0  # the parent of its first block's hash (its adapter's; 0: the base's)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)

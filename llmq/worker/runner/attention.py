@@ -12,7 +12,9 @@ one on CPU). They run in a few chunks of similar context length (:class:`DecodeC
 padded only to its own longest sequence, so a batch of mixed lengths gathers little padding.
 Prefill chunks use SDPA per sequence. On a CPU with a C++ compiler, llmq's kernel
 (``kernels/paged_decode.cpp``) attends the decodes instead, reading keys and values from the
-pool in place (:class:`DecodeTables`).
+pool in place (:class:`DecodeTables`). The pool (``kv_pool.py``) may hold 8-bit codes
+(LLMQ_KV_CACHE_DTYPE): its ``write`` quantizes, its reads dequantize, and the kernel's 8-bit
+variant (``kernels/paged_decode_q8.cpp``) dequantizes as it loads each key and value.
 
 Everything that depends only on the step (block tables, masks, chunking) is built once per step
 by the model runner; each layer only gathers, multiplies and writes, into reused buffers.
@@ -20,110 +22,15 @@ by the model runner; each layer only gathers, multiplies and writes, into reused
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from llmq.worker.runner.kv_pool import KVPool
+
 ATTN_IMPLEMENTATION = "llmq_paged"
-
-
-def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
-    """A zeroed CPU tensor whose pages become resident only when written: anonymous memory
-    from the kernel reads as zeros untouched, where ``torch.zeros`` writes every page. A pool
-    sized for a full batch of long sequences then costs the memory of the tokens it holds
-    (the SmolLM2-135M shape's 1.41 GiB pool: about 0 MiB of RSS at start, not 1.41 GiB)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)  # not shmem: plain anonymous
-    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-    return flat.view(dtype).view(shape), mapping
-
-
-class KVPool:
-    """Per-layer key and value caches, laid out [kv_heads, slots, head_dim] (``k``, ``v``: views
-    of one ``kv`` tensor) so a gather of whole blocks along the slot axis lands contiguous,
-    batch-major, ready for batched matmuls."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        layer_slots: list[int] | None = None,
-    ):
-        """``layer_slots``: per model layer, the storage slot of its keys and values in a block
-        (a model with sliding windows, ``engine/kv_groups.py``: a block holds one KV group's
-        layers); None: a block holds every layer's."""
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        # Keys and values of a layer side by side, [2 * kv_heads, slots, head_dim], so that one
-        # gather fetches both. Zeroed: masked-out slots are multiplied by zero probabilities,
-        # and 0 * NaN is NaN.
-        slots = num_layers if layer_slots is None else max(layer_slots) + 1
-        shape = (slots, 2 * num_kv_heads, num_blocks * block_size, head_dim)
-        self._mapping: mmap.mmap | None = None
-        if torch.device(device).type == "cpu":
-            self.kv, self._mapping = _zero_pages(shape, dtype)
-        else:
-            self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = self.kv[:, :num_kv_heads]  # [layers, kv_heads, slots, head_dim] views
-        self.v = self.kv[:, num_kv_heads:]
-        # Per layer, viewed as whole blocks of one head: [2 * kv_heads * blocks, block_size *
-        # head_dim]. A gather along dim 0 of this flat view (block ids offset per head) runs
-        # 2x faster on CPU than one along the blocks axis of [2 * kv_heads, blocks, ...].
-        self.kv_blocks = [kv.view(2 * num_kv_heads * num_blocks, -1) for kv in self.kv]
-        self.head_offsets = torch.arange(2 * num_kv_heads, device=device).mul_(num_blocks)[:, None]
-        self._gather = torch.empty(0, dtype=dtype, device=device)
-        self.storage = self.kv
-        if layer_slots is not None:  # indexed by model layer, as the plain pool's views are
-            self.kv = [self.storage[s] for s in layer_slots]
-            self.k = [self.storage[s, :num_kv_heads] for s in layer_slots]
-            self.v = [self.storage[s, num_kv_heads:] for s in layer_slots]
-            self.kv_blocks = [self.kv_blocks[s] for s in layer_slots]
-
-    @property
-    def lazily_resident(self) -> bool:
-        """Whether the pool's pages become resident only as they are written (the CPU)."""
-        return self._mapping is not None
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block: every layer's keys and values, or one KV group's."""
-        return self.storage[:, :, : self.block_size].nbytes
-
-    @staticmethod
-    def bytes_per_block(
-        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-    ) -> int:
-        return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.itemsize
-
-    def gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reusable buffers for ``num_blocks`` gathered blocks of keys and of values, each
-        [kv_heads, num_blocks, block_size * head_dim] (grown, never shrunk)."""
-        kv = self.gather_buffer(num_blocks)
-        return kv[: self.num_kv_heads], kv[self.num_kv_heads :]
-
-    def gather_buffer(self, num_blocks: int) -> torch.Tensor:
-        """A reusable [2 * kv_heads, num_blocks, block_size * head_dim] buffer: keys then
-        values, as a gather from ``kv_blocks`` lays them out."""
-        numel = 2 * self.num_kv_heads * num_blocks * self.block_size * self.head_dim
-        if self._gather.numel() < numel:
-            # Grown with headroom, so a batch whose contexts creep up does not reallocate (and
-            # page-fault a fresh buffer) every few steps.
-            self._gather = torch.empty(
-                numel + numel // 4, dtype=self.storage.dtype, device=self.storage.device
-            )
-        shape = (2 * self.num_kv_heads, num_blocks, self.block_size * self.head_dim)
-        return self._gather[:numel].view(shape)
 
 
 @dataclass(slots=True)
@@ -207,9 +114,8 @@ def paged_attention(
         )
     pool = step.pool
     layer = module.layer_idx
-    k_cache, v_cache = pool.k[layer], pool.v[layer]  # [Hkv, slots, D]
-    k_cache.index_copy_(1, step.slot_mapping, key[0])
-    v_cache.index_copy_(1, step.slot_mapping, value[0])
+    # As the pool holds them (an 8-bit pool: dequantized), for a fresh prompt's attention.
+    stored_k, stored_v = pool.write(layer, step.slot_mapping, key[0], value[0])
 
     _, num_heads, num_tokens, head_dim = query.shape
     out = query.new_empty(num_tokens, num_heads, head_dim)
@@ -221,11 +127,10 @@ def paged_attention(
         s, n = chunk.q_start, chunk.q_len
         q = query[:, :, s : s + n]
         if chunk.mask is None:
-            k = key[:, :, s : s + n]
-            v = value[:, :, s : s + n]
+            k = stored_k[None, :, s : s + n]
+            v = stored_v[None, :, s : s + n]
         else:
-            k = gather_context(k_cache, pool, chunk)
-            v = gather_context(v_cache, pool, chunk)
+            k, v = pool.context(layer, chunk.block_ids, chunk.ctx_len)
         attn = F.scaled_dot_product_attention(
             q,
             k,
@@ -288,16 +193,13 @@ def kernel_decodes(
     ``decode_tables``). ``features``: a layer's window, softcap and sinks (0, 0.0, None: none;
     ``attention_features``); a plain layer passes none."""
     b, pool, tables = step.num_decodes, step.pool, step.decode_tables
-    torch.ops.llmq.paged_decode_attention(
-        out[:b],
-        query[0, :, :b].transpose(0, 1),
-        pool.kv[layer],
-        tables.block_tables,
-        tables.context_lens,
-        pool.block_size,
-        scale,
-        *features,
-    )
+    kv, scales = pool.kernel_cache(layer)
+    args = (tables.block_tables, tables.context_lens, pool.block_size, scale, *features)
+    query = query[0, :, :b].transpose(0, 1)
+    if scales is None:
+        torch.ops.llmq.paged_decode_attention(out[:b], query, kv, *args)
+    else:  # 8-bit codes, dequantized as the kernel loads them (kernels/paged_decode_q8.cpp)
+        torch.ops.llmq.paged_decode_attention_q8(out[:b], query, kv, scales, *args)
 
 
 def _decode_chunk(
@@ -323,9 +225,8 @@ def gather_decode_chunk(
     ctx = chunk.num_blocks * pool.block_size
     # [Hkv * n, G, D], contiguous (one copy out of the packed row)
     q = q_all[:, :, s:e].transpose(1, 2).reshape(num_kv_heads * n, group, head_dim)
-    kv = pool.gather_buffer(n * chunk.num_blocks)
     ids = (pool.head_offsets + chunk.block_ids).view(-1)  # the blocks of every head, in turn
-    torch.index_select(pool.kv_blocks[layer], 0, ids, out=kv.view(ids.shape[0], -1))
+    kv = pool.gather_blocks(layer, ids, n * chunk.num_blocks)
     return q, kv.view(2, num_kv_heads * n, ctx, head_dim)
 
 
@@ -351,13 +252,6 @@ def attend_gathered(
     # In the model's dtype: on CPU a reduced-precision softmax accumulates in float32 inside.
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs, kv[1])
-
-
-def gather_context(cache: torch.Tensor, pool: KVPool, chunk: PrefillChunk) -> torch.Tensor:
-    num_kv_heads, _, head_dim = cache.shape
-    blocks = cache.view(num_kv_heads, pool.num_blocks, pool.block_size, head_dim)
-    gathered = blocks.index_select(1, chunk.block_ids).view(num_kv_heads, -1, head_dim)
-    return gathered[:, : chunk.ctx_len].unsqueeze(0)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -16,7 +16,9 @@ as the models' own eager attention computes it (float32 greedy output equals ``g
   MLA's compressed latent instead is the memory optimisation left.
 
 Decodes go to llmq's C++ kernel where the runner turned it on (``decode_tables`` set): it takes
-the window, the softcap and the sinks itself and reads the pool at its one width, as here.
+the window, the softcap and the sinks itself and reads the pool at its one width, as here. An
+8-bit pool (``kv_quant``) serves all of these: the padded zeros quantize to zeros, and every
+read (kernel, gathered decodes, prefill contexts) sees the dequantized keys and values.
 Layers that ask none of these (and models without any) never come here: ``paged_attention``
 keeps its own path, so a plain model's step does no extra work.
 """
@@ -31,7 +33,6 @@ from llmq.worker.runner.attention import (
     KVPool,
     PrefillChunk,
     StepMetadata,
-    gather_context,
     gather_decode_chunk,
     kernel_decodes,
     scatter_decode_chunk,
@@ -65,8 +66,7 @@ def featured_attention(
         query = F.pad(query, (0, width - query.shape[-1]))
     if value_dim < width:
         value = F.pad(value, (0, width - value_dim))
-    pool.k[layer].index_copy_(1, step.slot_mapping, key[0])
-    pool.v[layer].index_copy_(1, step.slot_mapping, value[0])
+    pool.write(layer, step.slot_mapping, key[0], value[0])
     window = step_window(step, window)
     num_heads, num_tokens = query.shape[1], query.shape[2]
     out = query.new_empty(num_tokens, num_heads, width)
@@ -80,8 +80,7 @@ def featured_attention(
             _decode_chunk(chunk, q_all, out, pool, layer, scale, window, softcap, sinks)
     for chunk in step.prefills:
         s, n = chunk.q_start, chunk.q_len
-        k = gather_context(pool.k[layer], pool, chunk)
-        v = gather_context(pool.v[layer], pool, chunk)
+        k, v = pool.context(layer, chunk.block_ids, chunk.ctx_len)
         mask = _prefill_mask(chunk, window)
         attn = _attend(query[:, :, s : s + n], k, v, mask, scale, softcap, sinks)
         out[s : s + n] = attn[0].transpose(0, 1)

@@ -16,6 +16,9 @@ Each layer's attention gets what the model's own forward would pass it (its scal
 window, softcap) through the same paged attention (``attention.paged_attention``, and
 ``attention_features`` for windows and softcaps). Models it does not know keep transformers'
 forward with the paged attention registered through ``AttentionInterface``.
+
+LoRA adapters (``lora_linear``) wrap the projections once the first one is loaded; a step with
+any adapter row runs the Python layer loop below, steps without keep their paths.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from llmq.worker.runner import decoder_cpp_step
 from llmq.worker.runner.attention import StepMetadata, paged_attention
 from llmq.worker.runner.decoder_families import LLAMA_LIKE, family, supports
 from llmq.worker.runner.decoder_layers import DecoderLayer, build_layers, own_memory, rms_norm
+from llmq.worker.runner.lora_linear import LoraState
 from llmq.worker.runner.moe_install import install_moe
 from llmq.worker.runner.packed_linear import (
     Layout,
@@ -144,6 +148,7 @@ class DecoderForward:
         self.layers = build_layers(list(layers), self.family, layout, fused)
         self.small_step_ops = False  # set by the runner where the C++ ops are loaded
         self._cpp_weights: list[torch.Tensor] | None = None  # step_layers' weights, in order
+        self.loras: LoraState | None = None  # set where LoRA adapters are served
         # step_layers takes one scale, epsilon, activation and set of widths for all layers.
         self._uniform_layers = decoder_cpp_step.serves_model(self.layers)
         # The shortest sliding window of any layer (inf: none); a step whose longest context
@@ -231,8 +236,10 @@ class DecoderForward:
             and not self._softcapped
             and not windows_hide
             and step.layer_steps is None  # one block table for every layer
+            and not step.pool.quantized  # it writes the cache in the model's dtype
             and (step.decode_tables is not None or not step.num_decodes)
             and self._cpp_ops()
+            and (self.loras is None or self.loras.step is None)  # adapters: the Python loop
         )
 
     def _step_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:

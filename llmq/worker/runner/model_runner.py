@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 
 from llmq.worker.engine.kv_groups import KVLayout
 from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
+from llmq.worker.engine.sequence import LoraRef
 from llmq.worker.runner import cpu_kernels, group_steps
 from llmq.worker.runner.attention import (
     ATTN_IMPLEMENTATION,
@@ -30,6 +31,8 @@ from llmq.worker.runner.attention import (
 )
 from llmq.worker.runner.decode_cuts import best_cuts
 from llmq.worker.runner.decoder_forward import build_forward, compiles, supports, take_attached
+from llmq.worker.runner.lora_linear import step_adapters
+from llmq.worker.runner.lora_weights import AdapterWeights
 from llmq.worker.runner.malloc_tuning import tune_malloc
 from llmq.worker.runner.model_support import ModelFeatures, model_dims, pool_dims
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
@@ -66,6 +69,7 @@ class ModelRunner:
         max_model_len: int = 2048,
         features: ModelFeatures | None = None,
         layout: KVLayout | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """``features``: what the model's attention needs (``model_support.inspect_model``);
         None: nothing beyond causal softmax attention. ``layout``: KV groups (sliding windows)."""
@@ -81,6 +85,9 @@ class ModelRunner:
             tune_malloc()
         # Graphs and the compiled step attend as for a plain model: none where it asks more.
         plain = fast_forward and supports(model) and not self.featured and layout is None
+        # They write the cache in the model's dtype: none over an 8-bit one (kv_quant.py).
+        plain = plain and kv_cache_dtype == "auto"
+        self.kv_cache_dtype = kv_cache_dtype
         use_graphs = cuda_graphs and self.device.type == "cuda" and plain
         use_compile = cpu_compile and self.device.type == "cpu" and plain and compiles(model)
         # One extra block that no sequence owns: graphs pad their batches into it, and tokens
@@ -90,16 +97,7 @@ class ModelRunner:
         # This changes the config in place: never share it with a reference model.
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         kernels = use_kernels and self.device.type == "cpu" and cpu_kernels.load()
-        self.forward = take_attached(model) or build_forward(
-            model, fast_forward, pack_weights, kernels
-        )
-        log.info(
-            "model runner: %s forward%s",
-            "llmq's lean decoder" if self.forward is not None else "transformers'",
-            f", weights packed ({self.forward.layout})"
-            if self.forward is not None and self.forward.packed
-            else "",
-        )
+        self._build_forward(fast_forward, pack_weights, kernels)
         self.graphs = None
         if use_graphs:
             from llmq.worker.runner.cuda_graphs import DecodeGraphs
@@ -112,11 +110,27 @@ class ModelRunner:
         self._arange = torch.arange(0, device=self.device)
         self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
 
+    def _build_forward(self, fast_forward: bool, pack_weights: bool, kernels: bool) -> None:
+        """llmq's forward (or None: transformers'), built here unless one was built ahead."""
+        model = self.model
+        self.forward = take_attached(model) or build_forward(
+            model, fast_forward, pack_weights, kernels
+        )
+        log.info(
+            "model runner: %s forward%s",
+            "llmq's lean decoder" if self.forward is not None else "transformers'",
+            f", weights packed ({self.forward.layout})"
+            if self.forward is not None and self.forward.packed
+            else "",
+        )
+
     def _make_pool(self, num_blocks: int, features: ModelFeatures | None) -> KVPool:
         """The KV pool: a block holds every layer's keys and values, or one KV group's."""
         dims = pool_dims(self.model.config, features)
         slots = self.layout.layer_slots() if self.layout else None
-        return KVPool(*dims, num_blocks, self.block_size, self.dtype, self.device, slots)
+        return KVPool(
+            *dims, num_blocks, self.block_size, self.dtype, self.device, slots, self.kv_cache_dtype
+        )
 
     def _take_features(self, features: ModelFeatures, max_model_len: int) -> None:
         self.features = features
@@ -154,11 +168,21 @@ class ModelRunner:
         return self._arange[:n]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[PromptRows]]:
+    def execute(
+        self, out: SchedulerOutput, adapters: Mapping[LoraRef, AdapterWeights] | None = None
+    ) -> tuple[torch.Tensor, list[int], list[PromptRows]]:
         """Run one step. Returns float32 logits, one row per sampling entry, then the rows of
         the prompts that want prompt logprobs; the indices of the sampling entries in
-        ``out.scheduled``; and those prompts' rows, in order."""
-        batch = pack_step(out.scheduled, self.block_size, self.scratch_slot)
+        ``out.scheduled``; and those prompts' rows, in order. ``adapters``: the loaded LoRA
+        adapters, for the sequences that name one (a step with any runs the Python loop)."""
+        # The decode kernel reads the decodes in any order: those of one adapter together.
+        batch = pack_step(out.scheduled, self.block_size, self.scratch_slot, self.decode_kernel)
+        lora = None
+        if adapters:
+            lora = step_adapters(batch, adapters, self.forward.loras.slots)
+        if lora is not None:
+            with self.forward.loras.applying(lora):
+                return self._run_packed(batch)
         tables = [item.seq.block_table for item in batch.decodes]
         if self._fits_graphs(batch):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, tables)
@@ -167,6 +191,9 @@ class ModelRunner:
             with self._threads_for(len(batch.input_ids)):
                 logits = self.compiled.run(batch.input_ids, batch.positions, batch.slots, tables)
             return logits.float(), batch.sampled_entries, []
+        return self._run_packed(batch)
+
+    def _run_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, list[int], list[PromptRows]]:
         meta = self._step_metadata(batch)
         keep_rows = torch.tensor(batch.keep, dtype=torch.long, device=self.device)
         with self._threads_for(len(batch.input_ids)):

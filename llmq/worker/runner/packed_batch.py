@@ -36,10 +36,15 @@ class PromptRows:
 
 
 def pack_step(
-    scheduled: list[ScheduledSequence], block_size: int, scratch_slot: int
+    scheduled: list[ScheduledSequence],
+    block_size: int,
+    scratch_slot: int,
+    group_adapters: bool = False,
 ) -> PackedBatch:
     """All new tokens of the step in one row: the decodes first, by context length (so that
     chunks of similar length are contiguous rows), then the prefill chunks in order.
+    ``group_adapters`` (where the decodes' order does not matter to the attention): the decodes
+    of one LoRA adapter contiguous, so that its rows are one slice of every projection.
 
     A token whose block is registered in the prefix cache (the last token of a sequence found
     in the cache whole, run again for its logits) has its KV there already: it is written to
@@ -48,7 +53,10 @@ def pack_step(
     prefills: list[int] = []
     for i, item in enumerate(scheduled):
         (decodes if item.num_new_tokens == 1 else prefills).append(i)
-    decodes.sort(key=lambda i: scheduled[i].start)
+    if group_adapters and any(scheduled[i].seq.lora is not None for i in decodes):
+        decodes.sort(key=lambda i: (_adapter_key(scheduled[i].seq), scheduled[i].start))
+    else:
+        decodes.sort(key=lambda i: scheduled[i].start)
     batch = PackedBatch()
     bs = block_size
     for row, i in enumerate(decodes):
@@ -74,6 +82,11 @@ def pack_step(
             batch.sampled_entries.append(i)
     batch.keep.extend(batch._prompt_keep)
     return batch
+
+
+def _adapter_key(seq: Sequence) -> tuple[str, str]:
+    lora = seq.lora
+    return ("", "") if lora is None else (lora.name, lora.path)
 
 
 def _keep_prompt_rows(batch: PackedBatch, item: ScheduledSequence, row: int) -> None:

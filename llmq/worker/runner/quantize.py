@@ -37,8 +37,8 @@ from llmq.worker.runner.quantized_linear import (
 
 log = logging.getLogger(__name__)
 
-Scheme = Literal["int8", "int4", "gguf"]
-SCHEMES: tuple[Scheme, ...] = ("int8", "int4", "gguf")
+Scheme = Literal["int8", "int4", "gguf", "checkpoint"]
+SCHEMES: tuple[Scheme, ...] = ("int8", "int4", "gguf", "checkpoint")
 ROLES = ("qkv", "o", "gate_up", "down", "head", "embed")
 # bits(layer index, layer count, role) -> 4 or 8 (layer index -1: head and embedding)
 BitsPlan = Callable[[int, int, str], int]
@@ -134,6 +134,10 @@ def _quantizer(forward, scheme: str | BitsPlan):
         from llmq.worker.runner.gguf_weights import GGUFQuantizer
 
         return GGUFQuantizer(forward)
+    if scheme == "checkpoint":
+        from llmq.worker.runner.checkpoint_weights import CheckpointQuantizer
+
+        return CheckpointQuantizer(forward)
     return _Quantizer(PLANS[scheme] if isinstance(scheme, str) else scheme, count)
 
 
@@ -141,7 +145,9 @@ def quantize_forward(forward, scheme: str | BitsPlan) -> None:
     """Replace the projections, head and embedding of ``forward`` (a ``DecoderForward`` built
     with plain, unpacked weights) by quantized ones, and free their float weights. A mixture of
     experts' MLP keeps its float experts. ``scheme``: int8, int4, a bits plan, or gguf (the
-    model's GGUF file's own blocks where a kernel takes them)."""
+    model's GGUF file's own blocks where a kernel takes them), or checkpoint (a quantized
+    checkpoint's own weights where a kernel takes them; a quantizer's None keeps a weight
+    float)."""
     if forward.layout != "plain":
         raise ValueError("quantize a forward built with plain (unpacked) weights")
     device = forward.inner.embed_tokens.weight.device
@@ -155,8 +161,10 @@ def quantize_forward(forward, scheme: str | BitsPlan) -> None:
             owners += [(layer.mlp, "gate_up_proj", "gate_up"), (layer.mlp, "down_proj", "down")]
         for owner, attr, role in owners:
             plain = getattr(owner, attr)
-            replaced.append(plain)
-            setattr(owner, attr, quantizer.linear(index, role, plain))
+            quantized = quantizer.linear(index, role, plain)
+            if quantized is not None:
+                replaced.append(plain)
+                setattr(owner, attr, quantized)
     _release(forward.model, _plain_storages(replaced))
     _quantize_head_and_embedding(forward, quantizer)
     forward.layout = scheme if isinstance(scheme, str) else "int4"
@@ -173,28 +181,35 @@ def _quantize_head_and_embedding(forward, quantizer) -> None:
     dtype = embedding.weight.dtype
     head = model.lm_head
     tied = head.weight.data_ptr() == embedding.weight.data_ptr()
-    forward.lm_head = quantizer.linear(-1, "head", forward.lm_head)
+    quantized = quantizer.linear(-1, "head", forward.lm_head)
     table = embedding.weight.detach()
-    if tied and isinstance(forward.lm_head, Int8Linear):
+    if tied and isinstance(quantized, Int8Linear):
         # One 8-bit table: the head's rows are the embedding's (the padding is K's: none here).
-        weight = Int8Weight(forward.lm_head.q[:, : table.shape[1]], forward.lm_head.scale)
+        weight = Int8Weight(quantized.q[:, : table.shape[1]], quantized.scale)
     else:
         weight = quantizer.embedding(table)
-    inner.embed_tokens = QuantizedEmbedding(weight, dtype, getattr(embedding, "embed_scale", None))
-    head.weight.data = head.weight.new_empty(0)
-    embedding.weight.data = embedding.weight.new_empty(0)
+    if quantized is not None:
+        forward.lm_head = quantized
+        if not tied or weight is not None:  # tied, a float embedding still reads it
+            head.weight.data = head.weight.new_empty(0)
+    if weight is not None:  # a float head keeps its own reference to the table
+        scale = getattr(embedding, "embed_scale", None)
+        inner.embed_tokens = QuantizedEmbedding(weight, dtype, scale)
+        embedding.weight.data = embedding.weight.new_empty(0)
 
 
 def quantized_bytes(forward) -> int:
     """Bytes of the quantized weights (projections, head, embedding table)."""
-    total = forward.lm_head.nbytes()
+    head = forward.lm_head
+    total = head.nbytes() if hasattr(head, "nbytes") else 0
     for layer in forward.layers:
         mlp = layer.mlp
         for p in (layer.qkv_proj, layer.o_proj, *(getattr(mlp, a, None) for a in _DENSE)):
             total += p.nbytes() if hasattr(p, "nbytes") else 0
     table = forward.inner.embed_tokens
+    if not isinstance(table, QuantizedEmbedding):  # kept float
+        return total
     if table.int8 is not None:
-        head = forward.lm_head
         if not (isinstance(head, Int8Linear) and table.int8.q.data_ptr() == head.q.data_ptr()):
             total += table.int8.q.nbytes + table.int8.scale.nbytes
     else:

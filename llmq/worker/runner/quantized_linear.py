@@ -2,8 +2,9 @@
 
 - ``Int8Linear``: W8A16, int8 weights with one symmetric scale per output channel, on
   ``aten._weight_int8pack_mm``.
-- ``Int4Linear``: W4A16, 4-bit weights in groups of 32 input columns, one scale and one zero
-  per group and output channel (``w = (q - 8) * scale + zero``, q in 0..15), on
+- ``Int4Linear``: W4A16, 4-bit weights in groups of 32 input columns (64, 128 or 256 for a
+  quantized checkpoint's), one scale and one zero per group and output channel
+  (``w = (q - 8) * scale + zero``, q in 0..15), on
   ``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``.
 
 Both kernels have vectorized (AVX2 / AVX-512) paths for bfloat16 activations only: float32
@@ -55,12 +56,15 @@ class Int8Weight:
 
 @dataclass(slots=True)
 class Int4Weight:
-    """``weight ~= (q - 8) * scale + zero`` per group of ``GROUP`` input columns: q [N, K] in
-    0..15 (int32 here, packed by ``Int4Linear``), scale and zero [N, K / GROUP] (bfloat16)."""
+    """``weight ~= (q - 8) * scale + zero`` per group of ``group`` input columns (32, 64, 128 or
+    256: the kernel's): q [N, K] in 0..15 (int32 here, packed by ``Int4Linear``), scale and zero
+    [N, K / group] (bfloat16 for the kernel; a checkpoint's float32 ones are rounded to it by
+    ``Int4Linear``)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    group: int = GROUP
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
@@ -79,7 +83,7 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        q = self.q.float().view(n, k // GROUP, GROUP)
+        q = self.q.float().view(n, k // self.group, self.group)
         w = (q - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
         return w.view(n, k)
 
@@ -94,7 +98,7 @@ class Int8Linear:
         self.out_features, self.in_features = n, k
         self.pad = _round_up(k, _INT8_K_MULTIPLE) - k
         self.q = F.pad(weight.q, (0, self.pad)) if self.pad else weight.q
-        self.scale = weight.scale
+        self.scale = weight.scale.to(ACTIVATIONS)
         self.bias = bias
 
     @property
@@ -129,7 +133,8 @@ class Int4Linear:
             scale, zero = F.pad(scale, (0, 0, 0, rows)), F.pad(zero, (0, 0, 0, rows))
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
         # The kernel's layout: [K / group, N, 2], scale then zero.
-        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).contiguous()
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACTIVATIONS)
+        self.group = weight.group
         self.bias = bias
 
     @property
@@ -139,7 +144,9 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         a = x.to(ACTIVATIONS).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, GROUP, self.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            a, self.packed, self.group, self.scales_and_zeros
+        )
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
         y = y.to(dtype)

@@ -194,6 +194,8 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
   TORCH_CHECK(
       kv.dim() == 4 && kv.size(0) >= layers && kv.size(1) == 2 * kv_heads && kv.is_contiguous(),
       "step_layers: pool [layers, 2 * kv_heads, slots, head_dim]");
+  TORCH_CHECK(kv.scalar_type() == h_in.scalar_type(),
+              "step_layers: a pool in the model's dtype (not an 8-bit one)");
   TORCH_CHECK(
       slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == h_in.size(0),
       "step_layers: one int64 slot a token");

@@ -1,0 +1,170 @@
+"""The loaded adapters' weights stacked per fused projection, one slot each, and one step's
+deltas computed from them.
+
+Per fused projection one A of [layers, slots, parts x rank, in] (each part's A in its own block
+of rows) and one B of [layers, slots, out, parts x rank] (each part's B in its block of the
+diagonal), zero past an adapter's rank, off the diagonal, and for a part it does not target.
+A step runs every adapter of a projection in two batched matmuls: the rows of each adapter
+gathered into its slot (padded to the largest group with zero rows), ``bmm`` with A, ``bmm``
+with B, times each slot's scale, added back to the rows. A few ops per projection whatever the
+number of adapters, where a matmul per adapter cost two each: on the SmolLM2-135M shape, 32
+decodes over 8 adapters of rank 16 (float32, 2 cores), one qkv projection's deltas took 140 us
+batched against 270-420 us adapter by adapter. One block-diagonal B rather than one per part,
+though its zeros are read: B per part measured 1.3-1.7x slower (more ops, strided slices). A
+step whose groups are very unequal (a long prefill chunk beside decodes) would pad too much:
+its deltas are added run by run instead.
+
+On CPU the slots hold float32 whatever the model's dtype: bfloat16 matmuls this small ran 5-15x
+slower than float32 on an AVX2 host (no bfloat16 in hardware), and the deltas are a small part
+of a step's arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmq.worker.runner.lora_weights import PARTS, AdapterWeights, BaseShape
+
+# Batched deltas while padding adds at most this share of rows (plus a few): beyond, run by run.
+MAX_PADDING = 2.0
+
+
+class LoraSlots:
+    def __init__(self, shape: BaseShape, num_slots: int, dtype: torch.dtype, device):
+        self.num_layers = shape.num_layers
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.device = device
+        self.widths = shape.widths  # part -> (out, in)
+        # fused projection -> its parts' (first output column, width) in its output
+        self.columns: dict[str, list[tuple[int, int]]] = {}
+        for fused, parts in PARTS.items():
+            if all(p in shape.widths for p in parts):
+                starts = [sum(shape.widths[q][0] for q in parts[:i]) for i in range(len(parts))]
+                self.columns[fused] = [
+                    (c, shape.widths[p][0]) for c, p in zip(starts, parts, strict=True)
+                ]
+        self.a: dict[str, torch.Tensor] = {}  # allocated as adapters first target each
+        self.b: dict[str, torch.Tensor] = {}
+        self.rank: dict[str, int] = {}  # each part's room in the slots
+        self.scales = torch.zeros(num_slots, dtype=dtype, device=device)
+        self.scale_of = [0.0] * num_slots
+
+    def put(self, slot: int, adapter: AdapterWeights) -> None:
+        """Write ``adapter`` into ``slot`` (over whatever was there); its own tensors are then
+        released (the slot holds them)."""
+        for fused, parts in PARTS.items():
+            if fused not in self.columns:
+                continue
+            targeted = any(p in layer for layer in adapter.layers for p in parts)
+            if fused not in self.a and not targeted:
+                continue
+            if targeted and adapter.rank > self.rank.get(fused, 0):
+                self._grow(fused, adapter.rank)
+            room = self.rank[fused]
+            self.a[fused][:, slot].zero_()
+            self.b[fused][:, slot].zero_()
+            for i, (part, (col, width)) in enumerate(zip(parts, self.columns[fused], strict=True)):
+                for layer, deltas in enumerate(adapter.layers):
+                    d = deltas.get(part)
+                    if d is not None:
+                        rows = slice(i * room, i * room + d.a.shape[0])
+                        self.a[fused][layer, slot, rows] = d.a
+                        self.b[fused][layer, slot, col : col + width, rows] = d.b
+        self.scales[slot] = adapter.scale
+        self.scale_of[slot] = adapter.scale
+        adapter.slot = slot
+        adapter.layers = []
+
+    def _grow(self, fused: str, rank: int) -> None:
+        """Room for ``rank`` per part in every slot of ``fused``, the slots' weights kept."""
+        parts = PARTS[fused]
+        k = self.widths[parts[0]][1]
+        lead = (self.num_layers, self.num_slots)
+        new = dict(dtype=self.dtype, device=self.device)
+        n = sum(self.widths[p][0] for p in parts)
+        a = torch.zeros(*lead, len(parts) * rank, k, **new)
+        b = torch.zeros(*lead, n, len(parts) * rank, **new)
+        old = self.rank.get(fused, 0)
+        for i in range(len(parts) if old else 0):
+            a[:, :, i * rank : i * rank + old] = self.a[fused][:, :, i * old : (i + 1) * old]
+            b[..., i * rank : i * rank + old] = self.b[fused][..., i * old : (i + 1) * old]
+        self.a[fused], self.b[fused], self.rank[fused] = a, b, rank
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+
+
+class StepAdapters:
+    """One step's adapters: ``groups`` are (slot, its rows in increasing order); rows without
+    adapter are in none."""
+
+    def __init__(self, groups: list[tuple[int, list[int]]], slots: LoraSlots, num_rows: int):
+        self.slots = slots
+        runs = [(slot, lo, hi) for slot, rows in groups for lo, hi in _runs(rows)]
+        self.runs = runs
+        self.count = max(slot for slot, _ in groups) + 1  # slots [0, count) take part
+        self.width = max(len(rows) for _, rows in groups)  # rows per slot, padded
+        total = sum(len(rows) for _, rows in groups)
+        padded = self.count * self.width
+        self.batched = len(runs) > 1 and padded <= MAX_PADDING * total + 16
+        if not self.batched:
+            return
+        device = slots.device
+        src, valid = [0] * padded, [0.0] * padded
+        for slot, rows in groups:
+            for j, row in enumerate(rows):
+                src[slot * self.width + j] = row
+                valid[slot * self.width + j] = 1.0
+        # Every row in its slot's place already (one adapter a run, in slot order): views.
+        self.identity = padded == num_rows and src == list(range(num_rows)) and all(valid)
+        self.src = torch.tensor(src, dtype=torch.long, device=device)
+        self.mask = None
+        if not all(valid):  # padding rows zeroed: their deltas are zero
+            self.mask = torch.tensor(valid, dtype=slots.dtype, device=device).unsqueeze(1)
+
+    def add_deltas(self, x: torch.Tensor, y: torch.Tensor, layer: int, fused: str) -> torch.Tensor:
+        """``y`` (the base projection of ``x``) with each adapter's delta added to its rows."""
+        slots = self.slots
+        a = slots.a.get(fused)
+        if a is None:  # no loaded adapter targets this projection
+            return y
+        a, b = a[layer], slots.b[fused][layer]
+        if self.batched:
+            return self._batched(x, y, a, b)
+        for slot, lo, hi in self.runs:
+            xa = torch.mm(x[lo:hi].to(a.dtype), a[slot].t())
+            y[lo:hi] += (torch.mm(xa, b[slot].t()) * slots.scale_of[slot]).to(y.dtype)
+        return y
+
+    def _batched(self, x, y, a, b) -> torch.Tensor:
+        count, width = self.count, self.width
+        xg = x if self.identity else x.index_select(0, self.src)
+        xg = xg.to(a.dtype)
+        if self.mask is not None:
+            xg = xg * self.mask
+        # Not through oneDNN: float32 bmm of 8 slots x 4 rows, rank 48 -> 960 outputs took 20 ms
+        # there on 2 threads (every call), 70 us in torch's own batched gemm.
+        mkldnn = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            xa = torch.bmm(xg.view(count, width, -1), a[:count].transpose(1, 2))
+            d = torch.bmm(xa, b[:count].transpose(1, 2))
+        finally:
+            torch._C._set_mkldnn_enabled(mkldnn)
+        d *= self.slots.scales[:count].view(count, 1, 1)
+        d = d.view(count * width, -1).to(y.dtype)
+        return y.add_(d) if self.identity else y.index_add_(0, self.src, d)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Increasing ``rows`` as runs of consecutive rows, [lo, hi) each."""
+    runs = []
+    lo = prev = rows[0]
+    for row in rows[1:]:
+        if row != prev + 1:
+            runs.append((lo, prev + 1))
+            lo = row
+        prev = row
+    runs.append((lo, prev + 1))
+    return runs
