@@ -174,7 +174,7 @@ class LLMEngine:
             "max_model_len %d, batch %d seqs / %d tokens",
             self.num_blocks,
             config.block_size,
-            self.runner.pool.storage.nbytes / 2**30,
+            self.runner.pool.nbytes / 2**30,
             "resident as it is used" if self.runner.pool.lazily_resident else "resident",
             pool_reason,
             self.max_model_len,
