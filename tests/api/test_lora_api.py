@@ -127,8 +127,12 @@ def test_adapters_and_the_base_in_one_batch_each_equal_their_reference(lora_stac
     outs = asyncio.run(all_of())
     for (model, i), out in zip(jobs, outs, strict=True):
         assert out == references[None if model == base else model][i], (model, i)
-    hb = lora_stack.heartbeat()
-    assert set(hb["loras"].split(",")) == {"sql", "chat"}
+
+    # The heartbeat shows both once it is written after their loads (once a second).
+    def loaded() -> set[str]:
+        return set(lora_stack.heartbeat()["loras"].split(","))
+
+    wait_for(lambda: loaded() == {"sql", "chat"}, 10, "both adapters in the heartbeat")
 
 
 def test_an_adapter_never_shares_the_base_models_cached_prefix(lora_stack):
