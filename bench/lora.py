@@ -38,8 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 from engine_paths import ensure_model, log, make_prompts  # noqa: E402  (bench/, beside this file)
 
+from tests.lora_model import ALL_TARGETS as TARGETS  # noqa: E402
+from tests.lora_model import randomize_lora  # noqa: E402
+
 TARGET_RATIO = 0.8
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,10 +76,7 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int, targets: li
     model = get_peft_model(base, config)
     gen = torch.Generator().manual_seed(0)
     for folder in folders:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        randomize_lora(model, gen, std=0.02)
         model.save_pretrained(folder)
     return folders
 

@@ -39,10 +39,14 @@ def make_adapter(
         **config,
     )
     model = get_peft_model(base, lora)
-    gen = torch.Generator().manual_seed(seed)
+    randomize_lora(model, torch.Generator().manual_seed(seed), std=0.2)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def randomize_lora(model: torch.nn.Module, gen: torch.Generator, std: float) -> None:
+    """Every LoRA A and B of a PEFT model drawn anew from N(0, std^2)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    model.save_pretrained(out_dir)
-    return out_dir
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
