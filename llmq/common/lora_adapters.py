@@ -21,18 +21,24 @@ _TENSOR = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([
 _MAX_HEADER = 100 * 1024 * 1024  # a safetensors header past this is not one
 
 
-# PEFT options that change what an adapter computes or where; refused when set.
-_UNSUPPORTED = (
+# PEFT options that change what an adapter computes or where; refused when set (by the API
+# when an adapter is loaded, and by the worker when it reads one).
+UNSUPPORTED_OPTIONS = (
+    "use_dora",
+    "modules_to_save",
     "rank_pattern",
     "alpha_pattern",
-    "lora_bias",
     "fan_in_fan_out",
+    "lora_bias",
+    "use_qalora",
     "layer_replication",
-    "target_parameters",
     "trainable_token_indices",
     "alora_invocation_tokens",
-    "use_qalora",
+    "target_parameters",
     "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+    "monteclora_config",
     "megatron_config",
 )
 
@@ -120,7 +126,7 @@ def _refuse_unsupported(config: dict, path: str) -> None:
         raise AdapterError(f"adapter {path}: modules_to_save is not supported")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"adapter {path}: bias={config['bias']!r} is not supported")
-    for key in _UNSUPPORTED:
+    for key in UNSUPPORTED_OPTIONS:
         if config.get(key):
             raise AdapterError(f"adapter {path}: {key} is not supported")
     targets = config.get("target_modules") or []

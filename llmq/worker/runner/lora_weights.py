@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from llmq.common.lora_adapters import UNSUPPORTED_OPTIONS
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # Fused projection -> its parts, in the order their outputs are stacked.
@@ -32,25 +34,6 @@ PARTS = {
 FUSED_OF = {part: fused for fused, parts in PARTS.items() for part in parts}
 _KEY = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
-)
-# Config entries that change LoRA's forward beyond x @ A.T @ B.T * scale: refused when set.
-_UNSUPPORTED = (
-    "use_dora",
-    "modules_to_save",
-    "rank_pattern",
-    "alpha_pattern",
-    "fan_in_fan_out",
-    "lora_bias",
-    "use_qalora",
-    "layer_replication",
-    "trainable_token_indices",
-    "alora_invocation_tokens",
-    "target_parameters",
-    "use_bdlora",
-    "arrow_config",
-    "kasa_config",
-    "monteclora_config",
-    "megatron_config",
 )
 
 
@@ -98,7 +81,7 @@ def read_config(folder: Path, max_rank: int) -> tuple[int, float]:
         raise LoraLoadError(f"{folder / CONFIG_FILE} is unreadable: {exc}") from None
     if config.get("peft_type") != "LORA":
         raise LoraLoadError(f"not a LoRA adapter (peft_type {config.get('peft_type')!r})")
-    for key in _UNSUPPORTED:
+    for key in UNSUPPORTED_OPTIONS:
         if config.get(key):
             raise LoraLoadError(f"unsupported LoRA feature: {key}={config[key]!r}")
     if config.get("bias", "none") != "none":
