@@ -24,12 +24,21 @@ log = logging.getLogger(__name__)
 CACHE_FLOOR_DIVISOR = 16
 
 
+def inspect_ahead(model) -> None:
+    """Inspect ``model`` now, for ``served_features``: before a forward built ahead of the
+    engine (``worker/preload.py``) packs its weights, after which transformers' own forward,
+    which the inspection runs, has none to read."""
+    from llmq.worker.runner.model_support import inspect_model
+
+    model.__dict__["_llmq_features"] = inspect_model(model)
+
+
 def served_features(model) -> ModelFeatures:
     """What ``model``'s attention needs; raises UnsupportedModel, naming what llmq does not
     implement, rather than serve a wrong answer."""
     from llmq.worker.runner.model_support import UnsupportedModel, inspect_model
 
-    features = inspect_model(model)
+    features = model.__dict__.pop("_llmq_features", None) or inspect_model(model)
     if features.refusals:
         model_type = getattr(model.config.get_text_config(), "model_type", "unknown")
         error = UnsupportedModel(model_type, features.refusals)

@@ -46,6 +46,7 @@ def preload(settings: Settings) -> bool:
         load_tokenizer,
         resolve_device,
     )
+    from llmq.worker.kv_setup import inspect_ahead
     from llmq.worker.runner import cpu_kernels
     from llmq.worker.runner.decoder_forward import attach, build_forward
 
@@ -62,6 +63,7 @@ def preload(settings: Settings) -> bool:
         model = load_causal_lm(
             settings.model, settings.dtype, settings.device, settings.quantization
         )
+        inspect_ahead(model)  # while transformers' forward has its weights
         # Built and loaded once, before the workers fork (the forward's packing may use them).
         kernels = settings.cpu_kernels and cpu_kernels.load()
         forward = build_forward(model, settings.fast_forward, settings.pack_weights, kernels)

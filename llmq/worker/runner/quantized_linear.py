@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 GROUP = 32  # int4 group size: llama.cpp's Q4_K sub-block, and exact for GGUF Q4_K
 ACTIVATIONS = torch.bfloat16  # the kernels' fast path
-_INT8_K_MULTIPLE = 8  # _weight_int8pack_mm crashes on other input widths (torch 2.13)
+_INT8_K_MULTIPLE = (
+    16  # _weight_int8pack_mm crashes on other widths (torch 2.13; 24, 40, 56 on AVX2)
+)
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
 
 
