@@ -2,7 +2,8 @@
 
 * Throughput: 32 concurrent streams (128-token prompts, 64 output tokens, EOS ignored) spread
   over 8 adapters, against the same 32 streams on the base model, in one LLMEngine, alternated
-  (base, adapters, adapters, base) so that a drifting machine load favours neither. Output
+  (base, adapters, adapters, base) so that a drifting machine load favours neither; each round
+  has prompts of its own (none found in the prefix cache). Output
   tokens/s of each, over the whole run and over its decode-only steps; the ratio is the figure
   (goal: adapters >= 0.8x the base).
 * Decode steps side by side: two engines (the base's streams, the adapters' streams) stepped
@@ -203,8 +204,12 @@ def main(argv=None) -> int:
     rss_loaded = rss_mib()
     rounds = ["base", "lora"] if args.quick else ["base", "lora", "lora", "base"]
     results: dict[str, list[dict]] = {"base": [], "lora": []}
-    for kind in rounds:
-        results[kind].append(run(engine, prompts, loras if kind == "lora" else None, out_tokens))
+    for r, kind in enumerate(rounds):
+        # Prompts of its own each round: none of its prefill comes from the prefix cache.
+        fresh = make_prompts(
+            args.streams, args.prompt_tokens, args.prompt_tokens, vocab, seed=10 + r
+        )
+        results[kind].append(run(engine, fresh, loras if kind == "lora" else None, out_tokens))
         log(f"{kind}: {results[kind][-1]}")
     mean = {k: {m: statistics.mean(r[m] for r in v) for m in v[0]} for k, v in results.items()}
     itl = itl_while_loading(engine, prompts, loras, spare, max(out_tokens, 48))

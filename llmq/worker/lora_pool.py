@@ -60,8 +60,9 @@ class LoraPool:
             raise RequestError(
                 "LoRA adapters need llmq's fast forward, which does not serve this model"
             )
-        # Deltas in float32 on CPU (lora_slots.py says why), the model's dtype elsewhere.
-        dtype = torch.float32 if runner.device.type == "cpu" else runner.dtype
+        # The model's dtype, but float32 on CPU without llmq's kernels (lora_slots.py says why).
+        torch_ops_on_cpu = runner.device.type == "cpu" and not runner.forward.small_step_ops
+        dtype = torch.float32 if torch_ops_on_cpu else runner.dtype
         try:
             state = lora_linear.install(runner.forward, max_loras, dtype)
         except ValueError as exc:

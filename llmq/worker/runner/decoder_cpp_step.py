@@ -5,7 +5,7 @@ It serves a model whose layers share one attention scale, one norm epsilon, one 
 one set of projection widths, each with a dense MLP; and a step whose attention needs nothing
 beyond causal softmax attention (no softcap; every sliding window longer than the step's
 longest context, so that it hides nothing) with the decodes' block tables for the attention
-kernel. Other steps run the Python loop.
+kernel; LoRA adapters' deltas included. Other steps run the Python loop.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import torch
 
 from llmq.worker.runner.attention import StepMetadata
 from llmq.worker.runner.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
+from llmq.worker.runner.lora_slots import StepAdapters
 from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout
 
 _NO_TABLE = torch.zeros(0, 1, dtype=torch.int32)  # step_layers' tables without decodes
 _NO_CONTEXT = torch.zeros(0, dtype=torch.int32)
 _NONE = torch.empty(0)  # step_layers' "this layer has no such tensor"
+_NO_ADAPTERS = ([], _NONE, _NONE, [], [])  # StepAdapters.step_layers_args of none
 
 
 def serves_model(layers: list[DecoderLayer]) -> bool:
@@ -69,8 +71,10 @@ def run_layers(
     layout: Layout,
     heads: tuple[int, int],  # query heads, key/value heads
     step: StepMetadata,
+    adapters: StepAdapters | None = None,
 ) -> torch.Tensor:
-    """The last layer's hidden states of the step (``layer_tensors(layers)`` as ``tensors``)."""
+    """The last layer's hidden states of the step (``layer_tensors(layers)`` as ``tensors``),
+    with ``adapters``' LoRA deltas where the step's rows have some."""
     tables, first, prompts = step.decode_tables, layers[0], step.prefills
     mlp = first.mlp
     return torch.ops.llmq.step_layers(
@@ -97,4 +101,5 @@ def run_layers(
         heads[1],
         first.scaling,
         first.eps,
+        *(_NO_ADAPTERS if adapters is None else adapters.step_layers_args()),
     )

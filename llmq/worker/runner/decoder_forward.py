@@ -18,7 +18,7 @@ window, softcap) through the same paged attention (``attention.paged_attention``
 forward with the paged attention registered through ``AttentionInterface``.
 
 LoRA adapters (``lora_linear``) wrap the projections once the first one is loaded; a step with
-any adapter row runs the Python layer loop below, steps without keep their paths.
+adapter rows adds their deltas in the fused C++ step where it serves, else in the Python loop.
 """
 
 from __future__ import annotations
@@ -239,7 +239,6 @@ class DecoderForward:
             and not step.pool.quantized  # it writes the cache in the model's dtype
             and (step.decode_tables is not None or not step.num_decodes)
             and self._cpp_ops()
-            and (self.loras is None or self.loras.step is None)  # adapters: the Python loop
         )
 
     def _step_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
@@ -255,6 +254,7 @@ class DecoderForward:
             self.layout,
             (self.num_heads, self.num_kv_heads),
             step,
+            None if self.loras is None else self.loras.step,
         )
         return self.head(h, keep)
 

@@ -5,9 +5,9 @@ sequence's adapter (or none), and every adapter present adds its delta
 The layers' projections (plain, packed or quantized: ``Linear``, ``Int8Linear``, ``Int4Linear``)
 are wrapped once, when the first adapter is loaded, by :class:`LoraLinear`, which calls the base
 projection unchanged and adds the step's deltas while a step with adapter rows runs (a model
-that never serves an adapter keeps its projections as they are). Such a step runs the Python
-layer loop: the fused C++ step, CUDA graphs and the compiled decode step serve only steps
-without adapter rows.
+that never serves an adapter keeps its projections as they are). The fused C++ step
+(``kernels/step_layers.cpp``) adds the same deltas itself; CUDA graphs and the compiled decode
+step serve only steps without adapter rows.
 
 The deltas themselves are computed from the loaded adapters' stacked weights
 (``lora_slots``): a few batched matmuls per projection for all the step's adapters together.
@@ -106,7 +106,8 @@ def install(forward, max_loras: int, dtype: torch.dtype) -> LoraState:
         return forward.loras
     shape = base_shape(forward)
     device = forward.model.lm_head.weight.device
-    state = LoraState(shape, LoraSlots(shape, max_loras, dtype, device))
+    kernel = device.type == "cpu" and forward.small_step_ops  # kernels/lora_deltas.cpp
+    state = LoraState(shape, LoraSlots(shape, max_loras, dtype, device, kernel))
     for index, layer in enumerate(forward.layers):
         layer.qkv_proj = LoraLinear(layer.qkv_proj, index, "qkv", state)
         layer.o_proj = LoraLinear(layer.o_proj, index, "o", state)

@@ -174,7 +174,8 @@ class ModelRunner:
         """Run one step. Returns float32 logits, one row per sampling entry, then the rows of
         the prompts that want prompt logprobs; the indices of the sampling entries in
         ``out.scheduled``; and those prompts' rows, in order. ``adapters``: the loaded LoRA
-        adapters, for the sequences that name one (a step with any runs the Python loop)."""
+        adapters, for the sequences that name one (a step with any runs neither CUDA graphs nor
+        the compiled decode step)."""
         # The decode kernel reads the decodes in any order: those of one adapter together.
         batch = pack_step(out.scheduled, self.block_size, self.scratch_slot, self.decode_kernel)
         lora = None

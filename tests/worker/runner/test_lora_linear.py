@@ -1,13 +1,16 @@
 """A projection wrapped for LoRA adds each adapter's delta to its own rows only, whatever the
 base projection (float32, bfloat16 packed for oneDNN, int8, int4) and however the step's rows
-fall: gathered into slots (interleaved or in groups), in place (every row in its slot's place),
-or run by run (one adapter, or groups too unequal to pad)."""
+fall: through torch's ops, gathered into slots (interleaved or in groups), in place (every row
+in its slot's place), or run by run (one adapter, or groups too unequal to pad); and through
+``kernels/lora_deltas.cpp``, with the slots in the model's dtype (a group of many rows through
+its matmuls)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.lora_linear import LoraLinear, LoraState
 from llmq.worker.runner.lora_slots import LoraSlots, StepAdapters
 from llmq.worker.runner.lora_weights import AdapterWeights, BaseShape, Delta
@@ -70,10 +73,14 @@ def _step(grouping: str, slots: LoraSlots) -> tuple[StepAdapters, list]:
     return StepAdapters(groups, slots, num_rows), groups
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
-def test_each_row_gets_its_own_adapter_s_delta(dtype, grouping):
-    slots = LoraSlots(SHAPE, 4, torch.float32, "cpu")  # float32 deltas, as on CPU
+def test_each_row_gets_its_own_adapter_s_delta(dtype, grouping, kernel):
+    if kernel and not cpu_kernels.load():
+        pytest.skip("llmq's CPU kernels are not built here")
+    # float32 deltas through torch's ops on CPU; the model's dtype through the kernel
+    slots = LoraSlots(SHAPE, 4, dtype if kernel else torch.float32, "cpu", kernel)
     adapters = _adapters(torch.float32)
     references = [[{p: (d.a, d.b) for p, d in a.layers[0].items()}, a.scale] for a in adapters]
     for slot, adapter in enumerate(adapters):
@@ -81,7 +88,7 @@ def test_each_row_gets_its_own_adapter_s_delta(dtype, grouping):
     step, groups = _step(grouping, slots)
     path = GROUPINGS[grouping][1]
     assert step.batched == (path != "runs")
-    assert path == "runs" or step.identity == (path == "in_place")
+    assert kernel or path == "runs" or step.identity == (path == "in_place")
     x = torch.randn(ROWS if grouping != "in_place" else 39, K).to(dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for name, base in _bases(dtype):

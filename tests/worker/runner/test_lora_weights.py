@@ -70,30 +70,29 @@ def test_a_subset_of_targets_leaves_the_others_out(adapters):
     assert all(set(layer) == {"q_proj", "v_proj"} for layer in adapter.layers)
 
 
-def test_slots_stack_a_per_part_and_place_b_on_the_diagonal(adapters):
-    """In the slots, a fused projection's A holds each part's rows in its own block and its B
-    each part's B in its block of the diagonal (zero elsewhere, and for a part the adapter does
-    not target); a slot written again holds nothing of the adapter before."""
+def test_slots_stack_a_per_part_and_b_transposed_by_columns(adapters):
+    """In the slots, a fused projection's A holds each part's rows in its own block, and its B
+    transposed each part's B in that part's columns (zero past the rank, and for a part the
+    adapter does not target); a slot written again holds nothing of the adapter before."""
     slots = LoraSlots(SHAPE, 3, torch.float32, "cpu")
     qv = load_adapter(adapters["qv"], SHAPE, 64, torch.float32, "cpu")
     slots.put(1, qv)
     assert qv.slot == 1 and qv.layers == [] and set(slots.a) == {"qkv"}
     assert slots.columns["qkv"] == [(0, 64), (64, 32), (96, 32)]
-    a, b = slots.a["qkv"][0, 1], slots.b["qkv"][0, 1]
-    assert a.shape == (24, 64) and b.shape == (128, 24)
+    assert slots.bounds["qkv"] == [0, 64, 96, 128]
+    a, bt = slots.a["qkv"][0, 1], slots.bt["qkv"][0, 1]
+    assert a.shape == (24, 64) and bt.shape == (8, 128)
     peft_q, peft_v = _peft(adapters["qv"], 0, "q_proj"), _peft(adapters["qv"], 0, "v_proj")
-    assert torch.equal(a[0:8], peft_q[0]) and torch.equal(b[0:64, 0:8], peft_q[1])
-    assert torch.equal(a[16:24], peft_v[0]) and torch.equal(b[96:128, 16:24], peft_v[1])
-    diagonal = torch.zeros_like(b, dtype=torch.bool)
-    diagonal[0:64, 0:8] = diagonal[96:128, 16:24] = True
-    assert not a[8:16].any() and not b[~diagonal].any()  # k: nothing; off the blocks: zero
+    assert torch.equal(a[0:8], peft_q[0]) and torch.equal(bt[:, 0:64], peft_q[1].t())
+    assert torch.equal(a[16:24], peft_v[0]) and torch.equal(bt[:, 96:128], peft_v[1].t())
+    assert not a[8:16].any() and not bt[:, 64:96].any()  # k: nothing
     # A rank-16 adapter: every slot's room grows, what slot 1 holds moves with it.
     slots.put(0, load_adapter(adapters["rs"], SHAPE, 64, torch.float32, "cpu"))
     assert slots.rank["qkv"] == 16 and slots.a["qkv"].shape == (2, 3, 48, 64)
     assert torch.equal(slots.a["qkv"][0, 1, 32:40], peft_v[0])
-    assert torch.equal(slots.b["qkv"][0, 1, 96:128, 32:40], peft_v[1])
-    assert not slots.a["qkv"][0, 1, 40:48].any()
-    assert slots.scale_of[:2] == [8 / math.sqrt(16), 2.0]
+    assert torch.equal(slots.bt["qkv"][0, 1, 0:8, 96:128], peft_v[1].t())
+    assert not slots.a["qkv"][0, 1, 40:48].any() and not slots.bt["qkv"][0, 1, 8:].any()
+    assert slots.scale_of[:2] == [8 / math.sqrt(16), 2.0] and slots.rank_of == [16, 8, 0]
     slots.put(1, load_adapter(adapters["all"], SHAPE, 64, torch.float32, "cpu"))
     peft_k = _peft(adapters["all"], 0, "k_proj")
     assert torch.equal(slots.a["qkv"][0, 1, 16:24], peft_k[0])

@@ -5,7 +5,8 @@ panels or packed for oneDNN, and float32, Llama and Qwen2 (biased projections), 
 sequences of ragged lengths; and the families whose layers hold more: Qwen 3 (q/k norms), Phi-3
 (fused checkpoint projections), Gemma 3 (four norms of 1 + weight, q/k norms, GELU-tanh, a
 rotary base for sliding layers; its window longer than the context, so that the whole step
-runs in C++)."""
+runs in C++); and steps with LoRA adapters' rows (several adapters and the base model in one
+step, batched and run by run)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig):
     in_cpp_steps = [0]
     execute, step_in_cpp = engine.runner.execute, forward._step_in_cpp
 
-    def keep_logits(out):
-        logits, *rest = execute(out)
+    def keep_logits(*args):
+        logits, *rest = execute(*args)
         logits_seen.append(logits.clone())
         return (logits, *rest)
 
@@ -123,5 +124,46 @@ def test_layers_in_one_call_equal_the_python_loop(
         assert engine.block_manager.prefix_hits > 0  # chunks over cached blocks
     else:
         assert max(len(step) for step in fused) == len(prompts)  # every sequence in one step
+    for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(llama_dir, tmp_path_factory):
+    from tests.worker.lora_cases import build_adapters
+
+    return list(build_adapters(llama_dir, tmp_path_factory.mktemp("step-loras")).values())
+
+
+@pytest.mark.parametrize("case", ["24", "chunked"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_adapters_in_one_call_equal_the_python_loop(
+    case, dtype, llama_dir, llama_adapters, monkeypatch
+):
+    """Requests under four adapters (ranks 8 and 16, one on some projections only) and the base
+    model, side by side: the decodes' deltas batched by slot, and a prompt chunk's beside
+    decodes run by run."""
+    monkeypatch.setattr(decoder_forward, "SMALL_STEP_OPS_TOKENS", 1 << 20)
+    prompts, config = CASES[case]
+    runs = []
+    for in_cpp in (True, False):
+        engine, logits, in_cpp_steps = logged_engine(llama_dir, dtype, in_cpp, config)
+        # The adapters loaded first (a load runs beside the steps: the steps would differ).
+        for k, lora in enumerate(llama_adapters):
+            engine.add_request(f"load{k}", [5, 6], SamplingParams(max_tokens=1), lora=lora)
+        while engine.has_unfinished():
+            engine.step()
+        logits.clear()
+        in_cpp_steps[0] = 0
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            lora = llama_adapters[i % 5] if i % 5 < 4 else None
+            engine.add_request(str(i), prompt, params, lora=lora)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.loras.num_loads == 4
+        runs.append((logits, in_cpp_steps[0]))
+    (fused, fused_steps), (loop, loop_steps) = runs
+    assert loop_steps == 0 and fused_steps == len(fused) == len(loop)
     for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
         assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"

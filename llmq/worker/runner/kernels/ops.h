@@ -20,5 +20,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                         const std::optional<at::Tensor>& bias);
+void lora_deltas(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+                 at::IntArrayRef columns, const at::Tensor& scales, const at::Tensor& rows,
+                 at::IntArrayRef groups, at::IntArrayRef ranks);
 
 }  // namespace llmq

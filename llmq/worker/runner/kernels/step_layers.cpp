@@ -8,7 +8,8 @@
 // copies, so its output is bit-equal to the Python loop's with those ops. The families' layers
 // differ only in what a layer holds: q/k norms per head (Qwen 3, Gemma 3), norms after the
 // attention and after the MLP (Gemma), a GELU-tanh MLP (Gemma), a second rotary base (Gemma 3's
-// sliding layers).
+// sliding layers). LoRA adapters add their deltas to the projections of their rows through
+// lora_deltas, as the Python loop does.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -164,6 +165,27 @@ void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qk
   }
 }
 
+// A step's LoRA adapters, as lora_slots.StepAdapters passes them: per projection (qkv, o,
+// gate_up, down) the slots' A [layers, slots, parts * room, in] and B transposed
+// [layers, slots, room, out] (empty: no loaded adapter targets it), and lora_deltas' scales,
+// rows, groups and ranks.
+struct Adapters {
+  at::TensorList weights;
+  at::Tensor scales, rows;
+  at::IntArrayRef groups, ranks;
+};
+
+// y (x projected by the base) with each adapter's delta added to its rows; `columns`: the
+// projection's parts' first columns, then its width.
+at::Tensor add_deltas(const Adapters& lora, const at::Tensor& x, at::Tensor y, int64_t layer,
+                      int64_t projection, at::IntArrayRef columns) {
+  if (lora.groups.empty() || !given(lora.weights[2 * projection])) return y;
+  llmq::lora_deltas(y, x, lora.weights[2 * projection][layer],
+                    lora.weights[2 * projection + 1][layer], columns, lora.scales, lora.rows,
+                    lora.groups, lora.ranks);
+  return y;
+}
+
 }  // namespace
 
 namespace llmq {
@@ -181,7 +203,10 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
                        at::IntArrayRef prompt_starts, at::IntArrayRef prompt_lens,
                        at::IntArrayRef prompt_contexts, at::TensorList prompt_blocks,
                        const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
-                       int64_t heads, int64_t kv_heads, double scale, double eps) {
+                       int64_t heads, int64_t kv_heads, double scale, double eps,
+                       at::TensorList lora_weights, const at::Tensor& lora_scales,
+                       const at::Tensor& lora_rows, at::IntArrayRef lora_groups,
+                       at::IntArrayRef lora_ranks) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 14 tensors a layer");
   TORCH_CHECK(layout >= kPlain && layout <= kPanels, "step_layers: layout 0, 1 or 2");
   TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "step_layers: activation 0 or 1");
@@ -210,13 +235,23 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
   const int64_t rows = kv.size(2);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "step_layers: slot out of the pool");
+  const Adapters lora{lora_weights, lora_scales, lora_rows, lora_groups, lora_ranks};
+  TORCH_CHECK(lora_groups.empty() || lora_weights.size() == 8,
+              "step_layers: an A and a B for each of the 4 projections");
+  // Each projection's parts' columns (lora_weights.PARTS): q, k, v; o; gate, up; down.
+  const int64_t q = heads * kv.size(3), kv_width = kv_heads * kv.size(3);
+  const std::vector<int64_t> qkv_columns{0, q, q + kv_width, q + 2 * kv_width},
+      o_columns{0, out_features[1]}, gate_up_columns{0, out_features[2] / 2, out_features[2]},
+      down_columns{0, out_features[3]};
   at::Tensor h = h_in;
   at::Tensor attn = at::empty({tokens, heads, dim}, h.options());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
     at::Tensor x = llmq::rms_norm(h, w[kInputNorm], eps);
-    at::Tensor qkv = project(x, w[kQkv], w[kQkvBias], layout, out_features[0])
-                         .view({tokens, heads + 2 * kv_heads, dim});
+    at::Tensor qkv =
+        add_deltas(lora, x, project(x, w[kQkv], w[kQkvBias], layout, out_features[0]), l, 0,
+                   qkv_columns)
+            .view({tokens, heads + 2 * kv_heads, dim});
     at::Tensor qk = given(w[kQNorm])
                         ? llmq::qk_norm(qkv, w[kQNorm], w[kKNorm], heads, kv_heads, eps)
                         : qkv;
@@ -231,13 +266,19 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
                                    layer_kv, block_tables, context_lens, block_size, scale);
     }
     attend_prompts(attn, qk, qkv, layer_kv, prompts, heads, kv_heads, block_size, scale);
-    const at::Tensor o = project(attn.view({tokens, heads * dim}), w[kO], w[kOBias], layout,
-                                 out_features[1]);
+    const at::Tensor attn_rows = attn.view({tokens, heads * dim});
+    const at::Tensor o = add_deltas(
+        lora, attn_rows, project(attn_rows, w[kO], w[kOBias], layout, out_features[1]), l, 1,
+        o_columns);
     h = at::add(h, norm_if(o, w[kAttnOutNorm], eps));
     x = llmq::rms_norm(h, w[kMlpInNorm], eps);
-    const at::Tensor gate_up = project(x, w[kGateUp], w[kGateUpBias], layout, out_features[2]);
+    const at::Tensor gate_up =
+        add_deltas(lora, x, project(x, w[kGateUp], w[kGateUpBias], layout, out_features[2]), l, 2,
+                   gate_up_columns);
+    const at::Tensor act = activate(gate_up, activation);
     const at::Tensor down =
-        project(activate(gate_up, activation), w[kDown], w[kDownBias], layout, out_features[3]);
+        add_deltas(lora, act, project(act, w[kDown], w[kDownBias], layout, out_features[3]), l, 3,
+                   down_columns);
     h = at::add(h, norm_if(down, w[kMlpOutNorm], eps));
   }
   return h;
@@ -252,7 +293,8 @@ TORCH_LIBRARY_FRAGMENT(llmq, m) {
       "Tensor slots, int num_decodes, Tensor block_tables, Tensor context_lens, int[] "
       "prompt_starts, "
       "int[] prompt_lens, int[] prompt_contexts, Tensor[] prompt_blocks, Tensor?[] prompt_masks, "
-      "int block_size, int heads, int kv_heads, float scale, float eps) -> Tensor");
+      "int block_size, int heads, int kv_heads, float scale, float eps, Tensor[] lora_weights, "
+      "Tensor lora_scales, Tensor lora_rows, int[] lora_groups, int[] lora_ranks) -> Tensor");
   m.impl("step_layers", c10::DispatchKey::CPU, &llmq::step_layers);
   m.impl("step_layers", c10::DispatchKey::MkldnnCPU, &llmq::step_layers);  // packed weights
 }
