@@ -3,9 +3,10 @@ Python layer loop with llmq's C++ ops.
 
 It serves a model whose layers share one attention scale, one norm epsilon, one activation and
 one set of projection widths, each with a dense MLP; and a step whose attention needs nothing
-beyond causal softmax attention (no softcap; every sliding window longer than the step's
-longest context, so that it hides nothing) with the decodes' block tables for the attention
-kernel; LoRA adapters' deltas included. Other steps run the Python loop.
+beyond causal softmax attention and sliding windows (no softcap; a model with KV groups, as
+Gemma 3's windowed and global layers, reads each layer's group's tables and window; one
+without, every window longer than the step's longest context) with the decodes' block tables
+for the attention kernel; LoRA adapters' deltas included. Other steps run the Python loop.
 """
 
 from __future__ import annotations
@@ -62,6 +63,47 @@ def layer_tensors(layers: list[DecoderLayer]) -> list[torch.Tensor]:
     return tensors
 
 
+def kv_groups(step: StepMetadata) -> list[StepMetadata]:
+    """The step's KV groups' metadata (``group_steps.py``): one but for a model with sliding
+    windows, in the order of their first layer."""
+    if step.layer_steps is None:
+        return [step]
+    groups: list[StepMetadata] = []
+    for layer_step in step.layer_steps:
+        if not any(layer_step is g for g in groups):
+            groups.append(layer_step)
+    return groups
+
+
+def _group_lists(step: StepMetadata, layers: list[DecoderLayer], longest: float) -> tuple:
+    """step_layers' KV group arguments: per group its slots, decode tables, context lengths
+    and window (the one its layers ask in the Python loop: theirs where it is shorter than the
+    step's longest context; 0: none); each layer's group; per group and prompt chunk its
+    context, blocks and mask."""
+    groups = kv_groups(step)
+    if step.layer_steps is None:
+        layer_group, windows = [0] * len(layers), [0]
+    else:
+        layer_group = [next(i for i, g in enumerate(groups) if g is s) for s in step.layer_steps]
+        windows = []
+        for g in range(len(groups)):
+            window = layers[layer_group.index(g)].window
+            asked = window is not None and window < longest and window < step.max_model_len
+            windows.append(window if asked else 0)
+    tables = [g.decode_tables for g in groups]
+    prompts = [(p, w) for g, w in zip(groups, windows, strict=True) for p in g.prefills]
+    return (
+        [g.slot_mapping for g in groups],
+        [t.block_tables if t is not None else _NO_TABLE for t in tables],
+        [t.context_lens if t is not None else _NO_CONTEXT for t in tables],
+        windows,
+        layer_group,
+        [p.ctx_len for p, _ in prompts],
+        [p.block_ids for p, _ in prompts],
+        [p.window_masks[w] if w else p.mask for p, w in prompts],
+    )
+
+
 def run_layers(
     h: torch.Tensor,
     cos: list[torch.Tensor],
@@ -71,12 +113,14 @@ def run_layers(
     layout: Layout,
     heads: tuple[int, int],  # query heads, key/value heads
     step: StepMetadata,
+    longest: float,  # the most keys any query of the step sees
     adapters: StepAdapters | None = None,
 ) -> torch.Tensor:
     """The last layer's hidden states of the step (``layer_tensors(layers)`` as ``tensors``),
     with ``adapters``' LoRA deltas where the step's rows have some."""
-    tables, first, prompts = step.decode_tables, layers[0], step.prefills
+    first, prompts = layers[0], step.prefills
     mlp = first.mlp
+    slots, tables, contexts, windows, layer_group, *per_prompt = _group_lists(step, layers, longest)
     return torch.ops.llmq.step_layers(
         h,
         cos,
@@ -86,16 +130,16 @@ def run_layers(
         LAYOUT_CODES[layout],
         ACTIVATION_CODES[mlp.activation],
         [p.out_features for p in (first.qkv_proj, first.o_proj, mlp.gate_up_proj, mlp.down_proj)],
-        step.pool.kv,
-        step.slot_mapping,
+        list(step.pool.kv),  # a view a layer (of one storage slot a KV group's layer)
+        slots,
         step.num_decodes,
-        tables.block_tables if tables is not None else _NO_TABLE,
-        tables.context_lens if tables is not None else _NO_CONTEXT,
+        tables,
+        contexts,
+        windows,
+        layer_group,
         [p.q_start for p in prompts],
         [p.q_len for p in prompts],
-        [p.ctx_len for p in prompts],
-        [p.block_ids for p in prompts],
-        [p.mask for p in prompts],
+        *per_prompt,
         step.pool.block_size,
         heads[0],
         heads[1],

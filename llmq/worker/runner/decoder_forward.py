@@ -208,7 +208,7 @@ class DecoderForward:
         # A window no longer than the step's longest context hides nothing in this step.
         longest = _longest_context(step) if self._shortest_window < float("inf") else 0
         if self._whole_step_in_cpp(step, windows_hide=self._shortest_window < longest):
-            return self._step_in_cpp(input_ids, positions, keep, step)
+            return self._step_in_cpp(input_ids, positions, keep, step, longest)
 
         def attend(layer: DecoderLayer, query, key, value) -> torch.Tensor:
             window = layer.window if layer.window is not None and layer.window < longest else None
@@ -230,18 +230,22 @@ class DecoderForward:
     def _whole_step_in_cpp(self, step: StepMetadata, windows_hide: bool) -> bool:
         """Every layer in one C++ call (``kernels/step_layers.cpp``), bit-equal to this loop
         with the C++ ops, where they serve, the attention kernel serves the decodes and no
-        layer asks the attention for more than causal softmax in this step."""
+        layer asks the attention for more than causal softmax and its KV group's window."""
         return (
             self._uniform_layers
             and not self._softcapped
-            and not windows_hide
-            and step.layer_steps is None  # one block table for every layer
+            and (not windows_hide or step.layer_steps is not None)  # groups: each its window
             and not step.pool.quantized  # it writes the cache in the model's dtype
-            and (step.decode_tables is not None or not step.num_decodes)
+            and all(
+                group.decode_tables is not None or not group.num_decodes
+                for group in decoder_cpp_step.kv_groups(step)
+            )
             and self._cpp_ops()
         )
 
-    def _step_in_cpp(self, input_ids, positions, keep, step: StepMetadata) -> torch.Tensor:
+    def _step_in_cpp(
+        self, input_ids, positions, keep, step: StepMetadata, longest: float
+    ) -> torch.Tensor:
         if self._cpp_weights is None:
             self._cpp_weights = decoder_cpp_step.layer_tensors(self.layers)
         h, cos, sin = self.embed_all(input_ids, positions)
@@ -254,6 +258,7 @@ class DecoderForward:
             self.layout,
             (self.num_heads, self.num_kv_heads),
             step,
+            longest,
             None if self.loras is None else self.loras.step,
         )
         return self.head(h, keep)

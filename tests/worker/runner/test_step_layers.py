@@ -4,8 +4,8 @@ decodes alone; prompts in chunks over a cached prefix), bfloat16 with its weight
 panels or packed for oneDNN, and float32, Llama and Qwen2 (biased projections), 3 and 24
 sequences of ragged lengths; and the families whose layers hold more: Qwen 3 (q/k norms), Phi-3
 (fused checkpoint projections), Gemma 3 (four norms of 1 + weight, q/k norms, GELU-tanh, a
-rotary base for sliding layers; its window longer than the context, so that the whole step
-runs in C++); and steps with LoRA adapters' rows (several adapters and the base model in one
+rotary base for sliding layers; its window longer than the context, and one of 8 tokens, its
+windowed and global layers each reading their own KV group's tables); and steps with LoRA adapters' rows (several adapters and the base model in one
 step, batched and run by run)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from llmq.worker.runner import decoder_forward
 
 pytestmark = pytest.mark.unit
 
-FAMILIES = ["qwen3", "phi3", "gemma3_text"]
+FAMILIES = ["qwen3", "phi3", "gemma3_text", "gemma3_windowed"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,8 @@ def family_dir(model_dir, tmp_path_factory):
     """family_dir(arch): its tiny model; Gemma 3's with a window of 4096 tokens (none here)."""
 
     def get(arch: str):
+        if arch == "gemma3_windowed":  # the tiny Gemma 3's window: 8 tokens, KV groups
+            return model_dir("gemma3_text")
         path = model_dir(arch)
         if arch != "gemma3_text":
             return path
@@ -85,6 +87,7 @@ def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig):
 # The families' layers on the 3-sequence and chunked steps (24 sequences add nothing of theirs).
 ARCH_CASES = [(arch, case) for arch in ("llama", "qwen2") for case in CASES]
 ARCH_CASES += [(arch, case) for arch in FAMILIES for case in ("3", "chunked")]
+ARCH_CASES += [("gemma3_windowed", "24")]
 
 
 @pytest.mark.parametrize("arch, case", ARCH_CASES, ids=[f"{a}-{c}" for a, c in ARCH_CASES])

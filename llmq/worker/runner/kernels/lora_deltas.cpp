@@ -9,9 +9,10 @@
 // its part's rank), both are read in the weights' dtype (bfloat16 for a bfloat16 model), and a
 // thread takes whole adapters (one parallel region a call: each cost tens of microseconds).
 // On the SmolLM2-135M shape, 32 decodes over 8 adapters of rank 16 on all seven projections
-// (bfloat16, 2 cores, AMD EPYC with AVX2): a step's deltas took 5.7 ms for the 30 layers (qkv
-// 44 us, against 153 us for its base projection), where torch's batched matmuls took ~25 ms;
-// bench/lora.py's decode step went from 0.48x the base's tokens/s to 0.84x.
+// (bfloat16, 2 cores, AMD EPYC with AVX512-BF16): a step's deltas took 5.7 ms for the 30 layers
+// (qkv 44 us, against 153 us for torch's bfloat16 linear of its base weights), where torch's
+// batched matmuls took ~25 ms; bench/lora.py's decode step went from 0.48x the base's tokens/s
+// to 0.84x.
 // A group of many rows (a prompt chunk) multiplies x by A through torch's matmul, which reuses
 // A across rows better than these blocks of four, then B here, added to y without a copy.
 
@@ -132,7 +133,8 @@ void expand_block(const float* xa, int64_t xa_stride, const W* bt, int64_t width
     }
   }
   for (int i = 0; i < M; ++i)
-    for (int v = 0; v < kColumnVecs; ++v) acc[i][v].store(d + i * kColumnVecs * kWidth + v * kWidth);
+    for (int v = 0; v < kColumnVecs; ++v)
+      acc[i][v].store(d + i * kColumnVecs * kWidth + v * kWidth);
 }
 
 // y[row, o0:o1) += scale * xa[i, part's rank] . bt[:rank, o0:o1) for each row of the group.
@@ -276,8 +278,8 @@ void lora_deltas(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const a
                   columns.back() == y.size(1),
               "lora_deltas: a part's columns for each block of A's rows");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == a.size(0) &&
-                  rows.scalar_type() == at::kLong && rows.is_contiguous() && groups.size() % 3 == 0 &&
-                  static_cast<int64_t>(ranks.size()) == a.size(0),
+                  rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  groups.size() % 3 == 0 && static_cast<int64_t>(ranks.size()) == a.size(0),
               "lora_deltas: a float32 scale and a rank a slot, int64 rows, groups in triples");
   const int64_t* row = rows.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i)

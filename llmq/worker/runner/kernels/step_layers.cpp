@@ -129,33 +129,45 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, at::Tensor& laye
 }
 
 // A step's prompt chunks, as attention.PrefillChunk holds them: rows [start, start + len) of
-// the step, `context` tokens in the cache after it, the blocks covering them, and a mask
-// (none: a fresh prompt, causal over its own keys).
+// the step; then, per KV group and prompt (a group's after the previous group's), the tokens in
+// the group's cache after it, the blocks covering them, and the mask (none: a fresh prompt,
+// causal over its own keys; a window's where the group's layers ask one).
 struct Prompts {
   at::IntArrayRef starts, lens, contexts;
   at::TensorList blocks;
   const c10::List<std::optional<at::Tensor>>& masks;
 };
 
+// One KV group's part of the step (attention.StepMetadata; a model with sliding windows has a
+// group per window, group_steps.py): the cache slot of each token, the decodes' block tables
+// and context lengths as paged_decode_attention takes them, the window its layers ask (0: none),
+// and where its prompts' entries start in Prompts.
+struct KVGroup {
+  const int64_t* slots;
+  at::Tensor block_tables, context_lens;
+  int64_t window;
+  size_t first_prompt;
+};
+
 // SDPA for each prompt chunk, as attention.paged_attention runs it: over the chunk's own keys
 // and values, or over its context gathered from the pool by whole blocks.
 void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qkv,
-                    const at::Tensor& layer_kv, const Prompts& p, int64_t heads, int64_t kv_heads,
-                    int64_t bs, double scale) {
+                    const at::Tensor& layer_kv, const Prompts& p, size_t first, int64_t heads,
+                    int64_t kv_heads, int64_t bs, double scale) {
   const int64_t dim = layer_kv.size(2), pool_blocks = layer_kv.size(1) / bs;
   for (size_t i = 0; i < p.starts.size(); ++i) {
     const int64_t s = p.starts[i], n = p.lens[i];
     const at::Tensor q = qk.narrow(0, s, n).narrow(1, 0, heads).transpose(0, 1).unsqueeze(0);
-    const std::optional<at::Tensor> mask = p.masks.get(i);
+    const std::optional<at::Tensor> mask = p.masks.get(first + i);
     at::Tensor k, v;
     if (!mask.has_value()) {
       k = qk.narrow(0, s, n).narrow(1, heads, kv_heads).transpose(0, 1).unsqueeze(0);
       v = qkv.narrow(0, s, n).narrow(1, heads + kv_heads, kv_heads).transpose(0, 1).unsqueeze(0);
     } else {
       const at::Tensor context = layer_kv.view({2 * kv_heads, pool_blocks, bs, dim})
-                                     .index_select(1, p.blocks[i])
+                                     .index_select(1, p.blocks[first + i])
                                      .view({2 * kv_heads, -1, dim})
-                                     .narrow(1, 0, p.contexts[i]);
+                                     .narrow(1, 0, p.contexts[first + i]);
       k = context.narrow(0, 0, kv_heads).unsqueeze(0);
       v = context.narrow(0, kv_heads, kv_heads).unsqueeze(0);
     }
@@ -163,6 +175,49 @@ void attend_prompts(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qk
         at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, true);
     attn.narrow(0, s, n).copy_(out[0].transpose(0, 1));
   }
+}
+
+// A layer's attention: its keys and values written to its group's slots, the decodes through
+// the kernel, the prompts through SDPA, into attn [T, heads, D].
+void attend_layer(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qkv,
+                  at::Tensor layer_kv, const KVGroup& group, const Prompts& prompts,
+                  int64_t num_decodes, int64_t heads, int64_t kv_heads, int64_t bs, double scale) {
+  write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv,
+           group.slots, kv_heads);
+  if (num_decodes > 0) {
+    at::Tensor decoded = attn.narrow(0, 0, num_decodes);
+    llmq::paged_decode_attention(decoded, qk.narrow(0, 0, num_decodes).narrow(1, 0, heads),
+                                 layer_kv, group.block_tables, group.context_lens, bs, scale,
+                                 group.window);
+  }
+  attend_prompts(attn, qk, qkv, layer_kv, prompts, group.first_prompt, heads, kv_heads, bs, scale);
+}
+
+// The step's KV groups, their lists checked against the pool and the step's tokens.
+std::vector<KVGroup> kv_groups(at::TensorList slots, at::TensorList block_tables,
+                               at::TensorList context_lens, at::IntArrayRef windows,
+                               const Prompts& prompts, int64_t pool_slots, int64_t tokens) {
+  const size_t count = slots.size(), num_prompts = prompts.starts.size();
+  TORCH_CHECK(count >= 1 && block_tables.size() == count && context_lens.size() == count &&
+                  windows.size() == count,
+              "step_layers: slots, block tables, context lengths and a window a KV group");
+  TORCH_CHECK(prompts.lens.size() == num_prompts &&
+                  prompts.contexts.size() == count * num_prompts &&
+                  prompts.blocks.size() == count * num_prompts &&
+                  prompts.masks.size() == count * num_prompts,
+              "step_layers: a start and length a prompt chunk; a context, block list and mask "
+              "a KV group and prompt chunk");
+  std::vector<KVGroup> groups;
+  for (size_t g = 0; g < count; ++g) {
+    const at::Tensor& s = slots[g];
+    TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous() && s.numel() == tokens,
+                "step_layers: one int64 slot a token");
+    const int64_t* slot = s.const_data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "step_layers: slot out of the pool");
+    groups.push_back({slot, block_tables[g], context_lens[g], windows[g], g * num_prompts});
+  }
+  return groups;
 }
 
 // A step's LoRA adapters, as lora_slots.StepAdapters passes them: per projection (qkv, o,
@@ -192,16 +247,18 @@ namespace llmq {
 
 // h [T, hidden] (the tokens' embeddings: decodes first, then prompt chunks); cos and sin: per
 // rotary base [T, 1, D], layer_rotary[l] the one layer l uses; weights: kTensorsPerLayer per
-// layer; kv: the whole pool [layers, 2 * Hkv, slots, D]; slots [T] int64; the decodes' block
-// tables and context lengths as for paged_decode_attention; the prompt chunks as Prompts holds
-// them. Returns the last layer's hidden states.
+// layer; kv: each layer's pool [2 * Hkv, slots, D]; per KV group (one but for a model with
+// sliding windows) as KVGroup holds it, its slots [T] int64, its decodes' block tables and
+// context lengths, its window; layer_group[l]: layer l's group; the prompt chunks as Prompts
+// holds them. Returns the last layer's hidden states.
 at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin,
                        at::IntArrayRef layer_rotary, at::TensorList weights, int64_t layout,
-                       int64_t activation, at::IntArrayRef out_features, at::Tensor kv,
-                       const at::Tensor& slots, int64_t num_decodes,
-                       const at::Tensor& block_tables, const at::Tensor& context_lens,
-                       at::IntArrayRef prompt_starts, at::IntArrayRef prompt_lens,
-                       at::IntArrayRef prompt_contexts, at::TensorList prompt_blocks,
+                       int64_t activation, at::IntArrayRef out_features, at::TensorList kv,
+                       at::TensorList slots, int64_t num_decodes, at::TensorList block_tables,
+                       at::TensorList context_lens, at::IntArrayRef windows,
+                       at::IntArrayRef layer_group, at::IntArrayRef prompt_starts,
+                       at::IntArrayRef prompt_lens, at::IntArrayRef prompt_contexts,
+                       at::TensorList prompt_blocks,
                        const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
                        int64_t heads, int64_t kv_heads, double scale, double eps,
                        at::TensorList lora_weights, const at::Tensor& lora_scales,
@@ -216,30 +273,28 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
               "step_layers: a cos and sin per rotary base, a base per layer");
   for (const int64_t r : layer_rotary)
     TORCH_CHECK(r >= 0 && r < static_cast<int64_t>(cos.size()), "step_layers: rotary base");
-  TORCH_CHECK(
-      kv.dim() == 4 && kv.size(0) >= layers && kv.size(1) == 2 * kv_heads && kv.is_contiguous(),
-      "step_layers: pool [layers, 2 * kv_heads, slots, head_dim]");
-  TORCH_CHECK(kv.scalar_type() == h_in.scalar_type(),
-              "step_layers: a pool in the model's dtype (not an 8-bit one)");
-  TORCH_CHECK(
-      slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == h_in.size(0),
-      "step_layers: one int64 slot a token");
+  TORCH_CHECK(static_cast<int64_t>(kv.size()) == layers, "step_layers: a KV pool a layer");
+  for (const at::Tensor& layer_kv : kv) {
+    TORCH_CHECK(layer_kv.dim() == 3 && layer_kv.size(0) == 2 * kv_heads &&
+                    layer_kv.size(1) == kv[0].size(1) && layer_kv.size(2) == kv[0].size(2) &&
+                    layer_kv.is_contiguous(),
+                "step_layers: a layer's pool [2 * kv_heads, slots, head_dim]");
+    TORCH_CHECK(layer_kv.scalar_type() == h_in.scalar_type(),
+                "step_layers: a pool in the model's dtype (not an 8-bit one)");
+  }
   const Prompts prompts{prompt_starts, prompt_lens, prompt_contexts, prompt_blocks, prompt_masks};
-  TORCH_CHECK(prompt_lens.size() == prompt_starts.size() &&
-                  prompt_contexts.size() == prompt_starts.size() &&
-                  prompt_blocks.size() == prompt_starts.size() &&
-                  prompt_masks.size() == prompt_starts.size(),
-              "step_layers: one start, length, context, block list and mask a prompt chunk");
-  const int64_t tokens = h_in.size(0), dim = kv.size(3);
-  const int64_t* slot = slots.const_data_ptr<int64_t>();
-  const int64_t rows = kv.size(2);
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "step_layers: slot out of the pool");
+  const int64_t tokens = h_in.size(0), dim = kv[0].size(2);
+  const std::vector<KVGroup> groups =
+      kv_groups(slots, block_tables, context_lens, windows, prompts, kv[0].size(1), tokens);
+  TORCH_CHECK(static_cast<int64_t>(layer_group.size()) == layers,
+              "step_layers: a KV group a layer");
+  for (const int64_t g : layer_group)
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(groups.size()), "step_layers: KV group");
   const Adapters lora{lora_weights, lora_scales, lora_rows, lora_groups, lora_ranks};
   TORCH_CHECK(lora_groups.empty() || lora_weights.size() == 8,
               "step_layers: an A and a B for each of the 4 projections");
   // Each projection's parts' columns (lora_weights.PARTS): q, k, v; o; gate, up; down.
-  const int64_t q = heads * kv.size(3), kv_width = kv_heads * kv.size(3);
+  const int64_t q = heads * dim, kv_width = kv_heads * dim;
   const std::vector<int64_t> qkv_columns{0, q, q + kv_width, q + 2 * kv_width},
       o_columns{0, out_features[1]}, gate_up_columns{0, out_features[2] / 2, out_features[2]},
       down_columns{0, out_features[3]};
@@ -257,15 +312,8 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
                         : qkv;
     const int64_t r = layer_rotary[l];
     qk = llmq::rotary(qk, cos[r], sin[r], heads + kv_heads);
-    at::Tensor layer_kv = kv[l];
-    write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads), layer_kv,
-             slot, kv_heads);
-    if (num_decodes > 0) {
-      at::Tensor decoded = attn.narrow(0, 0, num_decodes);
-      llmq::paged_decode_attention(decoded, qk.narrow(0, 0, num_decodes).narrow(1, 0, heads),
-                                   layer_kv, block_tables, context_lens, block_size, scale);
-    }
-    attend_prompts(attn, qk, qkv, layer_kv, prompts, heads, kv_heads, block_size, scale);
+    attend_layer(attn, qk, qkv, kv[l], groups[layer_group[l]], prompts, num_decodes, heads,
+                 kv_heads, block_size, scale);
     const at::Tensor attn_rows = attn.view({tokens, heads * dim});
     const at::Tensor o = add_deltas(
         lora, attn_rows, project(attn_rows, w[kO], w[kOBias], layout, out_features[1]), l, 1,
@@ -289,10 +337,10 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def(
       "step_layers(Tensor h, Tensor[] cos, Tensor[] sin, int[] layer_rotary, Tensor[] weights, "
-      "int layout, int activation, int[] out_features, Tensor(a!) kv, "
-      "Tensor slots, int num_decodes, Tensor block_tables, Tensor context_lens, int[] "
-      "prompt_starts, "
-      "int[] prompt_lens, int[] prompt_contexts, Tensor[] prompt_blocks, Tensor?[] prompt_masks, "
+      "int layout, int activation, int[] out_features, Tensor(a!)[] kv, "
+      "Tensor[] slots, int num_decodes, Tensor[] block_tables, Tensor[] context_lens, "
+      "int[] windows, int[] layer_group, int[] prompt_starts, int[] prompt_lens, "
+      "int[] prompt_contexts, Tensor[] prompt_blocks, Tensor?[] prompt_masks, "
       "int block_size, int heads, int kv_heads, float scale, float eps, Tensor[] lora_weights, "
       "Tensor lora_scales, Tensor lora_rows, int[] lora_groups, int[] lora_ranks) -> Tensor");
   m.impl("step_layers", c10::DispatchKey::CPU, &llmq::step_layers);
