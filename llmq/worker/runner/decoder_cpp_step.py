@@ -15,8 +15,10 @@ import torch
 
 from llmq.worker.runner.attention import StepMetadata
 from llmq.worker.runner.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
+from llmq.worker.runner.lora_linear import LoraLinear
 from llmq.worker.runner.lora_slots import StepAdapters
-from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout
+from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout, Linear
+from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear
 
 _NO_TABLE = torch.zeros(0, 1, dtype=torch.int32)  # step_layers' tables without decodes
 _NO_CONTEXT = torch.zeros(0, dtype=torch.int32)
@@ -24,9 +26,21 @@ _NONE = torch.empty(0)  # step_layers' "this layer has no such tensor"
 _NO_ADAPTERS = ([], _NONE, _NONE, [], [])  # StepAdapters.step_layers_args of none
 
 
+def _projections(layer: DecoderLayer) -> tuple:
+    """The layer's qkv, o, gate_up and down projections, as their own (a LoRA wrapper's base:
+    step_layers adds the deltas itself)."""
+    mlp = layer.mlp
+    projections = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return tuple(p.base if isinstance(p, LoraLinear) else p for p in projections)
+
+
 def serves_model(layers: list[DecoderLayer]) -> bool:
-    """Whether step_layers can run these layers (uniform scale, eps, activation, widths)."""
+    """Whether step_layers can run these layers (uniform scale, eps, activation, widths; each
+    projection float, or int8 or int4 on torch's kernels)."""
     if not all(isinstance(layer.mlp, DenseMLP) for layer in layers):
+        return False
+    kinds = (Linear, Int8Linear, Int4Linear)  # exactly: not a checkpoint's permuted kinds
+    if not all(type(p) in kinds for layer in layers for p in _projections(layer)):
         return False
     shapes = {
         (
@@ -49,18 +63,26 @@ def _optional(t: torch.Tensor | None) -> torch.Tensor:
 
 def layer_tensors(layers: list[DecoderLayer]) -> list[torch.Tensor]:
     """step_layers' weights: per layer its norms (input, attention output, MLP input, MLP output,
-    query heads, key heads), then the weights and the biases of its qkv, o, gate_up and down
-    projections (an empty tensor: none)."""
+    query heads, key heads), then the weights, the biases and the quantized scales of its qkv,
+    o, gate_up and down projections (an empty tensor: none)."""
     tensors = []
     for layer in layers:
-        mlp = layer.mlp
-        projections = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        projections = _projections(layer)
         tensors += [layer.input_norm, _optional(layer.attn_out_norm), layer.mlp_in_norm]
         tensors += [_optional(layer.mlp_out_norm), _optional(layer.q_norm)]
         tensors += [_optional(layer.k_norm)]
         tensors += [p.weight for p in projections]
         tensors += [_optional(p.bias) for p in projections]
+        tensors += [_optional(_scales(p)) for p in projections]
     return tensors
+
+
+def _scales(projection) -> torch.Tensor | None:
+    if isinstance(projection, Int8Linear):
+        return projection.scale
+    if isinstance(projection, Int4Linear):
+        return projection.scales_and_zeros
+    return None
 
 
 def kv_groups(step: StepMetadata) -> list[StepMetadata]:
@@ -127,7 +149,7 @@ def run_layers(
         sin,
         [layer.rotary for layer in layers],
         tensors,
-        LAYOUT_CODES[layout],
+        LAYOUT_CODES.get(layout, LAYOUT_CODES["plain"]),  # a quantized model's float ones: plain
         ACTIVATION_CODES[mlp.activation],
         [p.out_features for p in (first.qkv_proj, first.o_proj, mlp.gate_up_proj, mlp.down_proj)],
         list(step.pool.kv),  # a view a layer (of one storage slot a KV group's layer)

@@ -75,7 +75,7 @@ def build_forward(
         return None
     forward = DecoderForward(model, pack=pack and not quantization, kernels=kernels)
     if quantization:
-        quantize_forward(forward, quantization)  # its steps run the Python layer loop
+        quantize_forward(forward, quantization)
     return forward
 
 

@@ -12,8 +12,9 @@ head and embedding table in 8 or 4 bits (``quantized_linear``).
   (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's 8-bit table.
   ``bench/quant_quality.py --sensitivity`` measures the KL each role adds at 4 bits.
 
-The fused C++ step (``kernels/step_layers.cpp``) takes bfloat16/float32 weights only: a
-quantized model's steps run the Python layer loop (with the C++ small-step ops where loaded).
+The fused C++ step (``kernels/step_layers.cpp``) runs the int8 and int4 projections through the
+same torch kernels as the Python layer loop; a checkpoint's other kinds (act-order permutations,
+parts concatenated) keep the Python loop.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from llmq.worker.runner import decoder_cpp_step
 from llmq.worker.runner.quantized_linear import (
     GROUP,
     Int4Weight,
@@ -169,8 +171,9 @@ def quantize_forward(forward, scheme: str | BitsPlan) -> None:
     _quantize_head_and_embedding(forward, quantizer)
     forward.layout = scheme if isinstance(scheme, str) else "int4"
     forward.packed = True  # small steps take the worker's threads, as packed weights do
-    # step_layers.cpp reads float weights only: the Python layer loop runs every step.
-    forward._uniform_layers = False
+    # step_layers.cpp runs int8 and int4 projections on torch's kernels, as the Python loop does.
+    forward._uniform_layers = decoder_cpp_step.serves_model(forward.layers)
+    forward._cpp_weights = None
     _return_freed_memory()
     log.info("weights quantized (%s): %.0f MiB", forward.layout, quantized_bytes(forward) / 2**20)
 

@@ -5,7 +5,8 @@ panels or packed for oneDNN, and float32, Llama and Qwen2 (biased projections), 
 sequences of ragged lengths; and the families whose layers hold more: Qwen 3 (q/k norms), Phi-3
 (fused checkpoint projections), Gemma 3 (four norms of 1 + weight, q/k norms, GELU-tanh, a
 rotary base for sliding layers; its window longer than the context, and one of 8 tokens, its
-windowed and global layers each reading their own KV group's tables); and steps with LoRA adapters' rows (several adapters and the base model in one
+windowed and global layers each reading their own KV group's tables); int8 and int4 weights
+on torch's kernels; and steps with LoRA adapters' rows (several adapters and the base model in one
 step, batched and run by run)."""
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ CASES = {
 }
 
 
-def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig):
+def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig, quantization=None):
     """An engine whose runner keeps every step's logits, and the count of steps it ran in C++."""
-    engine = LLMEngine(load_causal_lm(str(path), dtype, "cpu"), config)
+    engine = LLMEngine(load_causal_lm(str(path), dtype, "cpu", quantization), config)
     forward = engine.runner.forward
     assert forward.small_step_ops and engine.runner.decode_kernel
     if not in_cpp:
@@ -165,6 +166,34 @@ def test_adapters_in_one_call_equal_the_python_loop(
         while engine.has_unfinished():
             engine.step()
         assert engine.loras.num_loads == 4
+        runs.append((logits, in_cpp_steps[0]))
+    (fused, fused_steps), (loop, loop_steps) = runs
+    assert loop_steps == 0 and fused_steps == len(fused) == len(loop)
+    for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("case", ["3", "chunked"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_layers_in_one_call_equal_the_python_loop(
+    arch, dtype, scheme, case, request, monkeypatch
+):
+    """int8 and int4 projections (the int4 plan keeps some at 8 bits) through torch's kernels,
+    in one call as in the loop; Qwen2's biases added after them."""
+    path = request.getfixturevalue(f"{arch}_dir")
+    prompts, config = CASES[case]
+    monkeypatch.setattr(decoder_forward, "SMALL_STEP_OPS_TOKENS", 1 << 20)
+    runs = []
+    for in_cpp in (True, False):
+        engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp, config, scheme)
+        assert engine.runner.forward.layout == scheme
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished():
+            engine.step()
         runs.append((logits, in_cpp_steps[0]))
     (fused, fused_steps), (loop, loop_steps) = runs
     assert loop_steps == 0 and fused_steps == len(fused) == len(loop)

@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
@@ -47,6 +49,10 @@ enum LayerTensor : int64_t {
   kOBias,
   kGateUpBias,
   kDownBias,
+  kQkvScale,  // a quantized projection's scales (int8: [N]; int4: [K / group, N, 2]); else none
+  kOScale,
+  kGateUpScale,
+  kDownScale,
   kTensorsPerLayer,
 };
 
@@ -84,13 +90,14 @@ int64_t padded_rows(int64_t rows) {
 // packed_linear.LAYOUT_CODES: how a step's projection weights are held.
 enum Layout : int64_t { kPlain = 0, kOneDnn = 1, kPanels = 2 };
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t layout,
-                   int64_t out_features) {
+at::Tensor project_float(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         int64_t layout, int64_t out_features) {
   if (layout == kPanels) return llmq::panel_matmul(x, w, out_features, bias_of(b));
   if (layout == kPlain) return at::linear(x, w, bias_of(b));
   const int64_t rows = x.size(0), padded = padded_rows(rows);
   if (padded != rows) {
-    return project(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, layout, out_features)
+    return project_float(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, layout,
+                         out_features)
         .narrow(0, 0, rows);
   }
   static const c10::OperatorHandle op =
@@ -105,6 +112,32 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   stack.emplace_back(std::optional<std::string>(""));
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// A quantized projection, as quantized_linear.Int8Linear and Int4Linear run it: the rows in
+// bfloat16 (int8: zero columns up to the weight's padded width) through torch's weight-only
+// kernel, the output cut to its width (int4 pads it), back to x's dtype, then the bias.
+at::Tensor project_quantized(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                             const at::Tensor& scale, int64_t out_features) {
+  at::Tensor a = x.to(at::kBFloat16);
+  at::Tensor y;
+  if (w.scalar_type() == at::kChar) {  // int8 [N, K padded]
+    if (w.size(1) != a.size(1)) a = at::constant_pad_nd(a, {0, w.size(1) - a.size(1)});
+    y = at::_weight_int8pack_mm(a.contiguous(), w, scale);
+  } else {  // int4, packed; scales and zeros [K / group, N, 2]
+    a = a.contiguous();
+    y = at::_weight_int4pack_mm_for_cpu(a, w, a.size(1) / scale.size(0), scale);
+    if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
+  }
+  y = y.to(x.scalar_type());
+  return given(b) ? at::add(y, b) : y;
+}
+
+// A projection of x: quantized where it has scales, else its float weights in `layout`.
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                   const at::Tensor& scale, int64_t layout, int64_t out_features) {
+  if (given(scale)) return project_quantized(x, w, b, scale, out_features);
+  return project_float(x, w, b, layout, out_features);
 }
 
 // Keys [T, Hkv, D] and values into their slots of one layer of the pool [2 * Hkv, slots, D].
@@ -264,7 +297,7 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
                        at::TensorList lora_weights, const at::Tensor& lora_scales,
                        const at::Tensor& lora_rows, at::IntArrayRef lora_groups,
                        at::IntArrayRef lora_ranks) {
-  TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 14 tensors a layer");
+  TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 18 tensors a layer");
   TORCH_CHECK(layout >= kPlain && layout <= kPanels, "step_layers: layout 0, 1 or 2");
   TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "step_layers: activation 0 or 1");
   TORCH_CHECK(out_features.size() == 4, "step_layers: the qkv, o, gate_up, down widths");
@@ -304,7 +337,7 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
     at::Tensor x = llmq::rms_norm(h, w[kInputNorm], eps);
     at::Tensor qkv =
-        add_deltas(lora, x, project(x, w[kQkv], w[kQkvBias], layout, out_features[0]), l, 0,
+        add_deltas(lora, x, project(x, w[kQkv], w[kQkvBias], w[kQkvScale], layout, out_features[0]), l, 0,
                    qkv_columns)
             .view({tokens, heads + 2 * kv_heads, dim});
     at::Tensor qk = given(w[kQNorm])
@@ -316,16 +349,16 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
                  kv_heads, block_size, scale);
     const at::Tensor attn_rows = attn.view({tokens, heads * dim});
     const at::Tensor o = add_deltas(
-        lora, attn_rows, project(attn_rows, w[kO], w[kOBias], layout, out_features[1]), l, 1,
+        lora, attn_rows, project(attn_rows, w[kO], w[kOBias], w[kOScale], layout, out_features[1]), l, 1,
         o_columns);
     h = at::add(h, norm_if(o, w[kAttnOutNorm], eps));
     x = llmq::rms_norm(h, w[kMlpInNorm], eps);
     const at::Tensor gate_up =
-        add_deltas(lora, x, project(x, w[kGateUp], w[kGateUpBias], layout, out_features[2]), l, 2,
+        add_deltas(lora, x, project(x, w[kGateUp], w[kGateUpBias], w[kGateUpScale], layout, out_features[2]), l, 2,
                    gate_up_columns);
     const at::Tensor act = activate(gate_up, activation);
     const at::Tensor down =
-        add_deltas(lora, act, project(act, w[kDown], w[kDownBias], layout, out_features[3]), l, 3,
+        add_deltas(lora, act, project(act, w[kDown], w[kDownBias], w[kDownScale], layout, out_features[3]), l, 3,
                    down_columns);
     h = at::add(h, norm_if(down, w[kMlpOutNorm], eps));
   }
