@@ -178,6 +178,43 @@ void shrink_by_matmul(const at::Tensor& x, const at::Tensor& a, const int64_t* r
   at::mm_out(xa, xs.to(at::kFloat), a[g.slot].to(at::kFloat).t());
 }
 
+// The groups' rows of x times A, float32 [rows, parts * room], each group's from `first[g]`:
+// a small group's rows gathered in float32 (into xf, from `gathered[g]`) for the blocks above,
+// a large one's through torch's matmul now.
+template <typename T>
+struct Shrunk {
+  at::Tensor xa;
+  std::vector<float> xf;
+  std::vector<int64_t> first, gathered;
+
+  Shrunk(const at::Tensor& x, const at::Tensor& a, const at::Tensor& rows_t,
+         const std::vector<Group>& groups, int64_t ranks) {
+    const int64_t k = x.size(1);
+    const int64_t* rows = rows_t.const_data_ptr<int64_t>();
+    int64_t total = 0, small = 0;
+    for (const Group& g : groups) {
+      first.push_back(total), total += g.hi - g.lo;
+      gathered.push_back(small);
+      if (g.hi - g.lo <= kKernelRows) small += g.hi - g.lo;
+    }
+    xa = at::zeros({total, ranks}, x.options().dtype(at::kFloat));
+    xf.resize(small * k);
+    const T* xp = x.const_data_ptr<T>();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const int64_t n = groups[g].hi - groups[g].lo;
+      if (n > kKernelRows) {
+        shrink_by_matmul(x, a, rows, rows_t, groups[g], xa.narrow(0, first[g], n));
+        continue;
+      }
+      float* out = xf.data() + gathered[g] * k;
+      for (int64_t j = groups[g].lo; j < groups[g].hi; ++j, out += k) {
+        const T* in = xp + rows[j] * x.stride(0);
+        for (int64_t c = 0; c < k; ++c) out[c] = static_cast<float>(in[c]);
+      }
+    }
+  }
+};
+
 // Every group's deltas: x's rows times A (by the blocks above, or torch's matmul for a group of
 // many rows), then times B, added to y, in parallel over groups and column blocks.
 template <typename T, typename W>
@@ -187,46 +224,25 @@ void deltas_kernel(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, cons
   const int64_t k = x.size(1), parts = static_cast<int64_t>(columns.size()) - 1;
   const int64_t room = bt.size(1), width = bt.size(2), ranks = parts * room;
   const int64_t* rows = rows_t.const_data_ptr<int64_t>();
-  int64_t total = 0, gathered = 0;
-  std::vector<int64_t> first, first_gathered;  // each group's first row in xa, in xf
-  for (const Group& g : groups) {
-    first.push_back(total), total += g.hi - g.lo;
-    first_gathered.push_back(gathered);
-    if (g.hi - g.lo <= kKernelRows) gathered += g.hi - g.lo;
-  }
-  at::Tensor xa_t = at::zeros({total, ranks}, x.options().dtype(at::kFloat));
-  float* xa = xa_t.data_ptr<float>();
-  std::vector<float> xf(gathered * k);  // the small groups' rows of x in float32
-  const T* xp = x.const_data_ptr<T>();
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (groups[g].hi - groups[g].lo > kKernelRows) {
-      shrink_by_matmul(x, a, rows, rows_t, groups[g],
-                       xa_t.narrow(0, first[g], groups[g].hi - groups[g].lo));
-      continue;
-    }
-    float* out = xf.data() + first_gathered[g] * k;
-    for (int64_t j = groups[g].lo; j < groups[g].hi; ++j, out += k) {
-      const T* in = xp + rows[j] * x.stride(0);
-      for (int64_t c = 0; c < k; ++c) out[c] = static_cast<float>(in[c]);
-    }
-  }
+  Shrunk<T> shrunk(x, a, rows_t, groups, ranks);
+  float* xa = shrunk.xa.template data_ptr<float>();
   const W* ap = a.const_data_ptr<W>();
   const W* bp = bt.const_data_ptr<W>();
   auto shrink = [&](int64_t g) {
     const Group& grp = groups[g];
-    if (grp.hi - grp.lo > kKernelRows) return;  // done by the matmul above
-    shrink_rows(xf.data() + first_gathered[g] * k, grp.hi - grp.lo, ap + grp.slot * ranks * k,
-                parts, room, grp.rank, k, xa + first[g] * ranks);
+    if (grp.hi - grp.lo > kKernelRows) return;  // done by the matmul
+    shrink_rows(shrunk.xf.data() + shrunk.gathered[g] * k, grp.hi - grp.lo,
+                ap + grp.slot * ranks * k, parts, room, grp.rank, k, xa + shrunk.first[g] * ranks);
   };
   T* yp = y.data_ptr<T>();
   auto expand = [&](int64_t g, int64_t p, int64_t o0, int64_t o1) {
     const Group& grp = groups[g];
     expand_columns(yp, y.stride(0), rows + grp.lo, grp.hi - grp.lo,
-                   xa + first[g] * ranks + p * room, ranks, bp + grp.slot * room * width, width,
-                   grp.rank, o0, o1, scales[grp.slot]);
+                   xa + shrunk.first[g] * ranks + p * room, ranks, bp + grp.slot * room * width,
+                   width, grp.rank, o0, o1, scales[grp.slot]);
   };
   const int64_t num_groups = static_cast<int64_t>(groups.size());
-  if (num_groups >= at::get_num_threads() && total <= num_groups * kKernelRows) {
+  if (num_groups >= at::get_num_threads() && shrunk.xa.size(0) <= num_groups * kKernelRows) {
     // Decodes over several adapters: a thread takes whole groups, one parallel region (each
     // costs tens of microseconds, as much as a small group's arithmetic).
     at::parallel_for(0, num_groups, 1, [&](int64_t lo, int64_t hi) {

@@ -20,6 +20,10 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                         const std::optional<at::Tensor>& bias);
+// layout: packed_linear.LAYOUT_CODES' (plain, oneDNN's packed, llmq's panels) for float weights;
+// a projection with scales is int8 or int4 (projections.cpp).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                   const at::Tensor& scale, int64_t layout, int64_t out_features);
 void lora_deltas(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
                  at::IntArrayRef columns, const at::Tensor& scales, const at::Tensor& rows,
                  at::IntArrayRef groups, at::IntArrayRef ranks);

@@ -12,15 +12,9 @@
 // lora_deltas, as the Python loop does.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
-#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
-#include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/add.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
@@ -61,10 +55,6 @@ enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 bool given(const at::Tensor& t) { return t.defined() && t.numel(); }
 
-std::optional<at::Tensor> bias_of(const at::Tensor& b) {
-  return given(b) ? std::optional<at::Tensor>(b) : std::nullopt;
-}
-
 // act(gate) * up over [rows, 2 * width], as the Python loop computes it.
 at::Tensor activate(const at::Tensor& gate_up, int64_t activation) {
   if (activation == kSilu) return llmq::silu_mul(gate_up);
@@ -75,69 +65,6 @@ at::Tensor activate(const at::Tensor& gate_up, int64_t activation) {
 // x normed with `weight` where the layer has one; x itself where not.
 at::Tensor norm_if(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return given(weight) ? llmq::rms_norm(x, weight, eps) : x;
-}
-
-// packed_linear.padded_rows: the row counts oneDNN's packed matmul runs (each one a primitive it
-// builds and keeps), up to 16 as they are, above in four steps per doubling.
-int64_t padded_rows(int64_t rows) {
-  if (rows <= 16) return rows;
-  int64_t bits = 0;
-  for (int64_t r = rows - 1; r > 0; r >>= 1) ++bits;
-  const int64_t step = int64_t{1} << (bits - 3);
-  return (rows + step - 1) / step * step;
-}
-
-// packed_linear.LAYOUT_CODES: how a step's projection weights are held.
-enum Layout : int64_t { kPlain = 0, kOneDnn = 1, kPanels = 2 };
-
-at::Tensor project_float(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                         int64_t layout, int64_t out_features) {
-  if (layout == kPanels) return llmq::panel_matmul(x, w, out_features, bias_of(b));
-  if (layout == kPlain) return at::linear(x, w, bias_of(b));
-  const int64_t rows = x.size(0), padded = padded_rows(rows);
-  if (padded != rows) {
-    return project_float(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b, layout,
-                         out_features)
-        .narrow(0, 0, rows);
-  }
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(w);
-  stack.emplace_back(bias_of(b));
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::optional<std::string>(""));
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-// A quantized projection, as quantized_linear.Int8Linear and Int4Linear run it: the rows in
-// bfloat16 (int8: zero columns up to the weight's padded width) through torch's weight-only
-// kernel, the output cut to its width (int4 pads it), back to x's dtype, then the bias.
-at::Tensor project_quantized(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                             const at::Tensor& scale, int64_t out_features) {
-  at::Tensor a = x.to(at::kBFloat16);
-  at::Tensor y;
-  if (w.scalar_type() == at::kChar) {  // int8 [N, K padded]
-    if (w.size(1) != a.size(1)) a = at::constant_pad_nd(a, {0, w.size(1) - a.size(1)});
-    y = at::_weight_int8pack_mm(a.contiguous(), w, scale);
-  } else {  // int4, packed; scales and zeros [K / group, N, 2]
-    a = a.contiguous();
-    y = at::_weight_int4pack_mm_for_cpu(a, w, a.size(1) / scale.size(0), scale);
-    if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
-  }
-  y = y.to(x.scalar_type());
-  return given(b) ? at::add(y, b) : y;
-}
-
-// A projection of x: quantized where it has scales, else its float weights in `layout`.
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                   const at::Tensor& scale, int64_t layout, int64_t out_features) {
-  if (given(scale)) return project_quantized(x, w, b, scale, out_features);
-  return project_float(x, w, b, layout, out_features);
 }
 
 // Keys [T, Hkv, D] and values into their slots of one layer of the pool [2 * Hkv, slots, D].
@@ -226,6 +153,19 @@ void attend_layer(at::Tensor& attn, const at::Tensor& qk, const at::Tensor& qkv,
   attend_prompts(attn, qk, qkv, layer_kv, prompts, group.first_prompt, heads, kv_heads, bs, scale);
 }
 
+// Each layer's pool [2 * kv_heads, slots, head_dim], alike, in the model's dtype.
+void check_pools(at::TensorList kv, int64_t layers, int64_t kv_heads, at::ScalarType dtype) {
+  TORCH_CHECK(static_cast<int64_t>(kv.size()) == layers, "step_layers: a KV pool a layer");
+  for (const at::Tensor& layer_kv : kv) {
+    TORCH_CHECK(layer_kv.dim() == 3 && layer_kv.size(0) == 2 * kv_heads &&
+                    layer_kv.size(1) == kv[0].size(1) && layer_kv.size(2) == kv[0].size(2) &&
+                    layer_kv.is_contiguous(),
+                "step_layers: a layer's pool [2 * kv_heads, slots, head_dim]");
+    TORCH_CHECK(layer_kv.scalar_type() == dtype,
+                "step_layers: a pool in the model's dtype (not an 8-bit one)");
+  }
+}
+
 // The step's KV groups, their lists checked against the pool and the step's tokens.
 std::vector<KVGroup> kv_groups(at::TensorList slots, at::TensorList block_tables,
                                at::TensorList context_lens, at::IntArrayRef windows,
@@ -274,6 +214,50 @@ at::Tensor add_deltas(const Adapters& lora, const at::Tensor& x, at::Tensor y, i
   return y;
 }
 
+// What every layer of the step shares: its weights' layout and activation, the projections'
+// widths and their parts' columns (for the LoRA deltas), the heads, the attention's scale and
+// the norms' epsilon.
+struct LayerShape {
+  int64_t layout, activation;
+  at::IntArrayRef out_features;
+  std::vector<int64_t> columns[4];  // qkv: q, k, v; o; gate_up: gate, up; down
+  int64_t heads, kv_heads, dim, block_size, num_decodes;
+  double scale, eps;
+};
+
+// Projection p (0: qkv, 1: o, 2: gate_up, 3: down) of layer l's weights w, on x, with the
+// adapters' deltas.
+at::Tensor project_layer(const at::Tensor& x, const at::Tensor* w, int64_t l, int p,
+                         const LayerShape& s, const Adapters& lora) {
+  const int64_t weight = kQkv + p;
+  const at::Tensor y = llmq::project(x, w[weight], w[kQkvBias + p], w[kQkvScale + p], s.layout,
+                               s.out_features[p]);
+  return add_deltas(lora, x, y, l, p, s.columns[p]);
+}
+
+// Layer l on hidden states h: the attention over its KV group's cache, then the MLP.
+at::Tensor run_layer(at::Tensor h, const at::Tensor* w, int64_t l, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor layer_kv, const KVGroup& group,
+                     const Prompts& prompts, at::Tensor& attn, const LayerShape& s,
+                     const Adapters& lora) {
+  const int64_t tokens = h.size(0), heads = s.heads, kv_heads = s.kv_heads;
+  at::Tensor x = llmq::rms_norm(h, w[kInputNorm], s.eps);
+  const at::Tensor qkv =
+      project_layer(x, w, l, 0, s, lora).view({tokens, heads + 2 * kv_heads, s.dim});
+  at::Tensor qk = given(w[kQNorm])
+                      ? llmq::qk_norm(qkv, w[kQNorm], w[kKNorm], heads, kv_heads, s.eps)
+                      : qkv;
+  qk = llmq::rotary(qk, cos, sin, heads + kv_heads);
+  attend_layer(attn, qk, qkv, layer_kv, group, prompts, s.num_decodes, heads, kv_heads,
+               s.block_size, s.scale);
+  const at::Tensor o = project_layer(attn.view({tokens, heads * s.dim}), w, l, 1, s, lora);
+  h = at::add(h, norm_if(o, w[kAttnOutNorm], s.eps));
+  x = llmq::rms_norm(h, w[kMlpInNorm], s.eps);
+  const at::Tensor act = activate(project_layer(x, w, l, 2, s, lora), s.activation);
+  const at::Tensor down = project_layer(act, w, l, 3, s, lora);
+  return at::add(h, norm_if(down, w[kMlpOutNorm], s.eps));
+}
+
 }  // namespace
 
 namespace llmq {
@@ -298,7 +282,7 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
                        const at::Tensor& lora_rows, at::IntArrayRef lora_groups,
                        at::IntArrayRef lora_ranks) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 18 tensors a layer");
-  TORCH_CHECK(layout >= kPlain && layout <= kPanels, "step_layers: layout 0, 1 or 2");
+  TORCH_CHECK(layout >= 0 && layout <= 2, "step_layers: layout 0, 1 or 2 (llmq::project's)");
   TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "step_layers: activation 0 or 1");
   TORCH_CHECK(out_features.size() == 4, "step_layers: the qkv, o, gate_up, down widths");
   const int64_t layers = weights.size() / kTensorsPerLayer;
@@ -306,15 +290,7 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
               "step_layers: a cos and sin per rotary base, a base per layer");
   for (const int64_t r : layer_rotary)
     TORCH_CHECK(r >= 0 && r < static_cast<int64_t>(cos.size()), "step_layers: rotary base");
-  TORCH_CHECK(static_cast<int64_t>(kv.size()) == layers, "step_layers: a KV pool a layer");
-  for (const at::Tensor& layer_kv : kv) {
-    TORCH_CHECK(layer_kv.dim() == 3 && layer_kv.size(0) == 2 * kv_heads &&
-                    layer_kv.size(1) == kv[0].size(1) && layer_kv.size(2) == kv[0].size(2) &&
-                    layer_kv.is_contiguous(),
-                "step_layers: a layer's pool [2 * kv_heads, slots, head_dim]");
-    TORCH_CHECK(layer_kv.scalar_type() == h_in.scalar_type(),
-                "step_layers: a pool in the model's dtype (not an 8-bit one)");
-  }
+  check_pools(kv, layers, kv_heads, h_in.scalar_type());
   const Prompts prompts{prompt_starts, prompt_lens, prompt_contexts, prompt_blocks, prompt_masks};
   const int64_t tokens = h_in.size(0), dim = kv[0].size(2);
   const std::vector<KVGroup> groups =
@@ -328,39 +304,26 @@ at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorLis
               "step_layers: an A and a B for each of the 4 projections");
   // Each projection's parts' columns (lora_weights.PARTS): q, k, v; o; gate, up; down.
   const int64_t q = heads * dim, kv_width = kv_heads * dim;
-  const std::vector<int64_t> qkv_columns{0, q, q + kv_width, q + 2 * kv_width},
-      o_columns{0, out_features[1]}, gate_up_columns{0, out_features[2] / 2, out_features[2]},
-      down_columns{0, out_features[3]};
+  const LayerShape shape{layout,
+                         activation,
+                         out_features,
+                         {{0, q, q + kv_width, q + 2 * kv_width},
+                          {0, out_features[1]},
+                          {0, out_features[2] / 2, out_features[2]},
+                          {0, out_features[3]}},
+                         heads,
+                         kv_heads,
+                         dim,
+                         block_size,
+                         num_decodes,
+                         scale,
+                         eps};
   at::Tensor h = h_in;
   at::Tensor attn = at::empty({tokens, heads, dim}, h.options());
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
-    at::Tensor x = llmq::rms_norm(h, w[kInputNorm], eps);
-    at::Tensor qkv =
-        add_deltas(lora, x, project(x, w[kQkv], w[kQkvBias], w[kQkvScale], layout, out_features[0]), l, 0,
-                   qkv_columns)
-            .view({tokens, heads + 2 * kv_heads, dim});
-    at::Tensor qk = given(w[kQNorm])
-                        ? llmq::qk_norm(qkv, w[kQNorm], w[kKNorm], heads, kv_heads, eps)
-                        : qkv;
     const int64_t r = layer_rotary[l];
-    qk = llmq::rotary(qk, cos[r], sin[r], heads + kv_heads);
-    attend_layer(attn, qk, qkv, kv[l], groups[layer_group[l]], prompts, num_decodes, heads,
-                 kv_heads, block_size, scale);
-    const at::Tensor attn_rows = attn.view({tokens, heads * dim});
-    const at::Tensor o = add_deltas(
-        lora, attn_rows, project(attn_rows, w[kO], w[kOBias], w[kOScale], layout, out_features[1]), l, 1,
-        o_columns);
-    h = at::add(h, norm_if(o, w[kAttnOutNorm], eps));
-    x = llmq::rms_norm(h, w[kMlpInNorm], eps);
-    const at::Tensor gate_up =
-        add_deltas(lora, x, project(x, w[kGateUp], w[kGateUpBias], w[kGateUpScale], layout, out_features[2]), l, 2,
-                   gate_up_columns);
-    const at::Tensor act = activate(gate_up, activation);
-    const at::Tensor down =
-        add_deltas(lora, act, project(act, w[kDown], w[kDownBias], w[kDownScale], layout, out_features[3]), l, 3,
-                   down_columns);
-    h = at::add(h, norm_if(down, w[kMlpOutNorm], eps));
+    h = run_layer(h, weights.data() + l * kTensorsPerLayer, l, cos[r], sin[r], kv[l],
+                  groups[layer_group[l]], prompts, attn, shape, lora);
   }
   return h;
 }
