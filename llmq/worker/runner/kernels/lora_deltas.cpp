@@ -173,8 +173,8 @@ void shrink_by_matmul(const at::Tensor& x, const at::Tensor& a, const int64_t* r
                       const at::Tensor& rows_t, const Group& g, at::Tensor xa) {
   const int64_t n = g.hi - g.lo;
   const bool consecutive = rows[g.hi - 1] - rows[g.lo] == n - 1;  // rows increase in a group
-  const at::Tensor xs = consecutive ? x.narrow(0, rows[g.lo], n)
-                                    : x.index_select(0, rows_t.narrow(0, g.lo, n));
+  const at::Tensor xs =
+      consecutive ? x.narrow(0, rows[g.lo], n) : x.index_select(0, rows_t.narrow(0, g.lo, n));
   at::mm_out(xa, xs.to(at::kFloat), a[g.slot].to(at::kFloat).t());
 }
 

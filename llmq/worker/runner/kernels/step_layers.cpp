@@ -230,8 +230,8 @@ struct LayerShape {
 at::Tensor project_layer(const at::Tensor& x, const at::Tensor* w, int64_t l, int p,
                          const LayerShape& s, const Adapters& lora) {
   const int64_t weight = kQkv + p;
-  const at::Tensor y = llmq::project(x, w[weight], w[kQkvBias + p], w[kQkvScale + p], s.layout,
-                               s.out_features[p]);
+  const at::Tensor y =
+      llmq::project(x, w[weight], w[kQkvBias + p], w[kQkvScale + p], s.layout, s.out_features[p]);
   return add_deltas(lora, x, y, l, p, s.columns[p]);
 }
 
@@ -244,9 +244,8 @@ at::Tensor run_layer(at::Tensor h, const at::Tensor* w, int64_t l, const at::Ten
   at::Tensor x = llmq::rms_norm(h, w[kInputNorm], s.eps);
   const at::Tensor qkv =
       project_layer(x, w, l, 0, s, lora).view({tokens, heads + 2 * kv_heads, s.dim});
-  at::Tensor qk = given(w[kQNorm])
-                      ? llmq::qk_norm(qkv, w[kQNorm], w[kKNorm], heads, kv_heads, s.eps)
-                      : qkv;
+  at::Tensor qk =
+      given(w[kQNorm]) ? llmq::qk_norm(qkv, w[kQNorm], w[kKNorm], heads, kv_heads, s.eps) : qkv;
   qk = llmq::rotary(qk, cos, sin, heads + kv_heads);
   attend_layer(attn, qk, qkv, layer_kv, group, prompts, s.num_decodes, heads, kv_heads,
                s.block_size, s.scale);
@@ -268,19 +267,16 @@ namespace llmq {
 // sliding windows) as KVGroup holds it, its slots [T] int64, its decodes' block tables and
 // context lengths, its window; layer_group[l]: layer l's group; the prompt chunks as Prompts
 // holds them. Returns the last layer's hidden states.
-at::Tensor step_layers(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin,
-                       at::IntArrayRef layer_rotary, at::TensorList weights, int64_t layout,
-                       int64_t activation, at::IntArrayRef out_features, at::TensorList kv,
-                       at::TensorList slots, int64_t num_decodes, at::TensorList block_tables,
-                       at::TensorList context_lens, at::IntArrayRef windows,
-                       at::IntArrayRef layer_group, at::IntArrayRef prompt_starts,
-                       at::IntArrayRef prompt_lens, at::IntArrayRef prompt_contexts,
-                       at::TensorList prompt_blocks,
-                       const c10::List<std::optional<at::Tensor>>& prompt_masks, int64_t block_size,
-                       int64_t heads, int64_t kv_heads, double scale, double eps,
-                       at::TensorList lora_weights, const at::Tensor& lora_scales,
-                       const at::Tensor& lora_rows, at::IntArrayRef lora_groups,
-                       at::IntArrayRef lora_ranks) {
+at::Tensor step_layers(
+    const at::Tensor& h_in, at::TensorList cos, at::TensorList sin, at::IntArrayRef layer_rotary,
+    at::TensorList weights, int64_t layout, int64_t activation, at::IntArrayRef out_features,
+    at::TensorList kv, at::TensorList slots, int64_t num_decodes, at::TensorList block_tables,
+    at::TensorList context_lens, at::IntArrayRef windows, at::IntArrayRef layer_group,
+    at::IntArrayRef prompt_starts, at::IntArrayRef prompt_lens, at::IntArrayRef prompt_contexts,
+    at::TensorList prompt_blocks, const c10::List<std::optional<at::Tensor>>& prompt_masks,
+    int64_t block_size, int64_t heads, int64_t kv_heads, double scale, double eps,
+    at::TensorList lora_weights, const at::Tensor& lora_scales, const at::Tensor& lora_rows,
+    at::IntArrayRef lora_groups, at::IntArrayRef lora_ranks) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "step_layers: 18 tensors a layer");
   TORCH_CHECK(layout >= 0 && layout <= 2, "step_layers: layout 0, 1 or 2 (llmq::project's)");
   TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "step_layers: activation 0 or 1");
