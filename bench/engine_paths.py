@@ -83,6 +83,27 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
 
 
 # ---- the paths -------------------------------------------------------------------------------
+def median_steps_in_turn(engines: dict, requests: dict, steps: int) -> dict[str, float]:
+    """Median decode step (ms) of each engine, the engines stepped in turn, one step apart: on
+    a machine that others share, as near side by side as two paths get. ``requests[kind]``:
+    that engine's (prompt, LoRA adapter or None) pairs, prefilled before the timed steps."""
+    from llmq.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for kind, engine in engines.items():
+        for i, (prompt, lora) in enumerate(requests[kind]):
+            engine.add_request(f"t{i}", prompt, params, lora=lora)
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
+            engine.step()
+    times: dict[str, list[float]] = {kind: [] for kind in engines}
+    for _ in range(steps):
+        for kind, engine in engines.items():
+            t = time.perf_counter()
+            engine.step()
+            times[kind].append(time.perf_counter() - t)
+    return {kind: statistics.median(ts) * 1000 for kind, ts in times.items()}
+
+
 def run_engine(model, prompts, args) -> dict:
     """All requests at once through LLMEngine; records every step to find the steady state."""
     from llmq.common.sampling_params import SamplingParams

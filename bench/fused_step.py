@@ -15,16 +15,19 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine_paths import ensure_model, log, make_prompts  # noqa: E402  (bench/, beside this file)
+from engine_paths import (  # noqa: E402  (bench/, beside this file)
+    ensure_model,
+    log,
+    make_prompts,
+    median_steps_in_turn,
+)
 
 FORMS = ("bfloat16", "int8", "int4", "lora", "gemma3")
 
@@ -40,28 +43,6 @@ def engine_of(form: str, model_dir: Path, gemma_dir: Path, fused: bool):
     )
     engine.runner.forward._uniform_layers &= fused
     return engine
-
-
-def median_steps(engines: dict, prompts, loras, steps: int) -> dict[str, float]:
-    from llmq.common.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for engine in engines.values():
-        for i, p in enumerate(prompts):
-            lora = loras[i % len(loras)] if loras else None
-            engine.add_request(f"s{i}", p, params, lora=lora)
-        while engine.has_unfinished() and any(
-            s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()
-        ):
-            engine.step()
-        engine.step()
-    times: dict[str, list[float]] = {kind: [] for kind in engines}
-    for _ in range(steps):
-        for kind, engine in engines.items():
-            t = time.perf_counter()
-            engine.step()
-            times[kind].append(time.perf_counter() - t)
-    return {kind: statistics.median(ts) * 1000 for kind, ts in times.items()}
 
 
 def main(argv=None) -> int:
@@ -88,7 +69,8 @@ def main(argv=None) -> int:
                 for kind in ("fused", "loop")
             }
             prompts = make_prompts(batch, 128, 128, engines["fused"].vocab_size, seed=1)
-            ms = median_steps(engines, prompts, loras if form == "lora" else [], args.steps)
+            pairs = [(p, loras[i % 8] if form == "lora" else None) for i, p in enumerate(prompts)]
+            ms = median_steps_in_turn(engines, dict.fromkeys(engines, pairs), args.steps)
             log(
                 f"{form:8s} batch {batch:2d}: fused {ms['fused']:6.1f} ms, Python loop "
                 f"{ms['loop']:6.1f} ms: {ms['loop'] / ms['fused']:.2f}x"

@@ -37,7 +37,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine_paths import ensure_model, log, make_prompts  # noqa: E402  (bench/, beside this file)
+from engine_paths import (  # noqa: E402  (bench/, beside this file)
+    ensure_model,
+    log,
+    make_prompts,
+    median_steps_in_turn,
+)
 
 from tests.lora_model import ALL_TARGETS as TARGETS  # noqa: E402
 from tests.lora_model import randomize_lora  # noqa: E402
@@ -152,25 +157,14 @@ def itl_while_loading(engine, prompts, loras, new_lora, output_tokens: int) -> d
 
 def interleaved_steps(make_engine, prompts, loras, steps: int) -> dict:
     """Decode steps of 32 streams on the base model and of the same streams over the adapters,
-    in two engines stepped in turn: on a machine that others share, one step apart is as near
-    side by side as two paths get. Median step time of each."""
-    from llmq.common.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    in two engines stepped in turn. Median step time of each."""
     engines = {"base": make_engine(), "lora": make_engine()}
-    for kind, engine in engines.items():
-        for i, p in enumerate(prompts):
-            lora = loras[i % len(loras)] if kind == "lora" else None
-            engine.add_request(f"t{i}", p, params, lora=lora)
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
-            engine.step()
-    times: dict[str, list[float]] = {kind: [] for kind in engines}
-    for _ in range(steps):
-        for kind, engine in engines.items():
-            t = time.perf_counter()
-            engine.step()
-            times[kind].append(time.perf_counter() - t)
-    return {f"{kind}_step_ms": statistics.median(ts) * 1000 for kind, ts in times.items()}
+    requests = {
+        "base": [(p, None) for p in prompts],
+        "lora": [(p, loras[i % len(loras)]) for i, p in enumerate(prompts)],
+    }
+    medians = median_steps_in_turn(engines, requests, steps)
+    return {f"{kind}_step_ms": ms for kind, ms in medians.items()}
 
 
 def main(argv=None) -> int:

@@ -85,6 +85,24 @@ def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig, quantiza
     return engine, logits_seen, in_cpp_steps
 
 
+def run_all(engine, prompts, max_tokens: int, loras=None) -> None:
+    """Prompt i as request "i" (under ``loras[i]`` where given), stepped until all finish."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, lora=None if loras is None else loras[i])
+    while engine.has_unfinished():
+        engine.step()
+
+
+def assert_fused_equals_loop(runs) -> None:
+    """``runs``: (logits, steps in C++) of the fused engine, then the loop's. Every step of the
+    first in one C++ call, none of the second, and every step's logits bit-equal."""
+    (fused, fused_steps), (loop, loop_steps) = runs
+    assert loop_steps == 0 and fused_steps == len(fused) == len(loop)  # every step in C++
+    for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
 # The families' layers on the 3-sequence and chunked steps (24 sequences add nothing of theirs).
 ARCH_CASES = [(arch, case) for arch in ("llama", "qwen2") for case in CASES]
 ARCH_CASES += [(arch, case) for arch in FAMILIES for case in ("3", "chunked")]
@@ -116,20 +134,13 @@ def test_layers_in_one_call_equal_the_python_loop(
         engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp, config)
         if engine.runner.forward.layout != layout:
             pytest.skip(f"{layout} weights do not serve on this CPU")
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        while engine.has_unfinished():
-            engine.step()
+        run_all(engine, prompts, 24)
         runs.append((logits, in_cpp_steps[0]))
-    (fused, fused_steps), (loop, loop_steps) = runs
-    assert loop_steps == 0 and fused_steps == len(fused) == len(loop)  # every step in C++
+    assert_fused_equals_loop(runs)
     if case == "chunked":
         assert engine.block_manager.prefix_hits > 0  # chunks over cached blocks
     else:
-        assert max(len(step) for step in fused) == len(prompts)  # every sequence in one step
-    for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
-        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+        assert max(len(step) for step in runs[0][0]) == len(prompts)  # every sequence in one step
 
 
 @pytest.fixture(scope="module")
@@ -159,18 +170,11 @@ def test_adapters_in_one_call_equal_the_python_loop(
             engine.step()
         logits.clear()
         in_cpp_steps[0] = 0
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            lora = llama_adapters[i % 5] if i % 5 < 4 else None
-            engine.add_request(str(i), prompt, params, lora=lora)
-        while engine.has_unfinished():
-            engine.step()
+        loras = [llama_adapters[i % 5] if i % 5 < 4 else None for i in range(len(prompts))]
+        run_all(engine, prompts, 12, loras)
         assert engine.loras.num_loads == 4
         runs.append((logits, in_cpp_steps[0]))
-    (fused, fused_steps), (loop, loop_steps) = runs
-    assert loop_steps == 0 and fused_steps == len(fused) == len(loop)
-    for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
-        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+    assert_fused_equals_loop(runs)
 
 
 @pytest.mark.parametrize("case", ["3", "chunked"])
@@ -189,13 +193,6 @@ def test_quantized_layers_in_one_call_equal_the_python_loop(
     for in_cpp in (True, False):
         engine, logits, in_cpp_steps = logged_engine(path, dtype, in_cpp, config, scheme)
         assert engine.runner.forward.layout == scheme
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        while engine.has_unfinished():
-            engine.step()
+        run_all(engine, prompts, 12)
         runs.append((logits, in_cpp_steps[0]))
-    (fused, fused_steps), (loop, loop_steps) = runs
-    assert loop_steps == 0 and fused_steps == len(fused) == len(loop)
-    for step, (a, b) in enumerate(zip(fused, loop, strict=True)):
-        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+    assert_fused_equals_loop(runs)
