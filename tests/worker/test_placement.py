@@ -185,21 +185,23 @@ def test_a_late_worker_gets_work_once_it_heartbeats(fleet):
 
 
 def _placed_burst_survives(fleet, sig: signal.Signals) -> str:
-    """Requests sharing a cached prefix go to its holder; right after the holder has them in
-    its pending list it gets ``sig``: every answer still equals the undisturbed one."""
+    """Requests sharing a cached prefix are placed; right after a worker has them in its
+    pending list it gets ``sig``: every answer still equals the undisturbed one.
+
+    Which worker takes the burst is the placer's choice: usually the prefix's holder, but a
+    heartbeat written while the first requests ran still shows the holder loaded for up to
+    a second, and an idle worker without the prefix may then be the cheaper one."""
     system = system_prompt(40 + sig.value, words=80)
     convs = [messages(system, f"part {i}") for i in range(3)]
     expected = [t for t, _ in gather(*(chat(fleet.base, m, max_tokens=120) for m in convs))]
     hashes = prompt_hashes(prompt_ids(fleet.base, convs[0]), 16)
     wait_for(lambda: fleet.holders(hashes), 10, "the prefix published")
-    # The first requests may have left the prefix on both workers: either is its holder then.
-    holders = fleet.holders(hashes)
 
     async def burst():
         runs = [asyncio.ensure_future(chat(fleet.base, m, max_tokens=120)) for m in convs]
-        while not (taken := [h for h in holders if fleet.pending(h)]):
+        while not (taken := [w for w in fleet.workers if fleet.pending(w)]):
             if all(r.done() for r in runs):
-                raise AssertionError(f"the burst did not go to a holder of the prefix {holders}")
+                raise AssertionError("the burst finished before any worker was seen holding it")
             await asyncio.sleep(0.002)
         holder = taken[0]
         fleet.workers[holder].proc.send_signal(sig)
