@@ -23,6 +23,7 @@ adapter rows adds their deltas in the fused C++ step where it serves, else in th
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -31,7 +32,13 @@ import torch
 from llmq.worker.runner import decoder_cpp_step
 from llmq.worker.runner.attention import StepMetadata, paged_attention
 from llmq.worker.runner.decoder_families import LLAMA_LIKE, family, supports
-from llmq.worker.runner.decoder_layers import DecoderLayer, build_layers, own_memory, rms_norm
+from llmq.worker.runner.decoder_layers import (
+    DecoderLayer,
+    WeightCopies,
+    build_layers,
+    own_memory,
+    rms_norm,
+)
 from llmq.worker.runner.lora_linear import LoraState
 from llmq.worker.runner.moe_install import install_moe
 from llmq.worker.runner.packed_linear import (
@@ -41,7 +48,13 @@ from llmq.worker.runner.packed_linear import (
     choose_panel_sums,
     panels_fit,
 )
-from llmq.worker.runner.quantize import quantization_of, quantize_forward
+from llmq.worker.runner.quantize import (
+    Scheme,
+    finish_quantization,
+    make_quantizer,
+    quantization_of,
+    quantize_layer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +86,7 @@ def build_forward(
         # transformers' forward, its MoE blocks (if any) replaced by llmq's grouped experts.
         install_moe(model, pack, kernels)
         return None
-    forward = DecoderForward(model, pack=pack and not quantization, kernels=kernels)
-    if quantization:
-        quantize_forward(forward, quantization)
-    return forward
+    return DecoderForward(model, pack=pack, kernels=kernels, quantization=quantization)
 
 
 def compiles(model: torch.nn.Module) -> bool:
@@ -126,7 +136,15 @@ def _longest_context(step: StepMetadata) -> float:
 class DecoderForward:
     """``__call__(input_ids, positions, keep, step)`` -> logits of the kept rows."""
 
-    def __init__(self, model: torch.nn.Module, pack: bool = True, kernels: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pack: bool = True,
+        kernels: bool = False,
+        quantization: Scheme | None = None,
+    ):
+        """``quantization``: each layer's projections quantized as it is built (unpacked
+        first), then the head and embedding (``quantize.py``)."""
         config = model.config
         self.model = model
         self.inner = model.model
@@ -140,12 +158,15 @@ class DecoderForward:
         )
         layers = self.inner.layers[: config.num_hidden_layers]
         # bfloat16 on CPU: weights packed once, for llmq's matmul or oneDNN's.
-        self.layout = layout = _layout(layers[0], pack, kernels)
+        self.layout = layout = _layout(layers[0], pack and not quantization, kernels)
         self.packed = layout != "plain"
         if layout == "panels":
             choose_panel_sums()
-        fused: set[int] = set()  # storages of the fused weights (unpacked)
-        self.layers = build_layers(list(layers), self.family, layout, fused)
+        copies = WeightCopies()
+        if quantization:
+            quantizer = make_quantizer(self, quantization)
+            copies.finish_layer = functools.partial(quantize_layer, quantizer, model=model)
+        self.layers = build_layers(list(layers), self.family, layout, copies)
         self.small_step_ops = False  # set by the runner where the C++ ops are loaded
         self._cpp_weights: list[torch.Tensor] | None = None  # step_layers' weights, in order
         self.loras: LoraState | None = None  # set where LoRA adapters are served
@@ -164,7 +185,7 @@ class DecoderForward:
         )
         self.final_eps = self.layers[0].eps
         self.final_softcap = self.family.final_softcap
-        own_memory(model, fused)
+        own_memory(model, copies)
         head = model.lm_head
         tied = head.weight.data_ptr() == self.inner.embed_tokens.weight.data_ptr()
         # A head tied to the embedding keeps its weight (the embedding reads it); packed, the
@@ -172,6 +193,9 @@ class DecoderForward:
         self.lm_head = Linear(head.weight.detach(), head.bias, layout)
         if self.packed and not tied:
             head.weight.data = head.weight.new_empty(0)
+        if quantization:
+            finish_quantization(self, quantizer, quantization)
+        log.debug("weight file pages released as copied: %d MiB", copies.released >> 20)
 
     def windows(self, max_model_len: int) -> frozenset[int]:
         """The sliding windows of the layers that hide anything within ``max_model_len``."""

@@ -11,12 +11,14 @@ Gemma-style norm's ``1 + weight`` in float32 (its product is taken in float32, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from llmq.worker.runner import mapped_pages
 from llmq.worker.runner.decoder_families import Family, norm_eps
 from llmq.worker.runner.moe import from_block, is_moe_block
 from llmq.worker.runner.packed_linear import Layout, Linear
@@ -92,12 +94,27 @@ def _norm_weight(norm: torch.nn.Module, unit_offset: bool) -> torch.Tensor:
     return norm.weight
 
 
-def fuse(*linears: torch.nn.Linear, layout: Layout, fused_storages: set[int]) -> Linear:
+@dataclass
+class WeightCopies:
+    """What building the layers does with the weights it copies out of the model: ``fused``
+    collects the storages of unpacked fused weights (the modules' weights view them);
+    ``released`` counts the bytes of file pages released once copied; ``finish_layer(index,
+    layer)`` is applied to each layer as soon as it is built (quantizing it: the float copies
+    of one layer at a time are alive, not the whole model's)."""
+
+    fused: set[int] = field(default_factory=set)
+    released: int = 0
+    finish_layer: Callable[[int, DecoderLayer], None] | None = None
+
+
+def fuse(*linears: torch.nn.Linear, layout: Layout, copies: WeightCopies) -> Linear:
     """One projection for several of the same input (one read of the activations, one kernel).
 
     Unpacked, the modules' own weights become views of the fused one, so the model's memory does
     not grow; packed, the modules' weights are released (this forward is then the only one)."""
     fused = torch.cat([lin.weight.detach() for lin in linears])
+    for lin in linears:
+        copies.released += mapped_pages.release(lin.weight.detach())
     biases = [lin.bias for lin in linears]
     bias = None
     if any(b is not None for b in biases):
@@ -109,7 +126,7 @@ def fuse(*linears: torch.nn.Linear, layout: Layout, fused_storages: set[int]) ->
         )
     pack = layout != "plain"
     if not pack:
-        fused_storages.add(fused.untyped_storage().data_ptr())
+        copies.fused.add(fused.untyped_storage().data_ptr())
     row = 0
     for lin in linears:
         n = lin.out_features
@@ -119,37 +136,37 @@ def fuse(*linears: torch.nn.Linear, layout: Layout, fused_storages: set[int]) ->
 
 
 def _projections(
-    attn, mlp, activation: str, layout: Layout, fused: set[int]
+    attn, mlp, activation: str, layout: Layout, copies: WeightCopies
 ) -> tuple[Linear, Linear, LayerMLP]:
     """qkv, o and the MLP of a layer (Phi-3's come fused in the checkpoint)."""
     if hasattr(attn, "qkv_proj"):
-        qkv = fuse(attn.qkv_proj, layout=layout, fused_storages=fused)
+        qkv = fuse(attn.qkv_proj, layout=layout, copies=copies)
     else:
-        qkv = fuse(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout, fused_storages=fused)
+        qkv = fuse(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout, copies=copies)
     if is_moe_block(mlp):  # Qwen3-MoE, Mixtral: llmq's grouped experts
-        o = fuse(attn.o_proj, layout=layout, fused_storages=fused)
+        o = fuse(attn.o_proj, layout=layout, copies=copies)
         moe = from_block(mlp, layout)
-        fused.update(moe.storages())
+        copies.fused.update(moe.storages())
         return qkv, o, moe
     if hasattr(mlp, "gate_up_proj"):
-        gate_up = fuse(mlp.gate_up_proj, layout=layout, fused_storages=fused)
+        gate_up = fuse(mlp.gate_up_proj, layout=layout, copies=copies)
     else:
-        gate_up = fuse(mlp.gate_proj, mlp.up_proj, layout=layout, fused_storages=fused)
-    o = fuse(attn.o_proj, layout=layout, fused_storages=fused)
-    down = fuse(mlp.down_proj, layout=layout, fused_storages=fused)
+        gate_up = fuse(mlp.gate_proj, mlp.up_proj, layout=layout, copies=copies)
+    o = fuse(attn.o_proj, layout=layout, copies=copies)
+    down = fuse(mlp.down_proj, layout=layout, copies=copies)
     return qkv, o, DenseMLP(gate_up, down, activation)
 
 
 def build_layers(
-    layers: list[torch.nn.Module], family: Family, layout: Layout, fused: set[int]
+    layers: list[torch.nn.Module], family: Family, layout: Layout, copies: WeightCopies
 ) -> list[DecoderLayer]:
     """The fast forward's layers from the model's ``layers`` (their projections fused, and
-    packed for ``layout``); ``fused`` collects the storages of unpacked fused weights."""
+    packed for ``layout``)."""
     out = []
     offset = family.unit_offset_norms
     for index, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, o, dense = _projections(attn, mlp, family.activation, layout, fused)
+        qkv, o, dense = _projections(attn, mlp, family.activation, layout, copies)
         asked = family.attention[index]
         gemma = hasattr(layer, "pre_feedforward_layernorm")
         out.append(
@@ -178,17 +195,21 @@ def build_layers(
                 rotary=family.layer_rotary[index],
             )
         )
+        if copies.finish_layer is not None:
+            copies.finish_layer(index, out[-1])
     return out
 
 
-def own_memory(model: torch.nn.Module, fused: set[int]) -> None:
+def own_memory(model: torch.nn.Module, copies: WeightCopies) -> None:
     """Copy the weights still in the model (the embedding, the norms, a head) out of the file
     they were loaded from. Loaded from a safetensors file of their own dtype they are views of
     the file's mapping, and the whole mapping stays resident while any one of them lives, long
     after the projections were fused into memory of their own: on the SmolLM2-135M shape in
     bfloat16 a worker held the 269 MB file besides its fused weights (RSS after building this
-    forward 932 MiB, with the copies 727 MiB). ``fused``: the storages of the fused weights,
-    which the modules' weights view unpacked."""
+    forward 932 MiB, with the copies 727 MiB). The fused weights (``copies.fused``), which the
+    modules' weights view unpacked, are left."""
     for param in model.parameters():  # shared (tied) parameters come once
-        if param.numel() and param.untyped_storage().data_ptr() not in fused:
-            param.data = param.data.clone()
+        if param.numel() and param.untyped_storage().data_ptr() not in copies.fused:
+            original = param.data
+            param.data = original.clone()
+            copies.released += mapped_pages.release(original)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from llmq.worker.runner import mapped_pages
+
 PROBE_IMPLEMENTATION = "llmq_probe"
 KNOWN_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # Keyword arguments of the attention seam that do not change its arithmetic.
@@ -119,6 +121,7 @@ def probe(model: torch.nn.Module) -> list[AttentionCall]:
     device = next(model.parameters()).device
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     _calls = []
+    hooks = mapped_pages.released_as_run(model)
     try:
         with torch.inference_mode():
             model(
@@ -129,6 +132,8 @@ def probe(model: torch.nn.Module) -> list[AttentionCall]:
         return _calls
     finally:
         _calls = None
+        for hook in hooks:
+            hook.remove()
 
 
 def config_refusals(config) -> list[str]:

@@ -78,12 +78,16 @@ class QuantizedEmbedding(torch.nn.Module):
     (``Int4Weight``, two values a byte): the looked-up rows are dequantized to ``dtype``."""
 
     def __init__(
-        self, weight: Int8Weight | Int4Weight, dtype: torch.dtype, scale: torch.Tensor | None
+        self,
+        weight: Int8Weight | Int8Linear | Int4Weight,
+        dtype: torch.dtype,
+        scale: torch.Tensor | None,
     ):
         super().__init__()
         self.dtype = dtype
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
-        self.int8 = weight if isinstance(weight, Int8Weight) else None
+        # An Int8Weight, or a tied head's Int8Linear (its rows are the table's)
+        self.int8 = weight if isinstance(weight, (Int8Weight, Int8Linear)) else None
         if isinstance(weight, Int4Weight):
             q = weight.q.to(torch.uint8)
             self.nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
@@ -91,9 +95,8 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
-            rows = (self.int8.q[ids].float() * self.int8.scale[ids].float()[..., None]).to(
-                self.dtype
-            )
+            q, scale = self.int8.rows(ids)
+            rows = (q.float() * scale.float()[..., None]).to(self.dtype)
         else:
             packed = self.nibbles[ids]
             q = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
@@ -130,8 +133,13 @@ class _Quantizer:
         return Int8Weight.quantize(table)
 
 
-def _quantizer(forward, scheme: str | BitsPlan):
-    count = len(forward.layers)
+def make_quantizer(forward, scheme: str | BitsPlan):
+    """How ``forward``'s weights are quantized (its model and shape are set; its layers may
+    not be built yet)."""
+    device = forward.inner.embed_tokens.weight.device
+    if device.type != "cpu":
+        raise ValueError(f"quantized weights run on the CPU only, not on {device}")
+    count = forward.model.config.num_hidden_layers
     if scheme == "gguf":
         from llmq.worker.runner.gguf_weights import GGUFQuantizer
 
@@ -149,25 +157,34 @@ def quantize_forward(forward, scheme: str | BitsPlan) -> None:
     experts' MLP keeps its float experts. ``scheme``: int8, int4, a bits plan, or gguf (the
     model's GGUF file's own blocks where a kernel takes them), or checkpoint (a quantized
     checkpoint's own weights where a kernel takes them; a quantizer's None keeps a weight
-    float)."""
+    float). A worker's forward quantizes each layer as it is built instead
+    (``DecoderForward(..., quantization=)``): the same steps, one layer's float copies alive."""
     if forward.layout != "plain":
         raise ValueError("quantize a forward built with plain (unpacked) weights")
-    device = forward.inner.embed_tokens.weight.device
-    if device.type != "cpu":
-        raise ValueError(f"quantized weights run on the CPU only, not on {device}")
-    quantizer = _quantizer(forward, scheme)
-    replaced = []
+    quantizer = make_quantizer(forward, scheme)
     for index, layer in enumerate(forward.layers):
-        owners = [(layer, "qkv_proj", "qkv"), (layer, "o_proj", "o")]
-        if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP
-            owners += [(layer.mlp, "gate_up_proj", "gate_up"), (layer.mlp, "down_proj", "down")]
-        for owner, attr, role in owners:
-            plain = getattr(owner, attr)
-            quantized = quantizer.linear(index, role, plain)
-            if quantized is not None:
-                replaced.append(plain)
-                setattr(owner, attr, quantized)
-    _release(forward.model, _plain_storages(replaced))
+        quantize_layer(quantizer, index, layer, forward.model)
+    finish_quantization(forward, quantizer, scheme)
+
+
+def quantize_layer(quantizer, index: int, layer, model: torch.nn.Module) -> None:
+    """Layer ``index``'s projections quantized, and the model's float weights they were
+    fused from freed."""
+    owners = [(layer, "qkv_proj", "qkv"), (layer, "o_proj", "o")]
+    if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP
+        owners += [(layer.mlp, "gate_up_proj", "gate_up"), (layer.mlp, "down_proj", "down")]
+    replaced = []
+    for owner, attr, role in owners:
+        plain = getattr(owner, attr)
+        quantized = quantizer.linear(index, role, plain)
+        if quantized is not None:
+            replaced.append(plain)
+            setattr(owner, attr, quantized)
+    _release(model, _plain_storages(replaced))
+
+
+def finish_quantization(forward, quantizer, scheme: str | BitsPlan) -> None:
+    """The head and embedding quantized once the layers are, and the forward marked so."""
     _quantize_head_and_embedding(forward, quantizer)
     forward.layout = scheme if isinstance(scheme, str) else "int4"
     forward.packed = True  # small steps take the worker's threads, as packed weights do
@@ -186,11 +203,9 @@ def _quantize_head_and_embedding(forward, quantizer) -> None:
     tied = head.weight.data_ptr() == embedding.weight.data_ptr()
     quantized = quantizer.linear(-1, "head", forward.lm_head)
     table = embedding.weight.detach()
-    if tied and isinstance(quantized, Int8Linear):
-        # One 8-bit table: the head's rows are the embedding's (the padding is K's: none here).
-        weight = Int8Weight(quantized.q[:, : table.shape[1]], quantized.scale)
-    else:
-        weight = quantizer.embedding(table)
+    # Tied to an 8-bit head, one table: the head's rows are the embedding's.
+    one_table = tied and isinstance(quantized, Int8Linear)
+    weight = quantized if one_table else quantizer.embedding(table)
     if quantized is not None:
         forward.lm_head = quantized
         if not tied or weight is not None:  # tied, a float embedding still reads it
@@ -213,7 +228,7 @@ def quantized_bytes(forward) -> int:
     if not isinstance(table, QuantizedEmbedding):  # kept float
         return total
     if table.int8 is not None:
-        if not (isinstance(head, Int8Linear) and table.int8.q.data_ptr() == head.q.data_ptr()):
+        if table.int8 is not head:
             total += table.int8.q.nbytes + table.int8.scale.nbytes
     else:
         total += table.nibbles.nbytes + table.scale.nbytes + table.zero.nbytes

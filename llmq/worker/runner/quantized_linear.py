@@ -1,19 +1,32 @@
-"""Projections with quantized weights on torch's CPU weight-only kernels.
+"""Projections with quantized weights: llmq's VNNI kernels where they are loaded, torch's CPU
+weight-only kernels elsewhere.
 
-- ``Int8Linear``: W8A16, int8 weights with one symmetric scale per output channel, on
-  ``aten._weight_int8pack_mm``.
-- ``Int4Linear``: W4A16, 4-bit weights in groups of 32 input columns (64, 128 or 256 for a
-  quantized checkpoint's), one scale and one zero per group and output channel
-  (``w = (q - 8) * scale + zero``, q in 0..15), on
-  ``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``.
+- ``Int8Linear``: int8 weights with one symmetric scale per output channel.
+- ``Int4Linear``: 4-bit weights in groups of 32 input columns (64, 128 or 256 for a quantized
+  checkpoint's), one scale and one zero per group and output channel
+  (``w = (q - 8) * scale + zero``, q in 0..15).
 
-Both kernels have vectorized (AVX2 / AVX-512) paths for bfloat16 activations only: float32
+On a CPU with AVX512-VNNI, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both run as
+llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to int8 per
+block of 32 inputs, integer dot products, one float32 scaling per block. 2.2-3.7x torch's
+kernels from 16 rows up (bench/cpu_kernels.py --quantized), so prompts and batches are served
+quantized faster than in bfloat16; a lone row reads the weights at the memory's pace as torch's
+does. Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
+activations as quantized and the dequantized weights, within ``1e-5`` of the sum of the terms'
+magnitudes (the rounding to bfloat16 of a bfloat16 output besides); a row gets the same bits in
+any batch. The activations' quantization is the kernels' one loss against the W8A16/W4A16
+forms: ``bench/quant_quality.py`` measures its KL.
+
+Elsewhere (W8A16, W4A16) on ``aten._weight_int8pack_mm`` and
+``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``.
+
+torch's kernels have vectorized (AVX2 / AVX-512) paths for bfloat16 activations only: float32
 activations fall to scalar code, measured 6-17x slower than bfloat16 on a 2-core AVX2 EPYC (a
 16,384 x 2,048 matrix at one row: int8 91 ms against 11 ms, int4 157 ms against 9 ms). So the
 activations enter the kernels in bfloat16 (the A16 of W8A16) whatever the model's dtype, and
 the output comes back in it.
 
-Tolerance (tested over odd shapes): against the float32 matmul of the bfloat16-rounded
+Their tolerance (tested over odd shapes): against the float32 matmul of the bfloat16-rounded
 activations with the dequantized weights, each output is within ``2**-8`` of its magnitude (the
 kernels round their output to bfloat16) plus ``1e-5`` of ``|x| @ |w|.T`` (float32 sums in
 another order).
@@ -34,8 +47,17 @@ _INT8_K_MULTIPLE = (
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
 
 
+# Rows quantized at a time: their float32 copy and its temporaries stay tens of MiB (the whole
+# 49,152 x 2,048 table of the 1B shape at once took 1.1 GiB more peak RSS at start).
+_CHUNK_BYTES = 32 << 20
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _row_chunks(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return weight.detach().split(max(1, _CHUNK_BYTES // (4 * weight.shape[1])))
 
 
 @dataclass(slots=True)
@@ -47,13 +69,19 @@ class Int8Weight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS)
-        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scale)
+        qs, scales = [], []
+        for rows in _row_chunks(weight):
+            w = rows.float()
+            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS)
+            qs.append(torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
+            scales.append(scale)
+        return cls(torch.cat(qs), torch.cat(scales))
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale.float()[:, None]
+
+    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q[ids], self.scale[ids]
 
 
 @dataclass(slots=True)
@@ -72,16 +100,21 @@ class Int4Weight:
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
         """Asymmetric min/max per group; q computed against the stored (rounded) scale and
         zero, so that the dequantized weight is the nearest the stored numbers allow."""
-        n, k = weight.shape
+        k = weight.shape[1]
         if k % GROUP:
             raise ValueError(f"int4 needs input widths in multiples of {GROUP}, not {k}")
-        w = weight.detach().float().view(n, k // GROUP, GROUP)
-        low, high = w.amin(dim=2), w.amax(dim=2)
-        scale = ((high - low) / 15).clamp(min=1e-12).to(ACTIVATIONS)
-        zero = (low + 8 * scale.float()).to(ACTIVATIONS)
-        base = zero.float() - 8 * scale.float()  # the value of q = 0
-        q = torch.round((w - base[..., None]) / scale.float()[..., None]).clamp(0, 15)
-        return cls(q.view(n, k).to(torch.int32), scale, zero)
+        qs, scales, zeros = [], [], []
+        for rows in _row_chunks(weight):
+            w = rows.float().view(rows.shape[0], k // GROUP, GROUP)
+            low, high = w.amin(dim=2), w.amax(dim=2)
+            scale = ((high - low) / 15).clamp(min=1e-12).to(ACTIVATIONS)
+            zero = (low + 8 * scale.float()).to(ACTIVATIONS)
+            base = zero.float() - 8 * scale.float()  # the value of q = 0
+            q = torch.round((w - base[..., None]) / scale.float()[..., None]).clamp(0, 15)
+            qs.append(q.view(rows.shape[0], k).to(torch.int32))
+            scales.append(scale)
+            zeros.append(zero)
+        return cls(torch.cat(qs), torch.cat(scales), torch.cat(zeros))
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -91,24 +124,45 @@ class Int4Weight:
 
 
 class Int8Linear:
-    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x`` on ``_weight_int8pack_mm``."""
+    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's VNNI kernel where it is
+    loaded (``q8_matmul``: activations quantized to int8 per block of 32), else on torch's
+    ``_weight_int8pack_mm`` (bfloat16 activations)."""
 
     bits = 8
 
-    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None):
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, kernel: bool | None = None):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
+        self.kernel = int_kernel_available() if kernel is None else kernel
+        self.bias = bias
+        if self.kernel:
+            self.q, self.scale = q8_panels(weight)
+            self._bias32 = bias.float() if bias is not None else None
+            return
         self.pad = _round_up(k, _INT8_K_MULTIPLE) - k
         self.q = F.pad(weight.q, (0, self.pad)) if self.pad else weight.q
         self.scale = weight.scale.to(ACTIVATIONS)
-        self.bias = bias
 
     @property
     def weight(self) -> torch.Tensor:  # what a caller that reads ``.weight`` should find
         return self.q
 
+    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 rows ``ids`` of the weight and their scales (a tied embedding reads them)."""
+        if not self.kernel:
+            return self.q[ids, : self.in_features], self.scale[ids]
+        lanes = self.q[ids // _INT4_N_MULTIPLE, :, :, ids % _INT4_N_MULTIPLE]  # [n, K / 32, 8, 4]
+        q = lanes.reshape(len(ids), -1)[:, : self.in_features].to(torch.int16) - 128
+        return q.to(torch.int8), self.scale[ids]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.kernel:
+            a = x if dtype in (torch.float32, ACTIVATIONS) else x.float()
+            y = torch.ops.llmq.q8_matmul(
+                a.contiguous(), self.q, self.scale, self.out_features, self._bias32
+            )
+            return y.to(dtype)
         a = x.to(ACTIVATIONS)
         if self.pad:
             a = F.pad(a, (0, self.pad))
@@ -119,25 +173,74 @@ class Int8Linear:
         return self.q.nbytes + self.scale.nbytes
 
 
+def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in q8_matmul's layout: q + 128 [P, K / 32, 8, 16, 4] (output channels padded
+    to a multiple of 16, inputs to one of 32, with zeros; a byte run of 4 inputs per column),
+    and the columns' scales [P * 16] float32."""
+    n, k = weight.q.shape
+    rows, cols = _round_up(n, _INT4_N_MULTIPLE), _round_up(k, GROUP)
+    q = F.pad(weight.q, (0, cols - k, 0, rows - n))
+    biased = (q.to(torch.int16) + 128).to(torch.uint8)
+    panels = biased.view(rows // _INT4_N_MULTIPLE, _INT4_N_MULTIPLE, cols // GROUP, 8, 4)
+    scale = F.pad(weight.scale.float(), (0, rows - n))
+    return panels.permute(0, 2, 3, 1, 4).contiguous(), scale
+
+
+def int_kernel_available() -> bool:
+    """Whether llmq's VNNI int4 and int8 kernels (``kernels/int_matmul.cpp``) are loaded and
+    built for this CPU (AVX512-VNNI)."""
+    try:
+        return bool(torch.ops.llmq.int_matmul_available())
+    except (AttributeError, RuntimeError):  # the kernels are not loaded
+        return False
+
+
+def q4_panels(weight: Int4Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (its output channels padded to ``rows``, a multiple of 16) in q4_matmul's
+    layout: nibbles [P, K / 32, 4, 16, 4] (a byte: inputs k + i low, k + 4 + i high, of 8),
+    scale and zero [P, K / 32, 2, 16] bfloat16, a larger group's repeated onto its 32s."""
+    q, scale, zero = weight.q, weight.scale, weight.zero
+    n, k = q.shape
+    if rows > n:
+        q = F.pad(q, (0, 0, 0, rows - n), value=8)
+        scale, zero = F.pad(scale, (0, 0, 0, rows - n)), F.pad(zero, (0, 0, 0, rows - n))
+    repeat = weight.group // GROUP
+    if repeat > 1:
+        scale, zero = scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)
+    panels, groups = rows // _INT4_N_MULTIPLE, k // GROUP
+    nibbles = q.to(torch.uint8).view(panels, _INT4_N_MULTIPLE, groups, 4, 2, 4)
+    packed = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
+    sz = torch.stack([scale, zero], dim=1).to(ACTIVATIONS)
+    sz = sz.view(panels, _INT4_N_MULTIPLE, 2, groups).permute(0, 3, 2, 1)
+    return packed.permute(0, 2, 3, 1, 4).contiguous(), sz.contiguous()
+
+
 class Int4Linear:
-    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x`` on torch's int4pack kernels
-    (output channels padded to a multiple of 16 with zero rows)."""
+    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's VNNI kernel where it is
+    loaded (``q4_matmul``: activations quantized to int8 per block of 32), else on torch's
+    int4pack kernels (bfloat16 activations). Output channels are padded to a multiple of 16
+    with zero rows."""
 
     bits = 4
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None):
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, kernel: bool | None = None):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
-        rows = _round_up(n, _INT4_N_MULTIPLE) - n
+        rows = _round_up(n, _INT4_N_MULTIPLE)
+        self.kernel = int_kernel_available() if kernel is None else kernel
+        self.group = weight.group
+        self.bias = bias
+        if self.kernel:
+            self.packed, self.scales_and_zeros = q4_panels(weight, rows)
+            self._bias32 = bias.float() if bias is not None else None
+            return
         q, scale, zero = weight.q, weight.scale, weight.zero
-        if rows:
-            q = F.pad(q, (0, 0, 0, rows), value=8)
-            scale, zero = F.pad(scale, (0, 0, 0, rows)), F.pad(zero, (0, 0, 0, rows))
+        if rows > n:
+            q = F.pad(q, (0, 0, 0, rows - n), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, rows - n)), F.pad(zero, (0, 0, 0, rows - n))
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
         # The kernel's layout: [K / group, N, 2], scale then zero.
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACTIVATIONS)
-        self.group = weight.group
-        self.bias = bias
 
     @property
     def weight(self) -> torch.Tensor:
@@ -145,6 +248,12 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.kernel:
+            a = x if dtype in (torch.float32, ACTIVATIONS) else x.float()
+            y = torch.ops.llmq.q4_matmul(
+                a.contiguous(), self.packed, self.scales_and_zeros, self.out_features, self._bias32
+            )
+            return y.to(dtype)
         a = x.to(ACTIVATIONS).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             a, self.packed, self.group, self.scales_and_zeros
@@ -161,11 +270,13 @@ class Int4Linear:
 QuantizedLinear = Int8Linear | Int4Linear
 
 
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> QuantizedLinear:
+def quantized_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, bits: int, kernel: bool | None = None
+) -> QuantizedLinear:
     """``weight`` [N, K] (any float dtype) quantized to ``bits`` (8, or 4 where K is a multiple
-    of the group: else 8)."""
+    of the group: else 8). ``kernel``: on llmq's VNNI kernels (None: where they are loaded)."""
     if bits == 4 and weight.shape[1] % GROUP == 0:
-        return Int4Linear(Int4Weight.quantize(weight), bias)
+        return Int4Linear(Int4Weight.quantize(weight), bias, kernel)
     if bits not in (4, 8):
         raise ValueError(f"unsupported weight bits {bits}")
-    return Int8Linear(Int8Weight.quantize(weight), bias)
+    return Int8Linear(Int8Weight.quantize(weight), bias, kernel)

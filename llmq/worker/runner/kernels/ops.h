@@ -20,6 +20,10 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                         const std::optional<at::Tensor>& bias);
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                     int64_t out_features, const std::optional<at::Tensor>& bias);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                     int64_t out_features, const std::optional<at::Tensor>& bias);
 // layout: packed_linear.LAYOUT_CODES' (plain, oneDNN's packed, llmq's panels) for float weights;
 // a projection with scales is int8 or int4 (projections.cpp).
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,

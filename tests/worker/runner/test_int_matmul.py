@@ -1,0 +1,145 @@
+"""llmq's VNNI kernels (``q4_matmul``, ``q8_matmul``): the product of the activations as they
+quantize them (int8 per row and block of 32) with the dequantized weights, over odd shapes
+(int8: input widths not a multiple of 32 too; int4: groups of 32 to 256), both dtypes and a
+bias; a row's bits independent of its batch; a tied table's rows read back from the int8
+panels; torch's kernels still served where asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmq.worker.runner import cpu_kernels
+from llmq.worker.runner.quantized_linear import (
+    Int4Linear,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    int_kernel_available,
+    quantized_linear,
+)
+
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
+
+# (rows, out features, in features, weight group): odd row and output counts, every row-block
+# remainder (1-8 rows a pass), a checkpoint's larger groups.
+SHAPES = [
+    (1, 97, 64, 32),
+    (5, 33, 96, 32),
+    (17, 64, 128, 32),
+    (64, 48, 160, 32),
+    (2, 1, 32, 32),
+    (11, 40, 256, 64),
+    (3, 16, 512, 256),
+    (130, 200, 96, 32),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert cpu_kernels.load(), "the kernels did not build (is g++ installed?)"
+    if not int_kernel_available():
+        pytest.skip("this CPU has no AVX512-VNNI: torch's int4 kernel serves")
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels quantize it, dequantized (float64): per row and block of 32 inputs (the
+    last one zero-padded), d = max|x| / 127 and x ~ d * round(x / d), in their float32 steps."""
+    rows, k = x.shape
+    xf = torch.nn.functional.pad(x.float(), (0, -k % 32)).view(rows, -1, 32)
+    d = xf.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    xq = torch.round(xf * inv[..., None]).clamp(-127, 127)
+    return (xq.double() * d.double()[..., None]).view(rows, -1)[:, :k]
+
+
+def _weight(n: int, k: int, group: int, gen: torch.Generator) -> Int4Weight:
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).bfloat16()
+    zero = torch.randn(n, k // group, generator=gen).mul(0.3).bfloat16()
+    return Int4Weight(q, scale, zero, group)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dtype, with_bias):
+    rows, n, k, group = shape
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    weight = _weight(n, k, group, gen)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+    x[0, :32] = 0  # an all-zero block (d = 0)
+    linear = Int4Linear(weight, bias, kernel=True)
+    y = linear(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    deq = weight.dequantize().double()
+    xd = quantized_rows(x)
+    ref = xd @ deq.T + (bias.double() if bias is not None else 0)
+    # float32 sums of the group terms: scale * sum(xq * q) and (zero - 8 * scale) * sum(xq)
+    step = weight.scale.double().repeat_interleave(group, 1)
+    base = (weight.zero.double() - 8 * weight.scale.double()).repeat_interleave(group, 1)
+    bound = 1e-5 * (xd.abs() @ (15 * step + base.abs()).T) + 1e-6
+    if dtype == torch.bfloat16:
+        bound = bound + 2**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+# (rows, out features, in features): input widths off the blocks of 32 too.
+INT8_SHAPES = [(1, 97, 64), (5, 33, 96), (3, 5, 33), (17, 64, 128), (9, 7, 7), (130, 50, 200)]
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
+    shape, dtype, with_bias
+):
+    rows, n, k = shape
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    weight = Int8Weight.quantize(torch.randn(n, k, generator=gen))
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+    x[0, : min(k, 32)] = 0
+    y = Int8Linear(weight, bias, kernel=True)(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    xd, deq = quantized_rows(x), weight.dequantize().double()
+    ref = xd @ deq.T + (bias.double() if bias is not None else 0)
+    # float32 sums of the blocks' exact integer sums, each scaled by d
+    bound = 1e-5 * (xd.abs() @ deq.abs().T) + 1e-6
+    if dtype == torch.bfloat16:
+        bound = bound + 2**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_gets_the_same_bits_in_any_batch(bits):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 128, generator=gen)
+    linear = quantized_linear(weight, None, bits, kernel=True)
+    x = torch.randn(40, 128, generator=gen).bfloat16()
+    whole = linear(x)
+    for start, stop in ((0, 1), (5, 6), (3, 20), (39, 40), (0, 9)):
+        assert torch.equal(linear(x[start:stop]), whole[start:stop]), start
+
+
+def test_a_tied_table_reads_its_rows_from_the_int8_panels():
+    weight = Int8Weight.quantize(torch.randn(50, 40, generator=torch.Generator().manual_seed(4)))
+    ids = torch.tensor([0, 15, 16, 49, 7, 16])
+    q, scale = Int8Linear(weight, None, kernel=True).rows(ids)
+    assert torch.equal(q, weight.q[ids]) and torch.equal(scale, weight.scale.float()[ids])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_serves_where_loaded_and_torch_s_where_asked(bits):
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
+    ours = quantized_linear(weight, None, bits)
+    torch_s = quantized_linear(weight, None, bits, False)
+    assert ours.kernel and not torch_s.kernel
+    assert ours.weight.dim() == 5 and torch_s.weight.dim() == 2
+    assert ours.nbytes() < torch_s.nbytes() * 1.1  # the same bytes, scales for 32 inputs
+    x = torch.randn(4, 96).bfloat16()
+    # Both are the same product within their roundings (activations int8 against bf16).
+    assert torch.allclose(ours(x).float(), torch_s(x).float(), rtol=0.05, atol=0.15)
