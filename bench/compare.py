@@ -23,6 +23,7 @@ the next. Loads:
 * a: 32 streams of 128 prompt / 64 output tokens
 * b: 64 streams of 128 / 128
 * c: one stream of 128 / 64
+* d: 16 streams of 128 / 64 (the quantized comparison's busy load)
 
 It prints one table (output tok/s, TTFT p50/p99, ITL p50/p99, peak RSS per load and round) with
 llmq's ratio to each peer, and writes bench/out/compare.json and bench/out/compare.png (first
@@ -61,6 +62,7 @@ LOADS = {
     "a": {"concurrency": 32, "prompt": 128, "output": 64, "requests": 64},
     "b": {"concurrency": 64, "prompt": 128, "output": 128, "requests": 128},
     "c": {"concurrency": 1, "prompt": 128, "output": 64, "requests": 8},
+    "d": {"concurrency": 16, "prompt": 128, "output": 64, "requests": 32},
 }
 SERVERS = ("llmq", "vllm", "llamacpp", "transformers")
 DEFAULT_SERVERS = "llmq,vllm,llamacpp"
@@ -180,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--loads",
         default="a,b,c",
-        help="a: 32 x 128/64, b: 64 x 128/128, c: 1 x 128/64 (default a,b,c)",
+        help="a: 32 x 128/64, b: 64 x 128/128, c: 1 x 128/64, d: 16 x 128/64 (default a,b,c)",
     )
     p.add_argument(
         "--scale",

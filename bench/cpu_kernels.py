@@ -8,11 +8,13 @@ batch alternate between the two (median of each); then the attention alone at th
 the kernel against the gather and ``bmm``. ``--projections``: instead, each projection of the
 model's shape on llmq's panels against oneDNN's packed matmul at 1-256 rows, the weights cycled
 through 256 MB of copies so that they come from memory, as in a step. Peak RSS of the run at
-the end.
+the end. ``--quantized``: the Llama-3.2-1B shape's projections in int4 and int8 on llmq's VNNI
+kernels (``kernels/int_matmul.cpp``) against torch's weight-only kernels, the same way.
 
     .venv/bin/python bench/cpu_kernels.py                 # bfloat16, batches 1,4,16,32,64
     .venv/bin/python bench/cpu_kernels.py --threads 1
     .venv/bin/python bench/cpu_kernels.py --projections
+    .venv/bin/python bench/cpu_kernels.py --quantized --rows 1,4,16,128
 """
 
 from __future__ import annotations
@@ -112,6 +114,42 @@ def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
                   f"{gflops:>9.0f}")  # fmt: skip
 
 
+QUANTIZED_PROJECTIONS = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # 1B's
+
+
+def quantized_projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
+    """Each 1B projection quantized (int4, int8) on llmq's kernel and on torch's, weights cycled
+    through copies of ``bytes_cycled`` (int8 bytes) in all. GB/s: llmq's weight bytes read."""
+    import torch
+
+    from llmq.worker.runner.quantized_linear import quantized_linear
+
+    print(f"{'projection':<12}{'bits':>5}{'rows':>6}{'torch us':>10}{'llmq us':>9}"
+          f"{'torch/llmq':>12}{'GB/s':>7}")  # fmt: skip
+    for out_f, in_f in QUANTIZED_PROJECTIONS:
+        n = max(2, bytes_cycled // (out_f * in_f))
+        weights = [torch.randn(out_f, in_f) * 0.02 for _ in range(n)]
+        for bits in (4, 8):
+            kinds = {
+                kind: [quantized_linear(w, None, bits, kind == "llmq") for w in weights]
+                for kind in ("torch", "llmq")
+            }
+            for rows in rows_list:
+                x = torch.randn(rows, in_f).bfloat16()
+                us = {}
+                for kind, linears in kinds.items():
+                    for lin in linears[:2]:
+                        lin(x)
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        for lin in linears:
+                            lin(x)
+                    us[kind] = (time.perf_counter() - start) / (3 * n) * 1e6
+                gbs = kinds["llmq"][0].nbytes() / us["llmq"] / 1e3
+                print(f"{out_f}x{in_f:<7}{bits:>5}{rows:>6}{us['torch']:>10.1f}"
+                      f"{us['llmq']:>9.1f}{us['torch'] / us['llmq']:>11.2f}x{gbs:>7.1f}")  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=str(ROOT / "bench/out/models/smollm2-135m"))
@@ -120,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--step-repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--projections", action="store_true", help="the projections alone")
+    p.add_argument("--quantized", action="store_true", help="int4/int8 projections alone")
     p.add_argument("--rows", default="1,4,8,16,32,64,128,256", help="with --projections")
     args = p.parse_args(argv)
     import torch
@@ -131,6 +170,13 @@ def main(argv=None) -> int:
     if not cpu_kernels.load():
         print("the kernels did not build (is g++ installed?)")
         return 1
+    if args.quantized:
+        if not torch.ops.llmq.int_matmul_available():
+            print("this CPU has no AVX512-VNNI: torch's int4/int8 kernels serve")
+            return 1
+        print(f"{threads} threads, bfloat16 activations, weights cycled through copies")
+        quantized_projections([int(r) for r in args.rows.split(",")])
+        return 0
     if args.projections:
         if not torch.ops.llmq.panel_matmul_available():
             print("this CPU has no AVX512-BF16: llmq's panels do not serve")

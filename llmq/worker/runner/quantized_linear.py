@@ -8,10 +8,9 @@ weight-only kernels elsewhere.
 
 On a CPU with AVX512-VNNI, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both run as
 llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to int8 per
-block of 32 inputs, integer dot products, one float32 scaling per block. 2.2-3.7x torch's
-kernels from 16 rows up (bench/cpu_kernels.py --quantized), so prompts and batches are served
-quantized faster than in bfloat16; a lone row reads the weights at the memory's pace as torch's
-does. Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
+block of 32 inputs, integer dot products, one float32 scaling per block: on the 1B shape's
+projections 2.3-3.1x torch's kernels at 16 rows and 3.2-5.2x at 128 (bench/cpu_kernels.py
+--quantized), faster than bfloat16 there; at one row 1.0-1.7x, both at the memory's pace. Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
 activations as quantized and the dequantized weights, within ``1e-5`` of the sum of the terms'
 magnitudes (the rounding to bfloat16 of a bfloat16 output besides); a row gets the same bits in
 any batch. The activations' quantization is the kernels' one loss against the W8A16/W4A16

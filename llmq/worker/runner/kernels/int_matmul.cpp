@@ -22,10 +22,10 @@
 // other rows of the call.
 //
 // torch's weight-only kernels dequantize every weight to float for each row. On a 2-core
-// AVX512 EPYC, a 16,384 x 2,048 projection's weights in cache: int4 at 1 row 0.50 ms here
-// against torch's 1.07, at 16 rows 2.43 against 7.56, at 128 rows 15.9 against 58.7 (bfloat16
-// F.linear: 22.3); int8 0.87 against 2.14, 3.31 against 10.6, 14.4 against 79.1. From memory
-// (bench/cpu_kernels.py --quantized) a lone row reads the weights at the memory's pace.
+// AVX512 EPYC, the Llama-3.2-1B shape's projections with their weights read from memory
+// (bench/cpu_kernels.py --quantized): at 1 row int4 0.96-1.18x torch's and int8 1.09-1.69x,
+// both reading 22-27 GB/s, the memory's pace; at 16 rows 2.3-3.1x; at 128 rows 3.2-5.2x, and
+// faster than bfloat16 F.linear (16,384 x 2,048 at 128 rows: int4 15.9 ms, bf16 22.3 ms).
 
 #include "vec.h"  // first: it sets the ISA ATen's headers compile for
 
@@ -222,13 +222,13 @@ void panel_rows(int64_t rows, const uint8_t* w, const Scales* scales, const Quan
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     O* o = out + r0 * out_stride;
     switch (std::min(rows - r0, kRows)) {
-#define LLMQ_PASS(R)                                                                 \
-  case R:                                                                            \
-    if constexpr (Int4) {                                                            \
-      q4_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols);                    \
-    } else {                                                                         \
-      q8_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols);                    \
-    }                                                                                \
+#define LLMQ_PASS(R)                                              \
+  case R:                                                         \
+    if constexpr (Int4) {                                         \
+      q4_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols); \
+    } else {                                                      \
+      q8_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols); \
+    }                                                             \
     break;
       LLMQ_PASS(1)
       LLMQ_PASS(2)
@@ -245,9 +245,9 @@ void panel_rows(int64_t rows, const uint8_t* w, const Scales* scales, const Quan
 
 // x (quantized into q) through every panel, handed out to the threads as they ask.
 template <bool Int4, typename Scales>
-void run_panels(const at::Tensor& x, const QuantizedRows& q, const uint8_t* w,
-                int64_t panel_bytes, const Scales* scales, int64_t panel_scales,
-                const float* bias, at::Tensor& out, int64_t count, int64_t k) {
+void run_panels(const at::Tensor& x, const QuantizedRows& q, const uint8_t* w, int64_t panel_bytes,
+                const Scales* scales, int64_t panel_scales, const float* bias, at::Tensor& out,
+                int64_t count, int64_t k) {
   const int64_t rows = x.size(0), n = out.size(1);
   const bool bf16 = out.scalar_type() == at::kBFloat16;
   void* op = out.data_ptr();
@@ -288,8 +288,8 @@ void check_call(const char* name, const at::Tensor& x, int64_t k, int64_t count,
                 int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               name, ": x is [M, K] bf16 or float32");
-  TORCH_CHECK(x.size(1) <= k && x.size(1) > k - kGroup, name, ": x has ", x.size(1),
-              " columns, W ", k);
+  TORCH_CHECK(x.size(1) <= k && x.size(1) > k - kGroup, name, ": x has ", x.size(1), " columns, W ",
+              k);
   TORCH_CHECK(out_features > (count - 1) * kCols && out_features <= count * kCols, name, ": ",
               out_features, " outputs do not fill ", count, " panels");
   TORCH_CHECK(!bias || (bias->numel() == out_features && bias->scalar_type() == at::kFloat &&
@@ -324,9 +324,9 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
 #if defined(LLMQ_Q4)
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>());
-  run_panels<true>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(), groups * 4 * kCols * 4,
-                   sp, groups * 2 * kCols, bias ? bias->const_data_ptr<float>() : nullptr, out,
-                   count, k);
+  run_panels<true>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(), groups * 4 * kCols * 4, sp,
+                   groups * 2 * kCols, bias ? bias->const_data_ptr<float>() : nullptr, out, count,
+                   k);
 #endif
   return out;
 }
@@ -358,10 +358,12 @@ at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def("int_matmul_available() -> bool", &llmq::int_matmul_available);
-  m.def("q4_matmul(Tensor x, Tensor panels, Tensor scales, int out_features, Tensor? bias) -> "
-        "Tensor");
-  m.def("q8_matmul(Tensor x, Tensor panels, Tensor scales, int out_features, Tensor? bias) -> "
-        "Tensor");
+  m.def(
+      "q4_matmul(Tensor x, Tensor panels, Tensor scales, int out_features, Tensor? bias) -> "
+      "Tensor");
+  m.def(
+      "q8_matmul(Tensor x, Tensor panels, Tensor scales, int out_features, Tensor? bias) -> "
+      "Tensor");
   m.impl("q4_matmul", c10::DispatchKey::CPU, &llmq::q4_matmul);
   m.impl("q8_matmul", c10::DispatchKey::CPU, &llmq::q8_matmul);
 }
