@@ -77,6 +77,18 @@ def attention_us(batch: int, context: int, repeats: int = 50) -> dict[str, float
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
+def us_per_call(linears: list, x) -> float:
+    """Microseconds a call of each of ``linears`` on ``x`` took, over three passes through all
+    of them (after two warm-up calls): their weights come from memory, not a cache."""
+    for lin in linears[:2]:
+        lin(x)
+    start = time.perf_counter()
+    for _ in range(3):
+        for lin in linears:
+            lin(x)
+    return (time.perf_counter() - start) / (3 * len(linears)) * 1e6
+
+
 def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
     """Each projection on llmq's panels, with each of its sums (vdpbf16ps, float32 FMAs: the
     kernel takes the FMAs from 8 rows where they are switched on), against oneDNN's packed
@@ -99,13 +111,7 @@ def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
                                     ("fma", "panels", True)):  # fmt: skip
                 linears = kinds[kind]
                 with panel_sums(fma):
-                    for lin in linears[:2]:
-                        lin(x)
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        for lin in linears:
-                            lin(x)
-                    us[name] = (time.perf_counter() - start) / (3 * n) * 1e6
+                    us[name] = us_per_call(linears, x)
             best = min(us["dot"], us["fma"])
             gbs = out_f * in_f * 2 / best / 1e3
             gflops = 2 * rows * out_f * in_f / best / 1e3
@@ -138,13 +144,7 @@ def quantized_projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -
                 x = torch.randn(rows, in_f).bfloat16()
                 us = {}
                 for kind, linears in kinds.items():
-                    for lin in linears[:2]:
-                        lin(x)
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        for lin in linears:
-                            lin(x)
-                    us[kind] = (time.perf_counter() - start) / (3 * n) * 1e6
+                    us[kind] = us_per_call(linears, x)
                 gbs = kinds["llmq"][0].nbytes() / us["llmq"] / 1e3
                 print(f"{out_f}x{in_f:<7}{bits:>5}{rows:>6}{us['torch']:>10.1f}"
                       f"{us['llmq']:>9.1f}{us['torch'] / us['llmq']:>11.2f}x{gbs:>7.1f}")  # fmt: skip

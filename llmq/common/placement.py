@@ -2,8 +2,9 @@
 
 A worker's cost for a prompt is the prompt tokens it would compute (those past the longest
 prefix of the prompt's blocks it holds: ``block_hashes``) plus ``load_weight`` times its load
-(the tokens it has still to compute: its heartbeat's ``pending_tokens``, plus what this process
-placed on it since that heartbeat). The cheapest wins: a prefix cached on a busy worker still
+(the tokens it has still to compute: its heartbeat's ``pending_tokens``, less the prompts this
+process has seen computed since (their first tokens came back), plus what it placed there since
+and has not seen computed). The cheapest wins: a prefix cached on a busy worker still
 draws its requests while the work it spares outweighs the queue it would wait behind; with
 nothing cached anywhere the least loaded wins.
 
@@ -26,6 +27,8 @@ RECENT_S = 3.0
 # request placed just before a heartbeat may not have been pulled by then).
 _LOAD_MARGIN_S = 0.5
 _RECENT_MAX = 200_000  # block hashes remembered at most
+_SENT_S = 10.0  # how long a placement is remembered for its load
+_OPEN_MAX = 100_000  # placements awaiting their first token, remembered at most
 
 
 @dataclass(slots=True)
@@ -60,17 +63,30 @@ def choose(
     return (rng or random).choice(tied)
 
 
+@dataclass(slots=True)
+class _Sent:
+    at: float
+    tokens: int
+    computed_at: float | None = None  # when its first token came back (its prompt computed)
+
+
 class RecentPlacements:
     """What this process placed where lately: the block hashes of each prompt it sent to a
-    worker (until its published set takes over), and the tokens it sent each worker (its load
-    until a heartbeat counts them)."""
+    worker (until its published set takes over), and the tokens it sent each worker, until
+    their prompt is seen computed (its load until a heartbeat counts them).
+
+    A heartbeat is a snapshot: one written while a burst's prompts were being computed still
+    shows them pending for up to a heartbeat and the API's engine cache (2 s) after they are
+    done, and without the computed ones taken off, an idle worker without a prefix looked
+    cheaper than its busy-looking holder (a repeated burst missed its cache)."""
 
     def __init__(self, clock=time.time):
         self.clock = clock
         self._blocks: OrderedDict[int, tuple[str, float]] = OrderedDict()
-        self._sent: dict[str, list[tuple[float, int]]] = {}
+        self._sent: dict[str, list[_Sent]] = {}
+        self._open: OrderedDict[str, _Sent] = OrderedDict()  # by request id
 
-    def record(self, worker: str, hashes: list[int], tokens: int) -> None:
+    def record(self, worker: str, hashes: list[int], tokens: int, request_id: str = "") -> None:
         now = self.clock()
         for h in hashes:
             self._blocks[h] = (worker, now)
@@ -78,9 +94,20 @@ class RecentPlacements:
         while len(self._blocks) > _RECENT_MAX:
             self._blocks.popitem(last=False)
         sent = self._sent.setdefault(worker, [])
-        sent.append((now, tokens))
-        if len(sent) > 64 and now - sent[0][0] > 10:
-            self._sent[worker] = [s for s in sent if now - s[0] <= 10]
+        placement = _Sent(now, tokens)
+        sent.append(placement)
+        if request_id:
+            self._open[request_id] = placement
+            while len(self._open) > _OPEN_MAX:
+                self._open.popitem(last=False)
+        if len(sent) > 64 and now - sent[0].at > _SENT_S:
+            self._sent[worker] = [s for s in sent if now - s.at <= _SENT_S]
+
+    def computed(self, request_id: str) -> None:
+        """The request's first token came back: its prompt is no longer the worker's load."""
+        placement = self._open.pop(request_id, None)
+        if placement is not None:
+            placement.computed_at = self.clock()
 
     def held_blocks(self, worker: str, hashes: list[int], published: int) -> int:
         """Leading blocks of ``hashes`` the worker holds: the ``published`` ones its set
@@ -95,7 +122,13 @@ class RecentPlacements:
         return held
 
     def load(self, worker: str, heartbeat_pending: int, heartbeat_time: float) -> int:
-        """The worker's load: its heartbeat's, plus what this process sent it since."""
+        """The worker's load: its heartbeat's, less the prompts placed before it and seen
+        computed after it, plus what this process sent it since and has not seen computed."""
         since = heartbeat_time - _LOAD_MARGIN_S
-        sent = sum(t for at, t in self._sent.get(worker, ()) if at > since)
-        return heartbeat_pending + sent
+        done_since = sent_since = 0
+        for s in self._sent.get(worker, ()):
+            if s.at > since:
+                sent_since += s.tokens if s.computed_at is None else 0
+            elif s.computed_at is not None and s.computed_at > heartbeat_time:
+                done_since += s.tokens
+        return max(0, heartbeat_pending - done_since) + sent_since

@@ -76,5 +76,9 @@ class Placer:
         ]
         best = choose(candidates, len(prompt), block_size, self.load_weight)
         computed = round(cost(best, len(prompt), block_size, 0.0))
-        recent.record(best.worker, hashes, computed)
+        recent.record(best.worker, hashes, computed, request.id)
         return best.worker
+
+    def computed(self, request_id: str) -> None:
+        """``request_id``'s first output came back: its prompt left its worker's load."""
+        self.recent.computed(request_id)

@@ -81,8 +81,11 @@ class RequestStream:
         num_prompt = len(request.prompt_token_ids)
         detok = IncrementalDetokenizer(self.pipeline.tokenizer)
         stopper = StopStringMatcher(self.stop, self.include_stop)
+        placer = self.pipeline.placer
         try:
             async for msg in self.pipeline.output.messages(request, self.queue):
+                if placer is not None and msg.index == 0:
+                    placer.computed(request.id)
                 delta = detok.add(msg.tokens) if msg.tokens else ""
                 reason = msg.finish_reason
                 if msg.done:

@@ -99,6 +99,31 @@ def test_load_adds_what_was_sent_since_the_heartbeat():
     assert recent.load("b", heartbeat_pending=7, heartbeat_time=clock.now) == 7
 
 
+def test_prompts_seen_computed_leave_the_load_a_stale_heartbeat_shows():
+    clock = FakeClock()
+    recent = RecentPlacements(clock)
+    recent.record("a", [], tokens=500, request_id="r1")
+    clock.now += 1.0
+    beat = clock.now  # written while r1's prompt was computed: it shows it pending
+    assert recent.load("a", heartbeat_pending=500, heartbeat_time=beat) == 500
+    clock.now += 0.3
+    recent.computed("r1")  # its first token came back after that heartbeat
+    assert recent.load("a", heartbeat_pending=500, heartbeat_time=beat) == 0
+    # Placed after the heartbeat: load until computed, then none.
+    recent.record("a", [], tokens=200, request_id="r2")
+    assert recent.load("a", heartbeat_pending=0, heartbeat_time=clock.now - 2) == 200
+    recent.computed("r2")
+    recent.computed("r2")  # a second first message (a resumed stream) changes nothing
+    assert recent.load("a", heartbeat_pending=0, heartbeat_time=clock.now - 2) == 0
+    # Computed before the heartbeat: that heartbeat's pending does not hold it.
+    recent.record("b", [], tokens=300, request_id="r3")
+    clock.now += 0.1
+    recent.computed("r3")
+    clock.now += 1.0
+    assert recent.load("b", heartbeat_pending=30, heartbeat_time=clock.now) == 30
+    recent.computed("unknown")  # a request another process placed
+
+
 def test_a_worker_that_evicted_a_prefix_stops_attracting_it():
     """Its published set no longer holds the prefix (and the recent memory has lapsed): the
     choice goes by load alone."""
