@@ -29,6 +29,8 @@
 
 #include "vec.h"  // first: it sets the ISA ATen's headers compile for
 
+#include "panel_loop.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -51,7 +53,6 @@ namespace {
 
 constexpr int64_t kCols = 16;   // output columns per panel: one vector of int32 / float lanes
 constexpr int64_t kGroup = 32;  // inputs per weight group and per activation block
-constexpr int64_t kRows = 8;    // rows a panel's pass keeps in registers
 
 // Rows quantized per block of 32: xq int8 (as int32 words of 4), d, sum(xq) and d * sum(xq).
 struct QuantizedRows {
@@ -219,28 +220,15 @@ void q8_pass(const uint8_t* w, const float* scale, const QuantizedRows& x, int64
 template <bool Int4, typename Scales, typename O>
 void panel_rows(int64_t rows, const uint8_t* w, const Scales* scales, const QuantizedRows& x,
                 int64_t k, const float* bias, O* out, int64_t out_stride, int64_t cols) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+  in_row_passes(rows, [&](int64_t r0, auto count) {
+    constexpr int R = decltype(count)::value;
     O* o = out + r0 * out_stride;
-    switch (std::min(rows - r0, kRows)) {
-#define LLMQ_PASS(R)                                              \
-  case R:                                                         \
-    if constexpr (Int4) {                                         \
-      q4_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols); \
-    } else {                                                      \
-      q8_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols); \
-    }                                                             \
-    break;
-      LLMQ_PASS(1)
-      LLMQ_PASS(2)
-      LLMQ_PASS(3)
-      LLMQ_PASS(4)
-      LLMQ_PASS(5)
-      LLMQ_PASS(6)
-      LLMQ_PASS(7)
-      LLMQ_PASS(8)
-#undef LLMQ_PASS
+    if constexpr (Int4) {
+      q4_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols);
+    } else {
+      q8_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols);
     }
-  }
+  });
 }
 
 // x (quantized into q) through every panel, handed out to the threads as they ask.
@@ -262,13 +250,7 @@ void run_panels(const at::Tensor& x, const QuantizedRows& q, const uint8_t* w, i
       panel_rows<Int4>(rows, wp, sp, q, k, b, static_cast<float*>(op) + col, n, cols);
     }
   };
-  const int threads = std::min<int64_t>(at::get_num_threads(), count);
-  if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t p = 0; p < count; ++p) run(p);
-  } else {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t p = 0; p < count; ++p) run(p);
-  }
+  for_each_panel(count, run);
 }
 
 // x quantized per row and block (one buffer per calling thread: a step makes over a hundred

@@ -20,6 +20,8 @@
 
 #include "vec.h"  // first: it sets the ISA ATen's headers compile for
 
+#include "panel_loop.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,8 +41,8 @@
 namespace llmq {
 namespace {
 
-constexpr int64_t kPanel = 32;   // output columns per panel: two vectors of 16 float32 lanes
-constexpr int64_t kMaxRows = 8;  // rows a panel's pass keeps in registers (2 sums each)
+constexpr int64_t kPanel = 32;  // output columns per panel: two vectors of 16 float32 lanes
+constexpr int64_t kMaxRows = kPassRows;  // rows a panel's pass keeps in registers (2 sums each)
 // Fewer rows than this take vdpbf16ps whichever sums were chosen: per weight read the FMAs cost
 // three times the instructions, and at 1-3 rows (a decode's, memory-bound) they were even to
 // 1.35x slower; from 8 rows they were 1.15-1.6x faster where they won (1536 x 576 at 8 rows:
@@ -136,30 +138,17 @@ void widen_rows(const at::BFloat16* x, int64_t rows, int64_t k, std::vector<floa
 template <typename X>
 void panel_rows(int64_t rows, const uint32_t* w, const X* x, int64_t x_stride, int64_t pairs,
                 const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t cols) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+  in_row_passes(rows, [&](int64_t r0, auto count) {
+    constexpr int R = decltype(count)::value;
     // vdpbf16ps reads rows x_stride pairs apart; the FMAs their group of eight, [K][8].
     const X* xr = x + r0 * x_stride;
     at::BFloat16* o = out + r0 * out_stride;
-    switch (std::min(rows - r0, kMaxRows)) {
-#define LLMQ_PASS(R)                                                              \
-  case R:                                                                         \
-    if constexpr (std::is_same_v<X, float>) {                                     \
-      panel_pass_fma<R>(w, xr, pairs, bias, o, out_stride, cols);                 \
-    } else {                                                                      \
-      panel_pass<R>(w, xr, x_stride, pairs, bias, o, out_stride, cols);           \
-    }                                                                             \
-    break;
-      LLMQ_PASS(1)
-      LLMQ_PASS(2)
-      LLMQ_PASS(3)
-      LLMQ_PASS(4)
-      LLMQ_PASS(5)
-      LLMQ_PASS(6)
-      LLMQ_PASS(7)
-      LLMQ_PASS(8)
-#undef LLMQ_PASS
+    if constexpr (std::is_same_v<X, float>) {
+      panel_pass_fma<R>(w, xr, pairs, bias, o, out_stride, cols);
+    } else {
+      panel_pass<R>(w, xr, x_stride, pairs, bias, o, out_stride, cols);
     }
-  }
+  });
 }
 #endif
 
@@ -225,13 +214,7 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& panels, int64_
       panel_rows(rows, wp + p * panel_words, xp, pairs, pairs, b, op + col, out_features, cols);
     }
   };
-  const int threads = std::min<int64_t>(at::get_num_threads(), count);
-  if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t p = 0; p < count; ++p) run(p);
-  } else {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t p = 0; p < count; ++p) run(p);
-  }
+  for_each_panel(count, run);
 #endif
   return out;
 }
