@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from llmq.worker.runner import mapped_pages
 from llmq.worker.runner.decoder_families import Family, norm_eps
+from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.moe import from_block, is_moe_block
 from llmq.worker.runner.packed_linear import Layout, Linear
 
@@ -197,6 +198,7 @@ def build_layers(
         )
         if copies.finish_layer is not None:
             copies.finish_layer(index, out[-1])
+        return_freed_memory()  # this layer's temporary copies
     return out
 
 

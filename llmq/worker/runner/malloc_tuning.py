@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import sys
@@ -29,3 +30,12 @@ def tune_malloc() -> None:
         libc.mallopt(m_trim_threshold, 256 << 20)
     except (OSError, AttributeError):  # not glibc
         log.debug("mallopt unavailable; malloc left as it is")
+
+
+def return_freed_memory() -> None:
+    """Give freed memory back to the kernel: pieces under the raised mmap threshold stay in the
+    heap, resident, until trimmed. Building a forward frees a layer's float copies at a time
+    (fused, packed or quantized): untrimmed, a worker building an int8 Llama-3.2-1B shape
+    peaked at 2.9 GiB of RSS, trimmed after each layer at 1.9."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -19,8 +19,6 @@ parts concatenated) keep the Python loop.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 from collections.abc import Callable
 from typing import Literal
@@ -28,6 +26,7 @@ from typing import Literal
 import torch
 
 from llmq.worker.runner import decoder_cpp_step
+from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.quantized_linear import (
     GROUP,
     Int4Weight,
@@ -191,7 +190,7 @@ def finish_quantization(forward, quantizer, scheme: str | BitsPlan) -> None:
     # step_layers.cpp runs int8 and int4 projections on torch's kernels, as the Python loop does.
     forward._uniform_layers = decoder_cpp_step.serves_model(forward.layers)
     forward._cpp_weights = None
-    _return_freed_memory()
+    return_freed_memory()
     log.info("weights quantized (%s): %.0f MiB", forward.layout, quantized_bytes(forward) / 2**20)
 
 
@@ -233,13 +232,6 @@ def quantized_bytes(forward) -> int:
     else:
         total += table.nibbles.nbytes + table.scale.nbytes + table.zero.nbytes
     return total
-
-
-def _return_freed_memory() -> None:
-    """Give the float weights' freed memory back to the kernel: pieces under glibc's mmap
-    threshold (raised by ``malloc_tuning``) stay in the heap, resident, until trimmed."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def quantization_of(model: torch.nn.Module) -> Scheme | None:

@@ -49,6 +49,7 @@ _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
 # Rows quantized at a time: their float32 copy and its temporaries stay tens of MiB (the whole
 # 49,152 x 2,048 table of the 1B shape at once took 1.1 GiB more peak RSS at start).
 _CHUNK_BYTES = 32 << 20
+_PACK_ROWS = 1024  # rows packed into a kernel's panels at a time (a multiple of 16)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -178,11 +179,21 @@ def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     and the columns' scales [P * 16] float32."""
     n, k = weight.q.shape
     rows, cols = _round_up(n, _INT4_N_MULTIPLE), _round_up(k, GROUP)
-    q = F.pad(weight.q, (0, cols - k, 0, rows - n))
-    biased = (q.to(torch.int16) + 128).to(torch.uint8)
-    panels = biased.view(rows // _INT4_N_MULTIPLE, _INT4_N_MULTIPLE, cols // GROUP, 8, 4)
-    scale = F.pad(weight.scale.float(), (0, rows - n))
-    return panels.permute(0, 2, 3, 1, 4).contiguous(), scale
+    panels = torch.empty(rows // 16, cols // GROUP, 8, 16, 4, dtype=torch.uint8)
+    for start, q in _panel_rows(weight.q, rows):
+        q = F.pad(q, (0, cols - k))
+        biased = (q.to(torch.int16) + 128).to(torch.uint8).view(-1, 16, cols // GROUP, 8, 4)
+        panels[start // 16 : start // 16 + biased.shape[0]] = biased.permute(0, 2, 3, 1, 4)
+    return panels, F.pad(weight.scale.float(), (0, rows - n))
+
+
+def _panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
+    """(first row, rows [step or fewer, K]) of ``q`` padded with zero rows (a copy) up to
+    ``rows``: a panel layout is built a slice at a time, its temporaries a few MiB (the whole
+    49,152-row head at once took 0.5 GiB of RSS more at start)."""
+    for start in range(0, rows, step):
+        part = q[start : start + step]
+        yield start, F.pad(part, (0, 0, 0, min(step, rows - start) - part.shape[0]))
 
 
 def int_kernel_available() -> bool:
@@ -198,20 +209,23 @@ def q4_panels(weight: Int4Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor
     """``weight`` (its output channels padded to ``rows``, a multiple of 16) in q4_matmul's
     layout: nibbles [P, K / 32, 4, 16, 4] (a byte: inputs k + i low, k + 4 + i high, of 8),
     scale and zero [P, K / 32, 2, 16] bfloat16, a larger group's repeated onto its 32s."""
-    q, scale, zero = weight.q, weight.scale, weight.zero
-    n, k = q.shape
-    if rows > n:
-        q = F.pad(q, (0, 0, 0, rows - n), value=8)
-        scale, zero = F.pad(scale, (0, 0, 0, rows - n)), F.pad(zero, (0, 0, 0, rows - n))
+    n, k = weight.q.shape
+    scale, zero = F.pad(weight.scale, (0, 0, 0, rows - n)), F.pad(weight.zero, (0, 0, 0, rows - n))
     repeat = weight.group // GROUP
     if repeat > 1:
         scale, zero = scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)
     panels, groups = rows // _INT4_N_MULTIPLE, k // GROUP
-    nibbles = q.to(torch.uint8).view(panels, _INT4_N_MULTIPLE, groups, 4, 2, 4)
-    packed = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
+    packed = torch.empty(panels, groups, 4, _INT4_N_MULTIPLE, 4, dtype=torch.uint8)
+    for start, q in _panel_rows(weight.q, rows):
+        if start + q.shape[0] > n:  # its padding rows (new memory): q = 8, scale 0, zero 0
+            q[max(n - start, 0) :] = 8
+        nibbles = q.to(torch.uint8).view(-1, _INT4_N_MULTIPLE, groups, 4, 2, 4)
+        both = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
+        first = start // _INT4_N_MULTIPLE
+        packed[first : first + both.shape[0]] = both.permute(0, 2, 3, 1, 4)
     sz = torch.stack([scale, zero], dim=1).to(ACTIVATIONS)
     sz = sz.view(panels, _INT4_N_MULTIPLE, 2, groups).permute(0, 3, 2, 1)
-    return packed.permute(0, 2, 3, 1, 4).contiguous(), sz.contiguous()
+    return packed, sz.contiguous()
 
 
 class Int4Linear:

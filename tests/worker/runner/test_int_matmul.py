@@ -32,6 +32,7 @@ SHAPES = [
     (11, 40, 256, 64),
     (3, 16, 512, 256),
     (130, 200, 96, 32),
+    (3, 1037, 64, 32),  # packed in slices of 1,024 rows, the last one padded
 ]
 
 
@@ -87,7 +88,15 @@ def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dt
 
 
 # (rows, out features, in features): input widths off the blocks of 32 too.
-INT8_SHAPES = [(1, 97, 64), (5, 33, 96), (3, 5, 33), (17, 64, 128), (9, 7, 7), (130, 50, 200)]
+INT8_SHAPES = [
+    (1, 97, 64),
+    (5, 33, 96),
+    (3, 5, 33),
+    (17, 64, 128),
+    (9, 7, 7),
+    (130, 50, 200),
+    (2, 1037, 40),
+]
 
 
 @pytest.mark.parametrize("shape", INT8_SHAPES)
