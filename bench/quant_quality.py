@@ -144,7 +144,10 @@ def score(ref: torch.Tensor, got: torch.Tensor, ids: list[int], ctx: int = 0) ->
     }
 
 
-LLAMA_CPP_BIN = Path.home() / ".cache/llmq-peers/llama-cpp/src/llama.cpp/build/bin"
+# Where ../shared/peers/llama-cpp.sh builds llama.cpp (it honours PEER_VENVS too).
+PEERS = Path(os.environ.get("PEER_VENVS") or Path.home() / ".cache/llmq-peers")
+LLAMA_CPP_BUILD = PEERS / "llama-cpp/src/llama.cpp/build"
+LLAMA_CPP_BIN = LLAMA_CPP_BUILD / "bin"
 _KLD_FIELDS = {
     "kl": r"Mean\s+KLD:\s+([\d.]+)",
     "kl_p99": r"99\.0%\s+KLD:\s+([\d.]+)",
@@ -159,9 +162,11 @@ def llama_cpp_rows(model_dir: str, ctx: int) -> list[tuple[str, int, dict[str, f
     on the text this bench wrote, with ``-c ctx``: (name, file bytes, figures)."""
     folder = Path(model_dir)
     base_gguf = folder / ".llama-cpp-bf16.gguf"
-    if not (LLAMA_CPP_BIN / "llama-perplexity").exists() or not base_gguf.exists():
-        print("llama.cpp: no llama-perplexity or bf16 GGUF (run the peer once)", file=sys.stderr)
+    if not LLAMA_CPP_BUILD.is_dir() or not base_gguf.exists():
+        print("llama.cpp: not built, or no bf16 GGUF here (run the peer once)", file=sys.stderr)
         return []
+    if not (LLAMA_CPP_BIN / "llama-perplexity").exists():  # the peer builds the server alone
+        subprocess.run(["ninja", "-C", str(LLAMA_CPP_BUILD), "llama-perplexity"], check=True)
     env = {**os.environ, "LD_LIBRARY_PATH": str(LLAMA_CPP_BIN)}
     text, base = OUT / "quant_quality.txt", OUT / "quant_quality.kld"
 
