@@ -188,9 +188,9 @@ def _placed_burst_survives(fleet, sig: signal.Signals) -> str:
     """Requests sharing a cached prefix are placed; right after a worker has them in its
     pending list it gets ``sig``: every answer still equals the undisturbed one.
 
-    Which worker takes the burst is the placer's choice: usually the prefix's holder, but a
-    heartbeat written while the first requests ran still shows the holder loaded for up to
-    a second, and an idle worker without the prefix may then be the cheaper one."""
+    Which worker takes the burst is the placer's choice (that repeated prompts reach their
+    holder is the test above): it counts as holders the workers this API placed the prefix on
+    in the last seconds besides those whose published set shows it, and weighs their loads."""
     system = system_prompt(40 + sig.value, words=80)
     convs = [messages(system, f"part {i}") for i in range(3)]
     expected = [t for t, _ in gather(*(chat(fleet.base, m, max_tokens=120) for m in convs))]

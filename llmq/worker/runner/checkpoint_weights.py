@@ -3,7 +3,8 @@ projections.
 
 transformers serves the checkpoint as its float model, the weights dequantized at load
 (``model_loader.load_quantized_checkpoint``); this reads the files' integer weights again
-(``common/quant_checkpoint``) and repacks them once for torch's kernels:
+(``common/quant_checkpoint``) and repacks them once for the int4/int8 kernels
+(``quantized_linear``):
 
 - 4 bits, groups of a multiple of 32 input columns (channel-wise included: one group of K):
   ``Int4Weight`` with the same q, ``scale`` the checkpoint's and ``zero = (8 - z) * scale``, so
@@ -118,7 +119,8 @@ def _split(bias: torch.Tensor | None, parts: list[QuantTensor]) -> list:
 
 
 def kernel_linear(parts: list[QuantTensor], bias: torch.Tensor | None):
-    """One fused projection on torch's kernels; None where they do not take all its parts."""
+    """One fused projection on the int4/int8 kernels; None where they do not take all its
+    parts."""
     kinds = {p.kernel() for p in parts}
     if kinds == {"int8"}:
         return Int8Linear(int8_weight(parts), bias)

@@ -36,7 +36,7 @@ def _projections(layer: DecoderLayer) -> tuple:
 
 def serves_model(layers: list[DecoderLayer]) -> bool:
     """Whether step_layers can run these layers (uniform scale, eps, activation, widths; each
-    projection float, or int8 or int4 on torch's kernels)."""
+    projection float, or int8 or int4 on quantized_linear's kernels)."""
     if not all(isinstance(layer.mlp, DenseMLP) for layer in layers):
         return False
     kinds = (Linear, Int8Linear, Int4Linear)  # exactly: not a checkpoint's permuted kinds

@@ -13,8 +13,8 @@ head and embedding table in 8 or 4 bits (``quantized_linear``).
   ``bench/quant_quality.py --sensitivity`` measures the KL each role adds at 4 bits.
 
 The fused C++ step (``kernels/step_layers.cpp``) runs the int8 and int4 projections through the
-same torch kernels as the Python layer loop; a checkpoint's other kinds (act-order permutations,
-parts concatenated) keep the Python loop.
+same kernels as the Python layer loop (llmq's VNNI ones or torch's: ``quantized_linear``); a
+checkpoint's other kinds (act-order permutations, parts concatenated) keep the Python loop.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def finish_quantization(forward, quantizer, scheme: str | BitsPlan) -> None:
     _quantize_head_and_embedding(forward, quantizer)
     forward.layout = scheme if isinstance(scheme, str) else "int4"
     forward.packed = True  # small steps take the worker's threads, as packed weights do
-    # step_layers.cpp runs int8 and int4 projections on torch's kernels, as the Python loop does.
+    # step_layers.cpp runs int8 and int4 projections on the same kernels as the Python loop.
     forward._uniform_layers = decoder_cpp_step.serves_model(forward.layers)
     forward._cpp_weights = None
     return_freed_memory()

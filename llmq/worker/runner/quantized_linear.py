@@ -10,7 +10,8 @@ On a CPU with AVX512-VNNI, with llmq's kernels loaded (``kernels/int_matmul.cpp`
 llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to int8 per
 block of 32 inputs, integer dot products, one float32 scaling per block: on the 1B shape's
 projections 2.3-3.1x torch's kernels at 16 rows and 3.2-5.2x at 128 (bench/cpu_kernels.py
---quantized), faster than bfloat16 there; at one row 1.0-1.7x, both at the memory's pace. Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
+--quantized), faster than bfloat16 there; at one row 1.0-1.7x, both at the memory's pace.
+Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
 activations as quantized and the dequantized weights, within ``1e-5`` of the sum of the terms'
 magnitudes (the rounding to bfloat16 of a bfloat16 output besides); a row gets the same bits in
 any batch. The activations' quantization is the kernels' one loss against the W8A16/W4A16
@@ -44,6 +45,7 @@ _INT8_K_MULTIPLE = (
     16  # _weight_int8pack_mm crashes on other widths (torch 2.13; 24, 40, 56 on AVX2)
 )
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
+_PANEL_COLS = 16  # output columns of a panel of llmq's kernels (int_matmul.cpp's kCols)
 
 
 # Rows quantized at a time: their float32 copy and its temporaries stay tens of MiB (the whole
@@ -137,7 +139,7 @@ class Int8Linear:
         self.bias = bias
         if self.kernel:
             self.q, self.scale = q8_panels(weight)
-            self._bias32 = bias.float() if bias is not None else None
+            self.bias = _kernel_bias(bias)
             return
         self.pad = _round_up(k, _INT8_K_MULTIPLE) - k
         self.q = F.pad(weight.q, (0, self.pad)) if self.pad else weight.q
@@ -151,18 +153,14 @@ class Int8Linear:
         """The int8 rows ``ids`` of the weight and their scales (a tied embedding reads them)."""
         if not self.kernel:
             return self.q[ids, : self.in_features], self.scale[ids]
-        lanes = self.q[ids // _INT4_N_MULTIPLE, :, :, ids % _INT4_N_MULTIPLE]  # [n, K / 32, 8, 4]
+        lanes = self.q[ids // _PANEL_COLS, :, :, ids % _PANEL_COLS]  # [n, K / 32, 8, 4]
         q = lanes.reshape(len(ids), -1)[:, : self.in_features].to(torch.int16) - 128
         return q.to(torch.int8), self.scale[ids]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         if self.kernel:
-            a = x if dtype in (torch.float32, ACTIVATIONS) else x.float()
-            y = torch.ops.llmq.q8_matmul(
-                a.contiguous(), self.q, self.scale, self.out_features, self._bias32
-            )
-            return y.to(dtype)
+            return _on_kernel(torch.ops.llmq.q8_matmul, x, self.q, self.scale, self)
+        dtype = x.dtype
         a = x.to(ACTIVATIONS)
         if self.pad:
             a = F.pad(a, (0, self.pad))
@@ -178,12 +176,14 @@ def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     to a multiple of 16, inputs to one of 32, with zeros; a byte run of 4 inputs per column),
     and the columns' scales [P * 16] float32."""
     n, k = weight.q.shape
-    rows, cols = _round_up(n, _INT4_N_MULTIPLE), _round_up(k, GROUP)
-    panels = torch.empty(rows // 16, cols // GROUP, 8, 16, 4, dtype=torch.uint8)
+    rows, cols = _round_up(n, _PANEL_COLS), _round_up(k, GROUP)
+    panels = torch.empty(rows // _PANEL_COLS, cols // GROUP, 8, _PANEL_COLS, 4, dtype=torch.uint8)
     for start, q in _panel_rows(weight.q, rows):
         q = F.pad(q, (0, cols - k))
-        biased = (q.to(torch.int16) + 128).to(torch.uint8).view(-1, 16, cols // GROUP, 8, 4)
-        panels[start // 16 : start // 16 + biased.shape[0]] = biased.permute(0, 2, 3, 1, 4)
+        biased = (q.to(torch.int16) + 128).to(torch.uint8)
+        biased = biased.view(-1, _PANEL_COLS, cols // GROUP, 8, 4)
+        first = start // _PANEL_COLS
+        panels[first : first + biased.shape[0]] = biased.permute(0, 2, 3, 1, 4)
     return panels, F.pad(weight.scale.float(), (0, rows - n))
 
 
@@ -194,6 +194,21 @@ def _panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
     for start in range(0, rows, step):
         part = q[start : start + step]
         yield start, F.pad(part, (0, 0, 0, min(step, rows - start) - part.shape[0]))
+
+
+def _kernel_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as llmq's kernels add it, in float32 (held so: the fused step passes it on
+    as it is, no conversion a call)."""
+    return bias.float() if bias is not None else None
+
+
+def _on_kernel(op, x: torch.Tensor, weight, scales, linear) -> torch.Tensor:
+    """``linear`` (an Int8Linear or Int4Linear on llmq's kernels) of ``x`` through ``op``:
+    float32 or bfloat16 rows as they are, the output back in x's dtype."""
+    dtype = x.dtype
+    a = x if dtype in (torch.float32, ACTIVATIONS) else x.float()
+    y = op(a.contiguous(), weight, scales, linear.out_features, linear.bias)
+    return y.to(dtype)
 
 
 def int_kernel_available() -> bool:
@@ -214,17 +229,17 @@ def q4_panels(weight: Int4Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor
     repeat = weight.group // GROUP
     if repeat > 1:
         scale, zero = scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)
-    panels, groups = rows // _INT4_N_MULTIPLE, k // GROUP
-    packed = torch.empty(panels, groups, 4, _INT4_N_MULTIPLE, 4, dtype=torch.uint8)
+    panels, groups = rows // _PANEL_COLS, k // GROUP
+    packed = torch.empty(panels, groups, 4, _PANEL_COLS, 4, dtype=torch.uint8)
     for start, q in _panel_rows(weight.q, rows):
         if start + q.shape[0] > n:  # its padding rows (new memory): q = 8, scale 0, zero 0
             q[max(n - start, 0) :] = 8
-        nibbles = q.to(torch.uint8).view(-1, _INT4_N_MULTIPLE, groups, 4, 2, 4)
+        nibbles = q.to(torch.uint8).view(-1, _PANEL_COLS, groups, 4, 2, 4)
         both = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
-        first = start // _INT4_N_MULTIPLE
+        first = start // _PANEL_COLS
         packed[first : first + both.shape[0]] = both.permute(0, 2, 3, 1, 4)
     sz = torch.stack([scale, zero], dim=1).to(ACTIVATIONS)
-    sz = sz.view(panels, _INT4_N_MULTIPLE, 2, groups).permute(0, 3, 2, 1)
+    sz = sz.view(panels, _PANEL_COLS, 2, groups).permute(0, 3, 2, 1)
     return packed, sz.contiguous()
 
 
@@ -245,7 +260,7 @@ class Int4Linear:
         self.bias = bias
         if self.kernel:
             self.packed, self.scales_and_zeros = q4_panels(weight, rows)
-            self._bias32 = bias.float() if bias is not None else None
+            self.bias = _kernel_bias(bias)
             return
         q, scale, zero = weight.q, weight.scale, weight.zero
         if rows > n:
@@ -260,13 +275,9 @@ class Int4Linear:
         return self.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         if self.kernel:
-            a = x if dtype in (torch.float32, ACTIVATIONS) else x.float()
-            y = torch.ops.llmq.q4_matmul(
-                a.contiguous(), self.packed, self.scales_and_zeros, self.out_features, self._bias32
-            )
-            return y.to(dtype)
+            return _on_kernel(torch.ops.llmq.q4_matmul, x, self.packed, self.scales_and_zeros, self)
+        dtype = x.dtype
         a = x.to(ACTIVATIONS).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             a, self.packed, self.group, self.scales_and_zeros

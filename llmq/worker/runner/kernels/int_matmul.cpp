@@ -39,13 +39,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define LLMQ_Q4 1
+#define LLMQ_INT_MATMUL 1
 #endif
 
 namespace llmq {
@@ -62,11 +61,6 @@ struct QuantizedRows {
   int64_t groups = 0;
 };
 
-template <typename T>
-float as_float(T v) {
-  return static_cast<float>(v);
-}
-
 // x [rows, k_in] into blocks of 32 over k columns (k_in <= k: the columns past it zero).
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedRows& q) {
@@ -82,7 +76,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedR
         float amax = 0.0f;
         for (int64_t i = 0; i < kGroup; ++i) {
           const int64_t col = g * kGroup + i;
-          block[i] = col < k_in ? as_float(x[r * k_in + col]) : 0.0f;
+          block[i] = col < k_in ? static_cast<float>(x[r * k_in + col]) : 0.0f;
           amax = std::max(amax, std::fabs(block[i]));
         }
         const float d = amax / 127.0f;
@@ -102,7 +96,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedR
   });
 }
 
-#if defined(LLMQ_Q4)
+#if defined(LLMQ_INT_MATMUL)
 __m512 bf16_to_float(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -282,7 +276,7 @@ void check_call(const char* name, const at::Tensor& x, int64_t k, int64_t count,
 }  // namespace
 
 bool int_matmul_available() {
-#if defined(LLMQ_Q4)
+#if defined(LLMQ_INT_MATMUL)
   return true;
 #else
   return false;
@@ -304,7 +298,7 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   check_call("q4_matmul", x_in, k, count, out_features, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-#if defined(LLMQ_Q4)
+#if defined(LLMQ_INT_MATMUL)
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>());
   run_panels<true>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(), groups * 4 * kCols * 4, sp,
                    groups * 2 * kCols, bias ? bias->const_data_ptr<float>() : nullptr, out, count,
@@ -328,7 +322,7 @@ at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   check_call("q8_matmul", x_in, k, count, out_features, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-#if defined(LLMQ_Q4)
+#if defined(LLMQ_INT_MATMUL)
   run_panels<false>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(), groups * 8 * kCols * 4,
                     scales.const_data_ptr<float>(), kCols,
                     bias ? bias->const_data_ptr<float>() : nullptr, out, count, k);

@@ -62,16 +62,14 @@ at::Tensor project_float(const at::Tensor& x, const at::Tensor& w, const at::Ten
 }
 
 // A quantized projection, as quantized_linear.Int8Linear and Int4Linear run it: in llmq's
-// panels through q4_matmul or q8_matmul (x as it is, the bias in float32 inside); else the rows
+// panels through q4_matmul or q8_matmul (x as it is, the bias held in float32); else the rows
 // in bfloat16 (int8: zero columns up to the weight's padded width) through torch's weight-only
 // kernel, the output cut to its width (int4 pads it), back to x's dtype, then the bias.
 at::Tensor project_quantized(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                              const at::Tensor& scale, int64_t out_features) {
   if (w.dim() == 5) {  // llmq's panels: [P, K / 32, 4 (int4) or 8 (int8), 16, 4]
-    std::optional<at::Tensor> bias;
-    if (given(b)) bias = b.to(at::kFloat);
-    if (w.size(2) == 4) return llmq::q4_matmul(x, w, scale, out_features, bias);
-    return llmq::q8_matmul(x, w, scale, out_features, bias);
+    if (w.size(2) == 4) return llmq::q4_matmul(x, w, scale, out_features, bias_of(b));
+    return llmq::q8_matmul(x, w, scale, out_features, bias_of(b));
   }
   at::Tensor a = x.to(at::kBFloat16);
   at::Tensor y;
