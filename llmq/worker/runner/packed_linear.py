@@ -177,17 +177,25 @@ _LIB.impl("linear", _linear, "CPU")
 torch.library.register_fake("llmq::linear", _linear_shape, lib=_LIB)
 
 
+_PROBE_ROWS = (3, 33, 100)
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether packing ``weight`` gives the same bits as ``F.linear`` on this machine."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
+    gen = torch.Generator().manual_seed(0)
     try:
-        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        probe = probe.to(weight.dtype)
-        packed = Linear(weight, None, "onednn")(probe)
-        same = torch.equal(packed, F.linear(probe, weight))
+        linear = Linear(weight, None, "onednn")
+        # Row counts on either side of the kernels oneDNN switches between (on AMX hosts the
+        # packed matmul leaves F.linear's bits from 33 rows, not at 3).
+        probes = [torch.randn(rows, weight.shape[1], generator=gen) for rows in _PROBE_ROWS]
+        same = all(
+            torch.equal(linear(p.to(weight.dtype)), F.linear(p.to(weight.dtype), weight))
+            for p in probes
+        )
     except RuntimeError as exc:  # a torch built without these oneDNN ops
         log.info("packed weights unavailable: %s", exc)
         return False
