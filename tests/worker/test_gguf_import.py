@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from llmq.worker.runner.gguf_weights import GGUFTensors, q4_k_weight
+from llmq.worker.runner.gguf_weights import GGUFTensors, q4_k_weight, q8_0_weight
 from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear
 from tests.worker.gguf_writer import Q, write_gguf
 
@@ -93,6 +93,15 @@ def test_q4_k_blocks_equal_gguf_dequantize(gguf_dir):
     assert checked == sum(t == Q.Q4_K for t in TYPES.values())
 
 
+def test_q8_0_blocks_equal_gguf_dequantize(gguf_dir):
+    reader = gguf.GGUFReader(str(gguf_dir / "model-Q4_K_M.gguf"))
+    (tensor,) = (t for t in reader.tensors if t.tensor_type == Q.Q8_0)
+    cols, rows = (int(n) for n in tensor.shape[:2])
+    ours = q8_0_weight(tensor.data, rows, cols)
+    want = gguf.quants.dequantize(tensor.data, Q.Q8_0).astype(np.float32).reshape(rows, cols)
+    assert ours.grouped and torch.equal(ours.dequantize(), torch.from_numpy(want))
+
+
 def test_the_model_loads_quantized_as_the_file_is(gguf_dir):
     model = load_causal_lm(str(gguf_dir), "float32", "cpu")
     assert model.config.llmq_quantization == "gguf"
@@ -108,6 +117,10 @@ def test_the_model_loads_quantized_as_the_file_is(gguf_dir):
     assert isinstance(layer0.qkv_proj, Int4Linear)  # all three Q4_K
     assert isinstance(layer1.qkv_proj, Int8Linear)  # Q6_K attn_v beside Q4_K q, k
     assert isinstance(layer0.o_proj, Int8Linear) and isinstance(layer1.o_proj, Int4Linear)
+    if layer0.o_proj.kernel:  # Q8_0: the file's blocks as they are
+        q8 = file.int8("blk.0.attn_output.weight")
+        rows = layer0.o_proj.rows(torch.arange(q8.q.shape[0]))
+        assert torch.equal(rows.q, q8.q) and torch.equal(rows.dequantize(), q8.dequantize())
     assert isinstance(layer0.mlp.down_proj, Int8Linear)  # Q5_K
     assert isinstance(forward.lm_head, Int8Linear)  # Q6_K
     embed = model.model.embed_tokens

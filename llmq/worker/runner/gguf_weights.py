@@ -8,9 +8,12 @@ file); this reads the file's own blocks again (``gguf``'s reader) for the kernel
   with group 32: ``scale = d * sc``, ``zero = 8 * scale - dmin * m``, the same q. The scale
   and zero are held in bfloat16 (the kernel's dtype), so the weights are the file's within
   their rounding (2**-9 relative of each); tested against ``gguf``'s ``dequantize``.
-- Q8_0, Q5_K, Q6_K and float tensors have no torch kernel of their layout: their dequantized
-  weights are re-quantized per output channel to int8 (W8A16), as are groups of projections
-  fused into one kernel call whose members differ (Q4_K_M's Q6_K ``attn_v`` beside Q4_K q, k).
+- Q8_0 (32 int8 values and one float16 scale a block) is llmq's grouped int8 exactly: the same
+  q and scale, tested against ``gguf``'s ``dequantize``.
+- Q5_K, Q6_K and float tensors have no kernel of their layout: their dequantized weights are
+  quantized again to int8 (group-32 scales on llmq's kernels, per channel on torch's), as are
+  groups of projections fused into one kernel call whose members differ (Q4_K_M's Q6_K
+  ``attn_v`` beside Q4_K q, k).
 
 Query and key rows come permuted in llama.cpp's files (its rotary layout); they are put back as
 transformers' loader puts them back.
@@ -27,6 +30,7 @@ from llmq.worker.runner.quantized_linear import (
     ACTIVATIONS,
     Int4Linear,
     Int4Weight,
+    Int8Linear,
     Int8Weight,
     QuantizedLinear,
     quantized_linear,
@@ -35,6 +39,7 @@ from llmq.worker.runner.quantized_linear import (
 log = logging.getLogger(__name__)
 
 Q4_K_BLOCK = 144  # bytes: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+Q8_0_BLOCK = 34  # bytes: d (fp16), 32 int8 values
 # GGUF tensor names of a llama-style layer's fused projections, per llmq role
 ROLE_TENSORS = {
     "qkv": ("attn_q", "attn_k", "attn_v"),
@@ -74,6 +79,16 @@ def q4_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Weight:
     )
 
 
+def q8_0_weight(raw: np.ndarray, rows: int, cols: int) -> Int8Weight:
+    """A Q8_0 tensor's bytes ([rows, cols / 32 * 34]) as a grouped ``Int8Weight`` [rows, cols]."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q8_0_BLOCK)
+    d = blocks[:, 0:2].copy().view(np.float16)  # [B, 1]
+    q = blocks[:, 2:].copy().view(np.int8)
+    return Int8Weight(
+        torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d.reshape(rows, cols // 32))
+    )
+
+
 def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's query/key row permutation (transformers' ``_reverse_permute_weights``)."""
     dim = t.shape[0] // heads // 2
@@ -89,6 +104,7 @@ class GGUFTensors:
         self.reader = gguf.GGUFReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.q4_k = gguf.GGMLQuantizationType.Q4_K
+        self.q8_0 = gguf.GGMLQuantizationType.Q8_0
         architecture = self.reader.fields["general.architecture"].contents()
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
         permuted = architecture == "llama"
@@ -96,45 +112,63 @@ class GGUFTensors:
 
     def int4(self, name: str) -> Int4Weight | None:
         """The tensor as an exact ``Int4Weight`` where it is Q4_K; None otherwise."""
+        return self._read(name, self.q4_k, q4_k_weight)
+
+    def int8(self, name: str) -> Int8Weight | None:
+        """The tensor as an exact grouped ``Int8Weight`` where it is Q8_0; None otherwise."""
+        return self._read(name, self.q8_0, q8_0_weight)
+
+    def _read(self, name: str, kind, reader):
         tensor = self.tensors.get(name)
-        if tensor is None or tensor.tensor_type != self.q4_k:
+        if tensor is None or tensor.tensor_type != kind:
             return None
         cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest dimension first
-        weight = q4_k_weight(tensor.data, rows, cols)
+        weight = reader(tensor.data, rows, cols)
         heads = self.heads.get(name.split(".")[-2])
-        if heads is not None:
-            weight = Int4Weight(
-                unpermute_rows(weight.q, heads),
-                unpermute_rows(weight.scale, heads),
-                unpermute_rows(weight.zero, heads),
-            )
-        return weight
+        if heads is None:
+            return weight
+        fields = (getattr(weight, f) for f in ("q", "scale", "zero") if hasattr(weight, f))
+        return type(weight)(*(unpermute_rows(t, heads) for t in fields))
 
     def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear:
-        """One fused projection of the tensors ``names``: int4 where all are Q4_K, else int8
-        from the (dequantized) fused float weight."""
-        parts = [self.int4(name) for name in names]
-        if parts and all(p is not None for p in parts):
-            fused = Int4Weight(
-                torch.cat([p.q for p in parts]),
-                torch.cat([p.scale for p in parts]),
-                torch.cat([p.zero for p in parts]),
-            )
+        """One fused projection of the tensors ``names``: int4 where all are Q4_K, int8 from the
+        file's blocks where all are Q8_0, else int8 from the (dequantized) fused float weight."""
+        for read, fuse in ((self.int4, _fused_int4), (self.int8, _fused_int8)):
+            parts = [read(name) for name in names]
+            if not parts or any(p is None for p in parts):
+                continue
+            fused = fuse(parts)
             if _same_weights(fused, plain_weight):
-                return Int4Linear(fused, bias)
+                return (
+                    Int4Linear(fused, bias)
+                    if isinstance(fused, Int4Weight)
+                    else Int8Linear(fused, bias)
+                )
             log.warning("%s: the file's blocks differ from the loaded weights; int8", names[0])
         return quantized_linear(plain_weight, bias, 8)
 
 
-def _same_weights(weight: Int4Weight, loaded: torch.Tensor) -> bool:
+def _fused_int4(parts: list[Int4Weight]) -> Int4Weight:
+    return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+
+
+def _fused_int8(parts: list[Int8Weight]) -> Int8Weight:
+    return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def _same_weights(weight: Int4Weight | Int8Weight, loaded: torch.Tensor) -> bool:
     """Whether the blocks read here are the weights transformers loaded (its dequantized ones,
-    in its row order), within the bfloat16 rounding of scale and zero: a check that the
-    blocks map onto the right rows of an architecture, made once at load."""
+    in its row order), within the bfloat16 rounding of an int4 scale and zero: a check that
+    the blocks map onto the right rows of an architecture, made once at load."""
+    ours = weight.dequantize()
+    if ours.shape != loaded.shape:
+        return False
+    if isinstance(weight, Int8Weight):  # exact, but for a bfloat16 model's rounding
+        return bool(((ours - loaded.float()).abs() <= 2**-8 * ours.abs() + 1e-7).all())
     scale = weight.scale.float().repeat_interleave(32, dim=1)
     zero = weight.zero.float().repeat_interleave(32, dim=1)
     slack = 2**-7 * (scale.abs() * (weight.q - 8).abs() + zero.abs()) + 1e-6
-    ours = weight.dequantize()
-    return ours.shape == loaded.shape and bool(((ours - loaded.float()).abs() <= slack).all())
+    return bool(((ours - loaded.float()).abs() <= slack).all())
 
 
 class GGUFQuantizer:
@@ -154,4 +188,5 @@ class GGUFQuantizer:
         return self.file.linear(names, plain.weight, plain.bias)
 
     def embedding(self, table: torch.Tensor) -> Int4Weight | Int8Weight:
-        return self.file.int4("token_embd.weight") or Int8Weight.quantize(table)
+        name = "token_embd.weight"
+        return self.file.int4(name) or self.file.int8(name) or Int8Weight.quantize(table)

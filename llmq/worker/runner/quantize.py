@@ -73,7 +73,7 @@ def only_role_plan(role: str, bits: int = 4) -> BitsPlan:
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """An embedding table in 8 bits per row (``Int8Weight``) or 4 bits per group of 32
+    """An embedding table in 8 bits (``Int8Weight``) or 4 bits per group of 32
     (``Int4Weight``, two values a byte): the looked-up rows are dequantized to ``dtype``."""
 
     def __init__(
@@ -94,8 +94,7 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
-            q, scale = self.int8.rows(ids)
-            rows = (q.float() * scale.float()[..., None]).to(self.dtype)
+            rows = self.int8.rows(ids).dequantize().to(self.dtype)
         else:
             packed = self.nibbles[ids]
             q = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)

@@ -1,7 +1,8 @@
 """Projections with quantized weights: llmq's VNNI kernels where they are loaded, torch's CPU
 weight-only kernels elsewhere.
 
-- ``Int8Linear``: int8 weights with one symmetric scale per output channel.
+- ``Int8Linear``: int8 weights with one symmetric scale per group of 32 input columns (llmq's
+  kernel) or per output channel (torch's).
 - ``Int4Linear``: 4-bit weights in groups of 32 input columns (64, 128 or 256 for a quantized
   checkpoint's), one scale and one zero per group and output channel
   (``w = (q - 8) * scale + zero``, q in 0..15).
@@ -64,26 +65,45 @@ def _row_chunks(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 @dataclass(slots=True)
 class Int8Weight:
-    """``weight ~= q * scale[:, None]``: q int8 [N, K] in -127..127, scale [N] (bfloat16)."""
+    """``weight ~= q * scale``: q int8 [N, K] in -127..127; scale per output channel [N]
+    (bfloat16: torch's kernel) or per group of 32 input columns [N, ceil(K / 32)] (float16, as
+    llama.cpp's Q8_0 holds it: llmq's kernel; 6% more bytes than q, half the KL to bfloat16
+    of the per-channel form on the 1B shape, bench/quant_quality.py)."""
 
     q: torch.Tensor
     scale: torch.Tensor
 
+    @property
+    def grouped(self) -> bool:
+        return self.scale.dim() == self.q.dim()
+
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+    def quantize(cls, weight: torch.Tensor, grouped: bool = True) -> Int8Weight:
+        """Symmetric absmax scales, q computed against the stored (rounded) ones: the
+        dequantized weight is the nearest the stored numbers allow."""
         qs, scales = [], []
+        k = weight.shape[1]
         for rows in _row_chunks(weight):
             w = rows.float()
-            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS)
-            qs.append(torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
+            if grouped:
+                blocks = F.pad(w, (0, -k % GROUP)).view(w.shape[0], -1, GROUP)
+                scale = (blocks.abs().amax(dim=2) / 127).clamp(min=2**-24).to(torch.float16)
+                step = scale.float().repeat_interleave(GROUP, dim=1)[:, :k]
+            else:
+                scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS)
+                step = scale.float()[:, None]
+            qs.append(torch.round(w / step).clamp(-127, 127).to(torch.int8))
             scales.append(scale)
         return cls(torch.cat(qs), torch.cat(scales))
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        q = self.q.float()
+        if not self.grouped:
+            return q * self.scale.float()[..., None]
+        return q * self.scale.float().repeat_interleave(GROUP, dim=-1)[..., : q.shape[-1]]
 
-    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q[ids], self.scale[ids]
+    def rows(self, ids: torch.Tensor) -> Int8Weight:
+        return Int8Weight(self.q[ids], self.scale[ids])
 
 
 @dataclass(slots=True)
@@ -127,8 +147,9 @@ class Int4Weight:
 
 class Int8Linear:
     """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's VNNI kernel where it is
-    loaded (``q8_matmul``: activations quantized to int8 per block of 32), else on torch's
-    ``_weight_int8pack_mm`` (bfloat16 activations)."""
+    loaded (``q8_matmul``: activations quantized to int8 per block of 32; weights' scales per
+    group of 32 or per channel), else on torch's ``_weight_int8pack_mm`` (bfloat16
+    activations; per-channel scales: a grouped weight is quantized again per channel)."""
 
     bits = 8
 
@@ -141,6 +162,8 @@ class Int8Linear:
             self.q, self.scale = q8_panels(weight)
             self.bias = _kernel_bias(bias)
             return
+        if weight.grouped:
+            weight = Int8Weight.quantize(weight.dequantize(), grouped=False)
         self.pad = _round_up(k, _INT8_K_MULTIPLE) - k
         self.q = F.pad(weight.q, (0, self.pad)) if self.pad else weight.q
         self.scale = weight.scale.to(ACTIVATIONS)
@@ -149,13 +172,15 @@ class Int8Linear:
     def weight(self) -> torch.Tensor:  # what a caller that reads ``.weight`` should find
         return self.q
 
-    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 rows ``ids`` of the weight and their scales (a tied embedding reads them)."""
+    def rows(self, ids: torch.Tensor) -> Int8Weight:
+        """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
         if not self.kernel:
-            return self.q[ids, : self.in_features], self.scale[ids]
-        lanes = self.q[ids // _PANEL_COLS, :, :, ids % _PANEL_COLS]  # [n, K / 32, 8, 4]
+            return Int8Weight(self.q[ids, : self.in_features], self.scale[ids])
+        panel, lane = ids // _PANEL_COLS, ids % _PANEL_COLS
+        lanes = self.q[panel, :, :, lane]  # [n, K / 32, 8, 4]
         q = lanes.reshape(len(ids), -1)[:, : self.in_features].to(torch.int16) - 128
-        return q.to(torch.int8), self.scale[ids]
+        scale = self.scale[panel, :, lane] if self.scale.dim() == 3 else self.scale[ids]
+        return Int8Weight(q.to(torch.int8), scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
@@ -174,7 +199,8 @@ class Int8Linear:
 def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` in q8_matmul's layout: q + 128 [P, K / 32, 8, 16, 4] (output channels padded
     to a multiple of 16, inputs to one of 32, with zeros; a byte run of 4 inputs per column),
-    and the columns' scales [P * 16] float32."""
+    and the scales: a grouped weight's [P, K / 32, 16] float16, else the columns' [P * 16]
+    float32."""
     n, k = weight.q.shape
     rows, cols = _round_up(n, _PANEL_COLS), _round_up(k, GROUP)
     panels = torch.empty(rows // _PANEL_COLS, cols // GROUP, 8, _PANEL_COLS, 4, dtype=torch.uint8)
@@ -184,7 +210,10 @@ def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
         biased = biased.view(-1, _PANEL_COLS, cols // GROUP, 8, 4)
         first = start // _PANEL_COLS
         panels[first : first + biased.shape[0]] = biased.permute(0, 2, 3, 1, 4)
-    return panels, F.pad(weight.scale.float(), (0, rows - n))
+    if not weight.grouped:
+        return panels, F.pad(weight.scale.float(), (0, rows - n))
+    scale = F.pad(weight.scale.to(torch.float16), (0, 0, 0, rows - n))
+    return panels, scale.view(-1, _PANEL_COLS, cols // GROUP).transpose(1, 2).contiguous()
 
 
 def _panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
@@ -303,4 +332,5 @@ def quantized_linear(
         return Int4Linear(Int4Weight.quantize(weight), bias, kernel)
     if bits not in (4, 8):
         raise ValueError(f"unsupported weight bits {bits}")
-    return Int8Linear(Int8Weight.quantize(weight), bias, kernel)
+    kernel = int_kernel_available() if kernel is None else kernel
+    return Int8Linear(Int8Weight.quantize(weight, grouped=kernel), bias, kernel)

@@ -55,7 +55,8 @@ def test_kernel_equals_dequantized_matmul(shape, bits, dtype):
     linear = quantized_linear(weight, bias, bits, kernel=False)  # llmq's: test_q4_matmul.py
     four = bits == 4 and k % GROUP == 0
     assert isinstance(linear, Int4Linear if four else Int8Linear)
-    quantized = (Int4Weight if four else Int8Weight).quantize(weight)
+    # torch's int8 kernel takes one scale per channel
+    quantized = Int4Weight.quantize(weight) if four else Int8Weight.quantize(weight, False)
     y = linear(x)
     assert y.dtype == dtype and y.shape == (rows, n)
     _within_tolerance(y, x, quantized.dequantize(), bias)
@@ -73,14 +74,16 @@ def test_a_row_gets_the_same_bits_in_any_batch():
             assert torch.equal(linear(x[start:stop]), whole[start:stop]), (bits, start)
 
 
-def test_int8_rounds_to_the_nearest_step_per_channel():
+@pytest.mark.parametrize("grouped", [True, False], ids=["group32", "channel"])
+def test_int8_rounds_to_the_nearest_step(grouped):
     weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
-    q = Int8Weight.quantize(weight)
+    q = Int8Weight.quantize(weight, grouped)
     assert q.q.dtype == torch.int8 and int(q.q.abs().max()) <= 127
-    step = q.scale.float()[:, None]
+    step = Int8Weight(torch.ones_like(q.q), q.scale).dequantize()
     assert bool(((q.dequantize() - weight).abs() <= 0.5 * step + 1e-6).all())
-    # The largest weight of each channel is represented (up to the scale's bfloat16 rounding).
-    assert bool((q.q.abs().amax(dim=1) >= 126).all())
+    # The largest weight of each channel or group is represented (up to its scale's rounding).
+    blocks = q.q.view(64, 3, 32) if grouped else q.q
+    assert bool((blocks.abs().amax(dim=-1) >= 126).all())
 
 
 def test_int4_groups_round_to_the_nearest_step():

@@ -4,9 +4,10 @@
 // instruction, unsigned weights by signed activations), and each block's integer sum scaled in
 // float32 once.
 //
-// int8 (q8_matmul): weights as quantized_linear.Int8Weight holds them, w = q * scale per output
-// column (q in -127..127), stored q + 128 (unsigned) in panels [P][K / 32][8][16][4]: one
-// 64-byte load gives each of 16 columns 4 inputs. Block b of column n adds
+// int8 (q8_matmul): weights as quantized_linear.Int8Weight holds them, w = q * scale per group of
+// 32 inputs (float16, as llama.cpp's Q8_0) or per output column (float32: a checkpoint's), q in
+// -127..127, stored q + 128 (unsigned) in panels [P][K / 32][8][16][4]: one 64-byte load gives
+// each of 16 columns 4 inputs. Block b of column n adds
 // d * scale * (sum((q + 128) * xq) - 128 * sum(xq)), the bracket exact in int32.
 //
 // int4 (q4_matmul):
@@ -171,15 +172,17 @@ void q4_pass(const uint8_t* w, const uint16_t* sz, const QuantizedRows& x, int64
   }
 }
 
-// Rows [0, R) of the quantized x (from row `row`) through one int8 panel (q + 128 bytes, the
-// columns' float32 scales); out's columns [0, cols).
-template <int R, typename O>
-void q8_pass(const uint8_t* w, const float* scale, const QuantizedRows& x, int64_t row, int64_t k,
+// Rows [0, R) of the quantized x (from row `row`) through one int8 panel (q + 128 bytes; the
+// scales: Grouped, the panel's float16 [K / 32][16], else its columns' float32 [16]); out's
+// columns [0, cols).
+template <int R, bool Grouped, typename O>
+void q8_pass(const uint8_t* w, const void* scales, const QuantizedRows& x, int64_t row, int64_t k,
              const float* bias, O* out, int64_t out_stride, int64_t cols) {
   const auto* words = reinterpret_cast<const int32_t*>(x.xq.data() + row * k);
   const int64_t row_words = k / 4, groups = x.groups;
   const float* d = x.d.data() + row * groups;
   const int32_t* sum = x.sum.data() + row * groups;
+  const auto* group_scales = static_cast<const uint16_t*>(scales);
   constexpr int S = kSums<R>;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -196,52 +199,63 @@ void q8_pass(const uint8_t* w, const float* scale, const QuantizedRows& x, int64
         isum[r][c % S] = _mm512_dpbusd_epi32(isum[r][c % S], v, xr);
       }
     }
+    __m512 scale = _mm512_set1_ps(1.0f);
+    if constexpr (Grouped) {
+      scale = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + g * kCols)));
+    }
     for (int r = 0; r < R; ++r) {
       __m512i total = isum[r][0];
       if constexpr (S == 2) total = _mm512_add_epi32(total, isum[r][1]);
-      const __m512 dg = _mm512_set1_ps(d[r * groups + g]);
+      __m512 dg = _mm512_set1_ps(d[r * groups + g]);
+      if constexpr (Grouped) dg = _mm512_mul_ps(dg, scale);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), dg, acc[r]);
     }
   }
   const __mmask16 mask = cols >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  const __m512 s = _mm512_maskz_loadu_ps(mask, scale);
+  const __m512 s = Grouped ? _mm512_set1_ps(1.0f)
+                           : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(scales));
   const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) store(_mm512_fmadd_ps(acc[r], s, b), out + r * out_stride, mask);
 }
 
-// Every row through one panel, up to eight at a time; Scales: the int4 panel's scale and zero
-// (bfloat16 bits), or the int8 panel's column scales (float32).
-template <bool Int4, typename Scales, typename O>
-void panel_rows(int64_t rows, const uint8_t* w, const Scales* scales, const QuantizedRows& x,
+enum class Form { kInt4, kInt8Channel, kInt8Grouped };
+
+// Every row through one panel, up to eight at a time; scales: the int4 panel's scale and zero
+// (bfloat16), or the int8 panel's group scales (float16) or column scales (float32).
+template <Form F, typename O>
+void panel_rows(int64_t rows, const uint8_t* w, const void* scales, const QuantizedRows& x,
                 int64_t k, const float* bias, O* out, int64_t out_stride, int64_t cols) {
   in_row_passes(rows, [&](int64_t r0, auto count) {
     constexpr int R = decltype(count)::value;
     O* o = out + r0 * out_stride;
-    if constexpr (Int4) {
-      q4_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols);
+    if constexpr (F == Form::kInt4) {
+      q4_pass<R>(w, static_cast<const uint16_t*>(scales), x, r0, k, bias, o, out_stride, cols);
     } else {
-      q8_pass<R>(w, scales, x, r0, k, bias, o, out_stride, cols);
+      q8_pass<R, F == Form::kInt8Grouped>(w, scales, x, r0, k, bias, o, out_stride, cols);
     }
   });
 }
 
-// x (quantized into q) through every panel, handed out to the threads as they ask.
-template <bool Int4, typename Scales>
+// x (quantized into q) through every panel, handed out to the threads as they ask; a panel's
+// scales panel_scale_bytes apart.
+template <Form F>
 void run_panels(const at::Tensor& x, const QuantizedRows& q, const uint8_t* w, int64_t panel_bytes,
-                const Scales* scales, int64_t panel_scales, const float* bias, at::Tensor& out,
-                int64_t count, int64_t k) {
+                const at::Tensor& scales, int64_t panel_scale_bytes, const float* bias,
+                at::Tensor& out, int64_t count, int64_t k) {
   const int64_t rows = x.size(0), n = out.size(1);
   const bool bf16 = out.scalar_type() == at::kBFloat16;
   void* op = out.data_ptr();
+  const auto* scale_bytes = static_cast<const uint8_t*>(scales.const_data_ptr());
   auto run = [&](int64_t p) {
     const int64_t col = p * kCols, cols = std::min(kCols, n - col);
     const uint8_t* wp = w + p * panel_bytes;
-    const Scales* sp = scales + p * panel_scales;
+    const void* sp = scale_bytes + p * panel_scale_bytes;
     const float* b = bias ? bias + col : nullptr;
     if (bf16) {
-      panel_rows<Int4>(rows, wp, sp, q, k, b, static_cast<at::BFloat16*>(op) + col, n, cols);
+      panel_rows<F>(rows, wp, sp, q, k, b, static_cast<at::BFloat16*>(op) + col, n, cols);
     } else {
-      panel_rows<Int4>(rows, wp, sp, q, k, b, static_cast<float*>(op) + col, n, cols);
+      panel_rows<F>(rows, wp, sp, q, k, b, static_cast<float*>(op) + col, n, cols);
     }
   };
   for_each_panel(count, run);
@@ -299,16 +313,16 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
 #if defined(LLMQ_INT_MATMUL)
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>());
-  run_panels<true>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(), groups * 4 * kCols * 4, sp,
-                   groups * 2 * kCols, bias ? bias->const_data_ptr<float>() : nullptr, out, count,
-                   k);
+  run_panels<Form::kInt4>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(),
+                          groups * 4 * kCols * 4, scales, groups * 2 * kCols * 2,
+                          bias ? bias->const_data_ptr<float>() : nullptr, out, count, k);
 #endif
   return out;
 }
 
 // x [M, K'] (bfloat16 or float32; K' within 32 of K) times the int8 panels (q + 128) with their
-// column scales [N padded to 16] (float32), plus bias [N] (float32): [M, N] in x's dtype.
+// scales, per group [P, K / 32, 16] float16 or per column [N padded to 16] float32, plus bias [N]
+// (float32): [M, N] in x's dtype.
 at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(int_matmul_available(), "q8_matmul: this build has no AVX512-VNNI");
@@ -316,16 +330,25 @@ at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
                   panels.size(3) == kCols && panels.size(4) == 4 && panels.is_contiguous(),
               "q8_matmul: panels are [P, K / 32, 8, 16, 4] uint8, contiguous");
   const int64_t count = panels.size(0), groups = panels.size(1), k = groups * kGroup;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == count * kCols,
-              "q8_matmul: scales are [P * 16] float32, contiguous");
+  const bool grouped = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.is_contiguous() &&
+                  (grouped ? scales.numel() == count * groups * kCols
+                           : scales.scalar_type() == at::kFloat && scales.numel() == count * kCols),
+              "q8_matmul: scales are [P, K / 32, 16] float16 or [P * 16] float32, contiguous");
   check_call("q8_matmul", x_in, k, count, out_features, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
 #if defined(LLMQ_INT_MATMUL)
-  run_panels<false>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(), groups * 8 * kCols * 4,
-                    scales.const_data_ptr<float>(), kCols,
-                    bias ? bias->const_data_ptr<float>() : nullptr, out, count, k);
+  const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
+  const int64_t panel_bytes = groups * 8 * kCols * 4;
+  const uint8_t* w = panels.const_data_ptr<uint8_t>();
+  if (grouped) {
+    run_panels<Form::kInt8Grouped>(x, quantized(x, k), w, panel_bytes, scales, groups * kCols * 2,
+                                   b, out, count, k);
+  } else {
+    run_panels<Form::kInt8Channel>(x, quantized(x, k), w, panel_bytes, scales, kCols * 4, b, out,
+                                   count, k);
+  }
 #endif
   return out;
 }
