@@ -173,7 +173,15 @@ def llama_cpp_rows(model_dir: str, ctx: int) -> list[tuple[str, int, dict[str, f
     def perplexity(gguf: Path, *extra: str) -> str:
         cmd = [str(LLAMA_CPP_BIN / "llama-perplexity"), "-m", str(gguf), "-f", str(text)]
         cmd += ["-c", str(ctx), "-b", str(ctx), "--kl-divergence-base", str(base), *extra]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode < 0:  # killed by a signal
+            # llama.cpp's AMX matmul (its weights repacked for AMX) segfaults on quantized
+            # GGUFs on a Sapphire Rapids host; without the repack its other kernels serve (the
+            # same quantized weights: the KL is the format's).
+            print(f"llama.cpp: {gguf.name} crashed ({done.returncode}); again without repack")
+            retry = {**env, "LLAMA_ARG_REPACK": "false"}
+            done = subprocess.run(cmd, env=retry, capture_output=True, text=True)
+        done.check_returncode()
         return done.stdout + done.stderr
 
     perplexity(base_gguf)

@@ -38,9 +38,11 @@ class Settings(BaseSettings):
     quantization: Literal["none", "int8", "int4"] = Field(
         "none",
         description="Weights quantized at load (CPU, on llmq's fast forward: the families it "
-        "serves): int8, per-output-channel int8 weights (W8A16); int4, 4-bit in groups of 32 "
-        "with the head and Q4_K_M's sensitive tensors at 8 bits (W4A16). Activations enter "
-        "the kernels in bfloat16. A GGUF model is served as its file is quantized.",
+        "serves): int8, int8 weights with a scale per group of 32 (Q8_0's form); int4, 4-bit in "
+        "groups of 32 with the head and Q4_K_M's sensitive tensors at 8 bits. On a CPU with "
+        "AVX512-VNNI the activations are quantized to int8 per block of 32 (W8A8, W4A8), else "
+        "they enter torch's kernels in bfloat16. A GGUF model is served as its file is "
+        "quantized.",
     )
     max_model_len: int | None = Field(
         None, description="Longest prompt plus output in tokens; defaults to the model's own limit."
