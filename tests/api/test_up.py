@@ -113,7 +113,7 @@ def assert_answers_within_a_minute(up, port: int, log: Path, llama_dir, tmp_path
     return children
 
 
-def kill_all(up: subprocess.Popen, children: list[psutil.Process]) -> None:
+def kill_up(up: subprocess.Popen, children: list[psutil.Process]) -> None:
     """What a failed test leaves: `llmq up` and its children (the worker has its own session,
     so the group kill misses it)."""
     with suppress(psutil.Error):
@@ -150,7 +150,7 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly_on_sigterm(llama_dir,
         stopped_in = time.monotonic() - stopping
     finally:
         if up.poll() is None:  # the test failed: leave nothing behind
-            kill_all(up, children)
+            kill_up(up, children)
     assert rc == 128 + signal.SIGTERM, log.read_text()[-4000:]
     assert_stopped_cleanly(log, children)
     print(f"llmq up: answered after {stopping - started:.1f}s, stopped in {stopped_in:.1f}s")
@@ -209,7 +209,7 @@ def test_forked_workers_share_the_model_and_outlive_their_parent(llama_dir, tmp_
         rc = up.wait(60)
     finally:
         if up.poll() is None:
-            kill_all(up, children)
+            kill_up(up, children)
     assert rc == 0, log.read_text()[-4000:]
     # `llmq up` waited for the orphan (its child now) before exiting, and left nothing.
     assert not child.is_running(), "the orphaned worker was left running"

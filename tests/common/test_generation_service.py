@@ -18,7 +18,7 @@ from llmq.common.protocol import PRIORITY_BATCH
 from llmq.common.redis_server import RedisServer
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport, Keys
-from tests.harness import start_api, start_worker, wait_worker
+from tests.harness import kill_all, start_api, start_worker, wait_worker
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -36,8 +36,7 @@ def served(llama_dir, tmp_path_factory):
             wait_worker(server.url, "w-service", worker)
             yield server.url, base, str(llama_dir)
         finally:
-            api.terminate()
-            worker.terminate()
+            kill_all([api, worker])
 
 
 @contextlib.asynccontextmanager

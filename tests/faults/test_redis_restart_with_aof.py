@@ -13,7 +13,7 @@ import redis
 from llmq.common.errors import DeadlineExceeded
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
-from tests.harness import heartbeat, start_api, start_worker, stop_all, wait_for, wait_worker
+from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for, wait_worker
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 
 
@@ -33,7 +33,7 @@ def aof(llama_dir, tmp_path_factory):
             wait_worker(server.url, "w-aof", worker)
             yield server, worker, api, base
         finally:
-            stop_all([api, worker])
+            kill_all([api, worker])
 
 
 @pytest.fixture(scope="module")

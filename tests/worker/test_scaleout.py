@@ -26,10 +26,10 @@ from tests.harness import (
     Proc,
     base_env,
     heartbeat,
+    kill_all,
     recorded_tokens,
     request_ids,
     start_worker,
-    stop_all,
     wait_for,
     wait_worker,
 )
@@ -171,8 +171,7 @@ def test_hosts_in_namespaces_survive_a_killed_worker_host(network, llama_dir, tm
             assert res["text"] == exp, "a stream differs after its worker's host died"
         survivor = "w2" if victim == "w1" else "w1"
         assert workers[survivor].alive()
-        api.terminate()
-        workers[survivor].terminate()
+        kill_all([api, workers[survivor]])
     finally:
         server.close()
 
@@ -229,7 +228,7 @@ def test_two_models_on_one_redis(llama_dir, qwen2_dir, tmp_path):
                 )
         finally:
             wq.kill()
-            stop_all([api, wl])
+            kill_all([api, wl])
 
 
 # ---- 3. two API replicas --------------------------------------------------------------------
@@ -318,7 +317,7 @@ def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path)
             assert codes.count(0) == limit, codes
             assert queued == limit
         finally:
-            stop_all([a, b, worker])
+            kill_all([a, b, worker])
 
 
 # ---- 4. a worker that joins late --------------------------------------------------------------
@@ -393,4 +392,4 @@ def test_three_workers_one_joining_late(llama_dir, tmp_path):
             }
             assert all(c > 0 for c in counts.values()), counts
         finally:
-            stop_all([api, w1, w2, w3])
+            kill_all([api, w1, w2, w3])
