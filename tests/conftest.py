@@ -37,6 +37,19 @@ def qwen2_dir(model_dir) -> Path:
     return model_dir("qwen2")
 
 
+@pytest.fixture(scope="session")
+def llama_stack(llama_dir, tmp_path_factory):
+    """A Redis, a worker of the test model and an API (queue limit 50) shared by every package
+    that neither changes their settings nor leaves them changed (tests/api's ``main``): a
+    worker's start is most of a small module's time. A long heartbeat TTL: a test that stops
+    the worker (SIGSTOP) for a moment lets it go on before it ends."""
+    from tests.api.api_stack import stack
+
+    logs = tmp_path_factory.mktemp("main-logs")
+    with stack(llama_dir, logs, "w-api", dict(heartbeat_ttl=15), dict(max_queue=50)) as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module (``pytest.mark.usefixtures``): two make the tiny

@@ -23,9 +23,9 @@ from llmq.worker.llm_engine import LLMEngine
 from tests.harness import (
     Proc,
     heartbeat,
+    kill_all,
     start_api,
     start_worker,
-    stop_all,
     wait_for,
     wait_worker,
 )
@@ -107,7 +107,7 @@ def stack(model: Path, logs: Path, worker_name: str, worker_settings: dict, api_
             wait_worker(server.url, worker_name, worker)
             yield s
         finally:
-            stop_all([worker, *(proc for proc, _ in s.apis.values())])
+            kill_all([worker, *(proc for proc, _ in s.apis.values())])
 
 
 @dataclass

@@ -24,14 +24,11 @@ def logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="package")
-def main(llama_dir, tmp_path_factory):
-    """The shared Redis, worker and API (queue limit 50) of the test model: tests that stop
-    the worker (SIGSTOP) let it go on before they end; those that need other API settings
-    start an API of their own on it (``Stack.api``)."""
-    logs = tmp_path_factory.mktemp("main-logs")
-    # A long heartbeat TTL: the 429 test stops this worker (SIGSTOP) for a moment.
-    with stack(llama_dir, logs, "w-api", dict(heartbeat_ttl=15), dict(max_queue=50)) as s:
-        yield s
+def main(llama_stack):
+    """The session's shared Redis, worker and API (queue limit 50) of the test model: tests
+    that stop the worker (SIGSTOP) let it go on before they end; those that need other API
+    settings start an API of their own on it (``Stack.api``)."""
+    return llama_stack
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Agent frameworks against `llmq up`'s processes (its embedded Redis, a worker, the API): LangChain's
-ChatOpenAI, the OpenAI Agents SDK and pydantic-ai, offline, with a dummy key. The test model has
+"""Agent frameworks against real processes (Redis, a worker, the API): LangChain's ChatOpenAI,
+the OpenAI Agents SDK and pydantic-ai, offline, with the API's key. The test model has
 random weights, so its free text is noise: only structured output (a schema's grammar) and forced
 tool calls give answers worth checking, and every one is validated against its schema."""
 
@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-from contextlib import suppress
 from enum import StrEnum
-from pathlib import Path
 from typing import Annotated, Literal
 
 import httpx
 import openai
-import psutil
 import pytest
 from agents import (
     Agent,
@@ -38,11 +32,9 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.models.openai import OpenAIResponsesModel as PydanticResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from llmq.common.redis_server import free_port
-from tests.harness import LLMQ, up_env, wait_for
-from tests.tool_model import with_tools_template
+from tests.api.conftest import TOOLS_KEY
 
-API_KEY = "sk-dummy"  # the server asks for none; the clients insist on one
+API_KEY = TOOLS_KEY  # the shared stack's API asks for it
 QUESTION = "What is the weather in Paris over the next three days?"
 
 
@@ -83,51 +75,12 @@ class Report(BaseModel):
     days: int = Field(ge=1, le=9)
 
 
-# ---- llmq up -------------------------------------------------------------------------------
+# ---- the stack -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tools_model(llama_dir, tmp_path_factory) -> Path:
-    """The test model with a chat template that renders tools and their results."""
-    return with_tools_template(llama_dir, tmp_path_factory.mktemp("agent-model") / "llama")
-
-
-@pytest.fixture(scope="module")
-def base(tools_model, tmp_path_factory) -> str:
-    """`llmq up` (embedded Redis, one worker, the API) on a free port; its base URL once an
-    engine is ready."""
-    port = free_port()
-    logs = tmp_path_factory.mktemp("agent-logs")
-    env = up_env(tools_model, port, logs, workers=1, dtype="float32", torch_threads=1)
-    log = logs / "up.log"
-    with open(log, "w") as out:
-        up = subprocess.Popen(
-            [LLMQ, "up"], env=env, cwd=logs, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if up.poll() is not None:
-            raise RuntimeError(f"llmq up exited:\n{log.read_text()[-4000:]}")
-        try:
-            return httpx.get(f"{url}/ready", timeout=1).json().get("engines", 0) >= 1
-        except (httpx.HTTPError, ValueError):
-            return False
-
-    try:
-        wait_for(ready, 90, "an engine behind llmq up", 0.2)
-        yield url
-    finally:
-        children = []
-        with suppress(psutil.Error):
-            children = psutil.Process(up.pid).children(recursive=True)
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-        for child in psutil.wait_procs(children, timeout=10)[1]:
-            child.kill()
+def base(tools_stack) -> str:
+    """The package's shared stack of the test model with a chat template that renders tools
+    and their results."""
+    return tools_stack.base
 
 
 @pytest.fixture(scope="module")

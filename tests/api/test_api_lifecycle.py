@@ -83,70 +83,58 @@ def test_deadline_ends_a_request_with_an_error(main):
     main.wait_idle(timeout=3)
 
 
-def test_a_stream_cut_by_server_shutdown_ends_with_an_error_event(main):
-    """SIGTERM to an API process mid-stream: the stream gets a short drain, then an error event
-    and [DONE] instead of a silent cut (which the openai client takes for a whole answer), the
-    process exits cleanly and the request is cancelled on the worker."""
+def test_requests_cut_by_server_shutdown_end_with_an_error(main):
+    """SIGTERM to an API process while a stream and a non-streamed request run: after a short
+    drain the stream gets an error event and [DONE] instead of a silent cut (which the openai
+    client takes for a whole answer), the other a 503 server_shutting_down (not a closed
+    connection); the process exits cleanly and both requests are cancelled on the worker."""
     base = main.api("going-away")
     main.warm(base)
     proc, _ = main.apis.pop("going-away")
     main.wait_idle()
+    plain: list[tuple[httpx.Response, float]] = []
+
+    def post() -> None:
+        body = {"prompt": PROMPT, "max_tokens": 1900, **IGNORE_EOS}
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        plain.append((resp, time.monotonic()))
+
+    poster = threading.Thread(target=post)
+    poster.start()
     body = {"prompt": PROMPT, "max_tokens": 1900, "stream": True, **IGNORE_EOS}
     frames: list[str] = []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            frames.append(line.removeprefix("data: "))
-            if len(frames) == 4:
-                # The worker frozen: no token can finish the answer during the drain.
-                os.kill(main.worker.proc.pid, signal.SIGSTOP)
-                proc.proc.send_signal(signal.SIGTERM)
-                signalled = time.monotonic()
-    ended = time.monotonic() - signalled
-    os.kill(main.worker.proc.pid, signal.SIGCONT)
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                frames.append(line.removeprefix("data: "))
+                if len(frames) == 4:
+                    running = lambda: main.heartbeat().get("running") == "2"  # noqa: E731
+                    wait_for(running, 10, "both requests running")
+                    # The worker frozen: no token can finish an answer during the drain.
+                    os.kill(main.worker.proc.pid, signal.SIGSTOP)
+                    proc.proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+        ended = time.monotonic() - signalled
+    finally:
+        poster.join()
+        os.kill(main.worker.proc.pid, signal.SIGCONT)
     assert frames[-1] == "[DONE]"
     error = json.loads(frames[-2])["error"]
     assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
     assert all("choices" in json.loads(f) for f in frames[:-2])
     assert 2.0 < ended < 4.5, ended
-    # A clean exit (uvicorn re-raises the signal once shut down).
-    assert proc.proc.wait(10) in (0, -signal.SIGTERM), proc.log()
-    assert "Application shutdown complete" in proc.log()
-    main.wait_idle(timeout=5)  # the request was cancelled on the worker
-
-
-def test_a_request_cut_by_server_shutdown_gets_a_503(main):
-    """SIGTERM to an API process while a non-streamed request runs: after the drain it gets a
-    503 server_shutting_down (not a closed connection), and the worker drops the request."""
-    base = main.api("going-away-plain")
-    main.warm(base)
-    proc, _ = main.apis.pop("going-away-plain")
-    main.wait_idle()
-    body = {"prompt": PROMPT, "max_tokens": 1900, **IGNORE_EOS}
-
-    def stop_when_running() -> None:
-        wait_for(lambda: main.heartbeat().get("running") == "1", 10, "the request running")
-        os.kill(main.worker.proc.pid, signal.SIGSTOP)  # no token can finish it during the drain
-        proc.proc.send_signal(signal.SIGTERM)
-        signalled.append(time.monotonic())
-
-    signalled: list[float] = []
-    stopper = threading.Thread(target=stop_when_running)
-    stopper.start()
-    try:
-        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
-    finally:
-        stopper.join()
-        os.kill(main.worker.proc.pid, signal.SIGCONT)
-    ended = time.monotonic() - signalled[0]
+    ((resp, answered),) = plain
     assert resp.status_code == 503, resp.text
     error = resp.json()["error"]
     assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
-    assert 2.0 < ended < 4.5, ended
+    assert 2.0 < answered - signalled < 4.5, answered - signalled
+    # A clean exit (uvicorn re-raises the signal once shut down).
     assert proc.proc.wait(10) in (0, -signal.SIGTERM), proc.log()
-    main.wait_idle(timeout=5)  # the request was cancelled on the worker
+    assert "Application shutdown complete" in proc.log()
+    main.wait_idle(timeout=5)  # both requests were cancelled on the worker
 
 
 # ---- 3. a closed stream frees its KV blocks --------------------------------------------------

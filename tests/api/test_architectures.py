@@ -26,7 +26,7 @@ from llmq.common.model_factory import make_model
 from llmq.common.model_loader import load_causal_lm, load_tokenizer
 from llmq.common.redis_server import RedisServer
 from tests.api.api_stack import aclient, assert_error
-from tests.harness import LLMQ, base_env, start_api, start_worker, stop_all, wait_worker
+from tests.harness import LLMQ, base_env, kill_all, start_api, start_worker, wait_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -88,7 +88,7 @@ def archs(models, logs):
                 wait_worker(server.url, f"w-{key}", workers[key], timeout=180)
             yield server.url, base, workers
         finally:
-            stop_all([*workers.values(), *([api] if api is not None else [])])
+            kill_all([*workers.values(), *([api] if api is not None else [])])
 
 
 async def _complete_at_once(base: str, model: str, batch: list[list[int]]) -> list[str]:

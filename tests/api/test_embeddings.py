@@ -16,7 +16,7 @@ import torch
 
 from llmq.common.redis_server import RedisServer
 from tests.api.embedding_texts import LONG_TEXT, make_texts
-from tests.harness import start_api, start_worker, wait_worker
+from tests.harness import kill_all, start_api, start_worker, wait_worker
 
 MAX_TOKENS = 256  # the model's max_seq_length
 DIMS = 384
@@ -94,9 +94,7 @@ def stack(model_path, tmp_path_factory):
             wait_worker(server.url, "emb", worker)
             yield base, reference
         finally:
-            if api is not None:
-                api.terminate()
-            worker.terminate()
+            kill_all([api, worker])
 
 
 @pytest.fixture(scope="module")

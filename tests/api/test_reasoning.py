@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from llmq.common.redis_server import RedisServer
-from tests.harness import start_api, start_worker, wait_worker
+from tests.harness import kill_all, start_api, start_worker, wait_worker
 from tests.reasoning_model import as_reasoning_model
 
 MESSAGES = [{"role": "user", "content": "What is two plus two?"}]
@@ -59,8 +59,7 @@ def served(llama_dir, tmp_path_factory) -> Served:
             wait_worker(server.url, "w-reasoning", worker)
             yield Served(url, str(model), end_id)
         finally:
-            api.terminate()
-            worker.terminate()
+            kill_all([api, worker])
 
 
 def reference(logprobs) -> tuple[str, str, int]:

@@ -17,7 +17,7 @@ import torch
 
 from llmq.common.redis_server import RedisServer
 from tests.api.api_stack import Stack, assert_error, batch_results
-from tests.harness import start_worker, wait_worker
+from tests.harness import kill_all, start_worker, wait_worker
 
 MAX_LEN = 64  # the model's positions: pairs are cut to this many tokens
 TOLERANCE = 1e-5
@@ -101,9 +101,7 @@ def stack(model_dir, tmp_path_factory):
             wait_worker(server.url, "w-rerank", worker)
             yield served, reference
         finally:
-            for proc, _ in served.apis.values():
-                proc.terminate()
-            worker.terminate()
+            kill_all([*(proc for proc, _ in served.apis.values()), worker])
 
 
 @pytest.fixture(scope="module")

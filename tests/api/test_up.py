@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
-import pytest
 import redis
 
 from llmq.common.redis_server import free_port
@@ -59,22 +58,27 @@ def assert_embedded_redis_is_locked(state_dir: Path, cmdlines: str, log: str) ->
     assert (persistence["appendonly"], persistence["appendfsync"]) == ("yes", "everysec")
 
 
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
-def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, stop):
-    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the process alone (docker
-    stop, systemd, kill) stop the API, both workers and the embedded Redis."""
+def start_up(llama_dir, tmp_path: Path, **settings) -> tuple[subprocess.Popen, int, Path]:
+    """`llmq up` with two workers (on a CPU: one, and one forked from it after the load), in
+    its own session as a shell job: SIGINT to its group is what Ctrl-C sends. Its state file
+    goes to tmp_path."""
     port = free_port()
-    env = up_env(llama_dir, port, tmp_path, workers=2)  # its state file in tmp_path
+    env = up_env(llama_dir, port, tmp_path, workers=2, **settings)
     assert "LLMQ_REDIS_URL" not in env
     log = tmp_path / "up.log"
-    c = client(f"http://127.0.0.1:{port}", timeout=10)
     with open(log, "w") as out:
-        # Its own session, as a shell job: SIGINT to the group is what Ctrl-C sends.
         up = subprocess.Popen(
             [LLMQ, "up"], env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
+    return up, port, log
+
+
+def assert_answers_within_a_minute(up, port: int, log: Path, llama_dir, tmp_path: Path):
+    """A chat answer within a minute of the start; the embedded Redis and two workers among
+    its children, the API without torch, both engines ready. Returns the children."""
     started = time.monotonic()
+    c = client(f"http://127.0.0.1:{port}", timeout=10)
 
     def answered():
         if up.poll() is not None:
@@ -86,54 +90,69 @@ def test_llmq_up_answers_within_a_minute_and_stops_cleanly(llama_dir, tmp_path, 
         except (openai.APIConnectionError, openai.APIStatusError):
             return None
 
-    children: list[psutil.Process] = []
-    try:
-        resp = wait_for(answered, 60, "a chat answer from llmq up", 0.5)
-        assert time.monotonic() - started < 60
-        assert resp.choices[0].message.content is not None
-        assert resp.usage.completion_tokens >= 1
-        children = psutil.Process(up.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in children)
-        assert "redis-server" in names, names
-        workers = [p for p in children if "worker" in p.cmdline()]
-        assert len(workers) == 2, names
-        assert_embedded_redis_is_locked(tmp_path, names, log.read_text())
-        # The API process needs no torch (about 0.2 GiB resident had it imported it).
-        api_maps = {m.path for m in psutil.Process(up.pid).memory_maps()}
-        assert not [m for m in api_maps if "libtorch" in m], "the API process imported torch"
-        # Both serve: /ready counts their live heartbeats.
-        ready = wait_for(
-            lambda: (
-                (r := httpx.get(f"http://127.0.0.1:{port}/ready")).json().get("engines") == 2 and r
-            ),
-            60,
-            "two engines ready",
-        )
-        assert ready.status_code == 200
+    resp = wait_for(answered, 60, "a chat answer from llmq up", 0.5)
+    assert time.monotonic() - started < 60
+    assert resp.choices[0].message.content is not None
+    assert resp.usage.completion_tokens >= 1
+    children = psutil.Process(up.pid).children(recursive=True)
+    names = " ".join(" ".join(p.cmdline()) for p in children)
+    assert "redis-server" in names, names
+    workers = [p for p in children if "worker" in p.cmdline()]
+    assert len(workers) == 2, names
+    assert_embedded_redis_is_locked(tmp_path, names, log.read_text())
+    # The API process needs no torch (about 0.2 GiB resident had it imported it).
+    api_maps = {m.path for m in psutil.Process(up.pid).memory_maps()}
+    assert not [m for m in api_maps if "libtorch" in m], "the API process imported torch"
+    # Both serve: /ready counts their live heartbeats.
+    ready = wait_for(
+        lambda: (r := httpx.get(f"http://127.0.0.1:{port}/ready")).json().get("engines") == 2 and r,
+        60,
+        "two engines ready",
+    )
+    assert ready.status_code == 200
+    return children
 
-        if stop == "ctrl-c":
-            os.killpg(up.pid, signal.SIGINT)
-        else:
-            up.send_signal(signal.SIGTERM)
-        stopping = time.monotonic()
-        rc = up.wait(30)
-        stopped_in = time.monotonic() - stopping
-    finally:
-        if up.poll() is None:  # the test failed: leave nothing behind (the worker has its own
-            with suppress(psutil.Error):  # session, so the group kill misses it)
-                children = children or psutil.Process(up.pid).children(recursive=True)
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-            for child in children:
-                with suppress(psutil.Error):
-                    child.kill()
-    assert rc == (0 if stop == "ctrl-c" else 128 + signal.SIGTERM), log.read_text()[-4000:]
+
+def kill_up(up: subprocess.Popen, children: list[psutil.Process]) -> None:
+    """What a failed test leaves: `llmq up` and its children (the worker has its own session,
+    so the group kill misses it)."""
+    with suppress(psutil.Error):
+        children = children or psutil.Process(up.pid).children(recursive=True)
+    os.killpg(up.pid, signal.SIGKILL)
+    up.wait()
+    for child in children:
+        with suppress(psutil.Error):
+            child.kill()
+
+
+def assert_stopped_cleanly(log: Path, children: list[psutil.Process]) -> None:
+    """Its last words, and nothing of it left running (the API, the workers, the Redis)."""
     assert "llmq: stopped" in log.read_text()
     _, alive = psutil.wait_procs(children, timeout=5)
     left = [p.cmdline() for p in alive]
     for p in alive:
         p.kill()
     assert not alive, f"left running: {left}"
+
+
+def test_llmq_up_answers_within_a_minute_and_stops_cleanly_on_sigterm(llama_dir, tmp_path):
+    """SIGTERM to the process alone (docker stop, systemd, kill) stops the API, both workers
+    and the embedded Redis. Ctrl-C: test_forked_workers_share_the_model_and_outlive_their_parent
+    (the same start, stopped by SIGINT to the group)."""
+    up, port, log = start_up(llama_dir, tmp_path)
+    started = time.monotonic()
+    children: list[psutil.Process] = []
+    try:
+        children = assert_answers_within_a_minute(up, port, log, llama_dir, tmp_path)
+        up.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        rc = up.wait(30)
+        stopped_in = time.monotonic() - stopping
+    finally:
+        if up.poll() is None:  # the test failed: leave nothing behind
+            kill_up(up, children)
+    assert rc == 128 + signal.SIGTERM, log.read_text()[-4000:]
+    assert_stopped_cleanly(log, children)
     print(f"llmq up: answered after {stopping - started:.1f}s, stopped in {stopped_in:.1f}s")
 
 
@@ -160,19 +179,15 @@ def _shared_dirty_kib(proc: psutil.Process) -> int:
 
 
 def test_forked_workers_share_the_model_and_outlive_their_parent(llama_dir, tmp_path):
-    port = free_port()
-    log = tmp_path / "up.log"
-    with open(log, "w") as out:
-        up = subprocess.Popen(
-            [LLMQ, "up"], env=up_env(llama_dir, port, tmp_path, workers=2), cwd=tmp_path,
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    """The second worker is forked from the first after its load and outlives it; Ctrl-C
+    (SIGINT to the terminal's process group) then stops `llmq up`, the orphan and the Redis."""
+    # A short heartbeat TTL: the killed parent's heartbeat is gone (one engine ready) sooner.
+    up, port, log = start_up(llama_dir, tmp_path, heartbeat_ttl=2)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30)
-    workers: list[psutil.Process] = []
+    children: list[psutil.Process] = []
     try:
-        wait_for(lambda: _engines(port) == 2, 90, "two engines ready", 0.5)
-        workers = [p for p in psutil.Process(up.pid).children(recursive=True)
-                   if "worker" in p.cmdline()]  # fmt: skip
+        children = assert_answers_within_a_minute(up, port, log, llama_dir, tmp_path)
+        workers = [p for p in children if "worker" in p.cmdline()]
         parent = next(p for p in workers if p.ppid() == up.pid)
         child = next(p for p in workers if p.ppid() == parent.pid)
         assert "--fork" in parent.cmdline()
@@ -194,11 +209,8 @@ def test_forked_workers_share_the_model_and_outlive_their_parent(llama_dir, tmp_
         rc = up.wait(60)
     finally:
         if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-        for w in workers:
-            with suppress(psutil.Error):
-                w.kill()
+            kill_up(up, children)
     assert rc == 0, log.read_text()[-4000:]
-    # `llmq up` waited for it (its parent now) before exiting.
+    # `llmq up` waited for the orphan (its child now) before exiting, and left nothing.
     assert not child.is_running(), "the orphaned worker was left running"
+    assert_stopped_cleanly(log, children)

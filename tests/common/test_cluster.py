@@ -12,7 +12,7 @@ import httpx
 from llmq.common.redis_server import RedisServer
 from llmq.common.transport import Keys
 from tests.faults.stack import complete, completion, greedy_texts
-from tests.harness import start_api, start_worker, wait_worker
+from tests.harness import kill_all, start_api, start_worker, wait_worker
 from tests.redis_cluster import RedisClusterNodes
 
 PROMPTS = [[5 + i, 17, 33, 2 + 3 * i] for i in range(6)]
@@ -73,5 +73,4 @@ def test_two_models_through_two_replicas_on_a_cluster_equal_one_node(
             assert client.keyslot(keys.req("x")) == client.keyslot(streams[0])
             assert all(client.xlen(s) == 0 for s in streams)  # every entry acknowledged, deleted
         finally:
-            for proc in procs:
-                proc.terminate()
+            kill_all(procs)

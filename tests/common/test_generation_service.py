@@ -15,10 +15,8 @@ import redis.asyncio as aioredis
 from llmq.common.generation import GenerationService, SubmitOptions
 from llmq.common.model_registry import ModelRegistry
 from llmq.common.protocol import PRIORITY_BATCH
-from llmq.common.redis_server import RedisServer
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport, Keys
-from tests.harness import start_api, start_worker, wait_worker
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -26,18 +24,10 @@ MESSAGES = [{"role": "user", "content": "What does XREADGROUP do?"}]
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory):
-    """Redis, one worker and one API process on the tiny Llama."""
-    logs = tmp_path_factory.mktemp("service-logs")
-    with RedisServer() as server:
-        worker = start_worker(server.url, llama_dir, "w-service", logs, wait=False)
-        api, base = start_api(server.url, llama_dir, logs, "api-service")  # as it loads
-        try:
-            wait_worker(server.url, "w-service", worker)
-            yield server.url, base, str(llama_dir)
-        finally:
-            api.terminate()
-            worker.terminate()
+def served(llama_stack):
+    """The session's shared Redis, worker and API of the tiny Llama: (Redis URL, API base
+    URL, model)."""
+    return llama_stack.redis_url, llama_stack.base, llama_stack.model
 
 
 @contextlib.asynccontextmanager

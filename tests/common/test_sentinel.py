@@ -17,7 +17,7 @@ from llmq.common.redis_clients import async_client
 from llmq.common.redis_sentinel import SentinelAddress, parse_sentinel_url
 from llmq.common.settings import Settings
 from tests.faults.stack import completion, greedy_texts
-from tests.harness import heartbeat, start_api, start_worker, wait_for
+from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for
 from tests.sentinel_cluster import SentinelCluster
 from tests.worker.batches.batch_stack import (
     assert_output_lines,
@@ -139,8 +139,7 @@ def test_worker_and_api_follow_the_master_across_a_failover(llama_dir, tmp_path)
             assert "engine loop crashed" not in worker.log(10**6)
             assert "unhandled error" not in api.log(10**6)
         finally:
-            api.terminate()
-            worker.terminate()
+            kill_all([api, worker])
 
 
 def test_async_client_reaches_the_new_master_on_its_first_command(tmp_path):

@@ -17,6 +17,7 @@ from llmq.common.model_loader import load_tokenizer
 from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
+from tests import harness
 from tests.harness import LLMQ, heartbeat, recorded_tokens, start_worker, start_workers, wait_for
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 
@@ -47,7 +48,7 @@ def served(llama_dir, tmp_path_factory):
         try:
             yield server, worker
         finally:
-            worker.terminate()
+            harness.kill_all([worker])
 
 
 def test_concurrent_requests_equal_in_process_engine(served, llama_dir, reference):
@@ -401,8 +402,7 @@ def test_a_worker_stopped_warm_hands_its_request_over_at_once(llama_dir, referen
         try:
             tokens, arrivals, holder, finisher = asyncio.run(run())
         finally:
-            for w in workers.values():
-                w.terminate()
+            harness.kill_all(workers.values())  # the holder's warm stop is the scenario's
     assert tokens == expected[0]
     assert re.search(r"handing back \d+ unfinished requests", workers[holder].log(100_000))
     other = "wb" if holder == "wa" else "wa"

@@ -19,7 +19,7 @@ from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from tests.harness import Proc, heartbeat, start_api, start_worker, stop_all, wait_worker
+from tests.harness import Proc, heartbeat, kill_all, start_api, start_worker, wait_worker
 
 
 @dataclass
@@ -69,7 +69,7 @@ def served(
         try:
             yield Served(server, w, name, proc, base, str(model))
         finally:
-            stop_all([proc, w])
+            kill_all([proc, w])
 
 
 @dataclass

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from llmq.common.transport import Keys
-from tests.harness import start_worker, wait_for
+from tests.harness import kill_all, start_worker, wait_for
 from tests.worker.batches.batch_stack import (
     assert_output_lines,
     chat_lines,
@@ -129,7 +129,7 @@ def test_lines_that_meet_no_worker_are_retried_until_one_serves_them(main, qwen2
         assert all(row["response"]["body"]["model"] == str(qwen2_dir) for row in rows)
         assert any("." in row["response"]["request_id"] for row in rows)  # a retry's ids
     finally:
-        late.terminate()
+        kill_all([late])
 
 
 # ---- (d) a run that loses its lease stops; the holder finishes -------------------------------

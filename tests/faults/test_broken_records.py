@@ -17,7 +17,7 @@ from llmq.common.errors import EngineFailure
 from llmq.common.protocol import EngineRequest
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
-from tests.harness import recorded_tokens, start_worker, wait_for
+from tests.harness import kill_all, recorded_tokens, start_worker, wait_for
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 
 
@@ -35,7 +35,7 @@ def served(llama_dir, tmp_path_factory):
         try:
             yield server, worker
         finally:
-            worker.terminate()
+            kill_all([worker])
 
 
 def serves_next(server, llama_dir, reference) -> None:

@@ -13,7 +13,7 @@ from llmq.common.protocol import EngineRequest
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import AsyncTransport, Keys
-from tests.harness import heartbeat, start_worker, wait_for
+from tests.harness import heartbeat, kill_all, start_worker, wait_for
 from tests.pipeline_client import stream_of
 
 
@@ -54,4 +54,4 @@ def test_a_request_that_crashed_its_worker_each_time_is_dead_lettered_on_restart
             assert r.xlen(stream) == 0
             assert heartbeat(server.url, "w-loop")["tokens_total"] == "0"  # it never ran
         finally:
-            worker.terminate()
+            kill_all([worker])

@@ -19,7 +19,7 @@ from llmq.common.protocol import OutputMessage
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport.output_log import decode_frame
-from tests.harness import heartbeat, recorded_tokens, start_worker, wait_for, wait_worker
+from tests.harness import heartbeat, kill_all, recorded_tokens, start_worker, wait_for, wait_worker
 from tests.pipeline_client import open_pipeline, prompts, stream_of
 
 TTL = 1.5
@@ -133,10 +133,7 @@ def test_a_frozen_worker_publishes_nothing_for_requests_claimed_from_it(llama_di
         finally:
             if published is not None:
                 published.close()
-            for w in workers.values():
-                if w.alive():
-                    os.killpg(w.proc.pid, signal.SIGCONT)
-                w.terminate()
+            kill_all(workers.values())  # frozen or not
     by_index: dict[tuple[str, int], set[int]] = defaultdict(set)
     finals: dict[str, int] = defaultdict(int)
     for key, msg in published.messages:

@@ -20,6 +20,7 @@ from llmq.common.redis_server import RedisServer
 from llmq.common.transport import GROUP, Keys
 from tests.harness import (
     heartbeat,
+    kill_all,
     recorded_tokens,
     start_api,
     start_worker,
@@ -69,9 +70,7 @@ def setup(llama_dir, tmp_path_factory):
             wait_worker(server.url, "w-only", worker)
             yield Setup(server.url, str(llama_dir), logs, apis[0][1], apis[1][1]), worker
         finally:
-            for proc, _ in apis:
-                proc.terminate()
-            worker.terminate()
+            kill_all([*(proc for proc, _ in apis), worker])
 
 
 def body(path: str, max_tokens: int, stream: bool = False) -> dict:
@@ -182,7 +181,7 @@ def test_requests_of_a_model_whose_worker_died_fail_fast_and_stay_cancelled(setu
         wait_for(lambda: tokens() >= PATIENT_TOKENS, 10, "the heartbeat to count the tokens")
         assert tokens() == PATIENT_TOKENS
     finally:
-        back.terminate()
+        kill_all([back])
 
 
 def after_the_model_is_gone(s: Setup) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmq.common.redis_server import RedisServer
-from tests.harness import Proc, start_api, start_worker, wait_worker
+from tests.harness import kill_all, start_api, start_worker, wait_worker
 from tests.lora_model import make_adapter
 from tests.tool_model import with_tools_template
 from tests.tools.doc_examples import Block, collect, runnable, summary
@@ -69,13 +69,6 @@ class Page:
     done: set[str] = field(default_factory=set)
 
 
-def _stop(procs: list[Proc]) -> None:
-    """SIGKILL: the stack and its Redis go away together, so there is nothing to hand back."""
-    for p in procs:
-        p.kill()
-        p.terminate()  # closes its log
-
-
 @contextmanager
 def _stack(chat_model: Path, adapter: Path, embed_model: str, logs: Path):
     with RedisServer() as server:
@@ -99,7 +92,7 @@ def _stack(chat_model: Path, adapter: Path, embed_model: str, logs: Path):
             wait_worker(server.url, "docs-embed", embed)
             yield server.url, base.removeprefix("http://")
         finally:
-            _stop(procs)
+            kill_all(procs)  # the stack and its Redis go away together
 
 
 @pytest.fixture(scope="module")

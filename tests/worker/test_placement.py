@@ -18,9 +18,9 @@ from llmq.common.transport import GROUP, Keys
 from tests.harness import (
     Proc,
     heartbeat,
+    kill_all,
     start_api,
     start_worker,
-    stop_all,
     wait_for,
     wait_worker,
 )
@@ -73,7 +73,7 @@ def fleet(llama_dir, tmp_path_factory):
             f.wait("w1", "w2")
             yield f
         finally:
-            stop_all([*f.workers.values(), getattr(f, "api", None)])
+            kill_all([*f.workers.values(), getattr(f, "api", None)])
 
 
 def system_prompt(i: int, words: int = 60) -> str:

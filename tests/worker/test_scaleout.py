@@ -26,10 +26,10 @@ from tests.harness import (
     Proc,
     base_env,
     heartbeat,
+    kill_all,
     recorded_tokens,
     request_ids,
     start_worker,
-    stop_all,
     wait_for,
     wait_worker,
 )
@@ -171,8 +171,7 @@ def test_hosts_in_namespaces_survive_a_killed_worker_host(network, llama_dir, tm
             assert res["text"] == exp, "a stream differs after its worker's host died"
         survivor = "w2" if victim == "w1" else "w1"
         assert workers[survivor].alive()
-        api.terminate()
-        workers[survivor].terminate()
+        kill_all([api, workers[survivor]])
     finally:
         server.close()
 
@@ -229,10 +228,42 @@ def test_two_models_on_one_redis(llama_dir, qwen2_dir, tmp_path):
                 )
         finally:
             wq.kill()
-            stop_all([api, wl])
+            kill_all([api, wl])
 
 
 # ---- 3. two API replicas --------------------------------------------------------------------
+async def burst(model: str, urls: tuple[str, str], worker: Proc, running, waiting) -> list[int]:
+    """60 requests across both replicas while the worker (one sequence at a time) is busy with
+    a long request, then frozen: it pulls nothing while the burst lands, so what was accepted
+    is what the queue holds. Each request's status; 0: accepted, still queued."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        long = {"model": model, "prompt": "busy", "max_tokens": 1900, "ignore_eos": True}
+        blocker = asyncio.create_task(http.post(f"{urls[0]}/v1/completions", json=long))
+        await asyncio.to_thread(wait_for, running, 10, "busy")
+        worker.proc.send_signal(signal.SIGSTOP)
+
+        async def one(i: int) -> int:
+            body = {"model": model, "prompt": f"q{i}", "max_tokens": 4}
+            resp = await http.post(f"{urls[i % 2]}/v1/completions", json=body, timeout=30)
+            return resp.status_code
+
+        calls = [asyncio.create_task(one(i)) for i in range(60)]
+        try:
+            # Every request answered (refused) or waiting in the queue: those still open then
+            # are the accepted ones, queued behind the frozen worker.
+            await asyncio.to_thread(
+                wait_for,
+                lambda: sum(c.done() for c in calls) + waiting() >= len(calls),
+                30,
+                "each request refused or queued",
+                0.05,
+            )
+            return [c.result() if c.done() else 0 for c in calls]
+        finally:
+            for c in [*calls, blocker]:
+                c.cancel()
+
+
 def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path):
     with RedisServer() as server:
         # torch's ops, not llmq's C++ kernels: with those the tiny model makes its long
@@ -249,18 +280,17 @@ def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path)
         try:
             wait_worker(server.url, "w-rep", worker)  # loaded while the APIs started
             # A stream opened on replica A and dropped by its client frees its blocks.
-            body = {
-                "model": str(llama_dir),
-                "prompt": "hello",
-                "max_tokens": 1500,
-                "stream": True,
-                "ignore_eos": True,
-            }
+            body = {"model": str(llama_dir), "prompt": "hello", "max_tokens": 1500}
+            body |= {"stream": True, "ignore_eos": True}
+
+            def running() -> bool:
+                return heartbeat(server.url, "w-rep").get("running") == "1"
+
             with httpx.stream("POST", f"{url_a}/v1/completions", json=body, timeout=30) as resp:
                 lines = resp.iter_lines()
                 for _ in range(6):
                     next(lines)
-                wait_for(lambda: heartbeat(server.url, "w-rep").get("running") == "1", 3, "running")
+                wait_for(running, 3, "running")
             dropped = time.monotonic()
             wait_for(
                 lambda: heartbeat(server.url, "w-rep").get("kv_blocks_used") == "0",
@@ -270,43 +300,13 @@ def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path)
             assert time.monotonic() - dropped < 1.5
             assert len(recorded_tokens(r, request_ids(r)[0])) < 1500
 
-            # A burst split across both replicas meets one global limit. The worker (one sequence
-            # at a time) is busy with a long request, then frozen: it pulls nothing while the
-            # burst lands, so what was accepted is what the queue holds.
-            async def burst() -> list[int]:
-                async with httpx.AsyncClient(timeout=60) as http:
-                    long = {
-                        "model": str(llama_dir),
-                        "prompt": "busy",
-                        "max_tokens": 1900,
-                        "ignore_eos": True,
-                    }
-                    blocker = asyncio.create_task(http.post(f"{url_a}/v1/completions", json=long))
-                    await asyncio.to_thread(
-                        wait_for,
-                        lambda: heartbeat(server.url, "w-rep").get("running") == "1",
-                        10,
-                        "busy",
-                    )
-                    worker.proc.send_signal(signal.SIGSTOP)
-
-                    async def one(i: int) -> int:
-                        url = url_a if i % 2 else url_b
-                        body = {"model": str(llama_dir), "prompt": f"q{i}", "max_tokens": 4}
-                        try:
-                            resp = await http.post(f"{url}/v1/completions", json=body, timeout=5)
-                            return resp.status_code
-                        except httpx.TimeoutException:
-                            return 0  # accepted, still queued
-
-                    try:
-                        return await asyncio.gather(*[one(i) for i in range(60)])
-                    finally:
-                        blocker.cancel()
+            # A burst split across both replicas meets one global limit.
+            def waiting() -> int:  # the requests queued: in the stream, taken by no engine
+                return r.xlen(stream) - r.xpending(stream, "engines")["pending"]
 
             try:
-                codes = asyncio.run(burst())
-                queued = r.xlen(stream) - r.xpending(stream, "engines")["pending"]
+                codes = asyncio.run(burst(str(llama_dir), (url_a, url_b), worker, running, waiting))
+                queued = waiting()
                 metrics = httpx.get(f"{url_b}/metrics", timeout=10).text
             finally:
                 worker.proc.send_signal(signal.SIGCONT)
@@ -318,7 +318,7 @@ def test_two_api_replicas_share_cancels_and_one_queue_limit(llama_dir, tmp_path)
             assert codes.count(0) == limit, codes
             assert queued == limit
         finally:
-            stop_all([a, b, worker])
+            kill_all([a, b, worker])
 
 
 # ---- 4. a worker that joins late --------------------------------------------------------------
@@ -393,4 +393,4 @@ def test_three_workers_one_joining_late(llama_dir, tmp_path):
             }
             assert all(c > 0 for c in counts.values()), counts
         finally:
-            stop_all([api, w1, w2, w3])
+            kill_all([api, w1, w2, w3])

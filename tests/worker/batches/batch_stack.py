@@ -18,6 +18,7 @@ from tests.harness import (
     LLMQ,
     Proc,
     heartbeat,
+    kill_all,
     start_api,
     start_worker,
     wait_for,
@@ -81,9 +82,7 @@ def stack(
             s = Stack(server.url, worker, worker_name, api, base, str(model), logs)
             yield s
         finally:
-            if api is not None:
-                api.terminate()
-            (s.worker if s is not None else worker).terminate()
+            kill_all([api, s.worker if s is not None else worker])
 
 
 # ---- batch helpers -------------------------------------------------------------------------

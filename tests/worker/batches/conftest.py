@@ -1,4 +1,6 @@
-"""The stack (Redis, worker, API) each batch test module shares."""
+"""The stack (Redis, worker, API) the batch test modules share: a worker's start is most of
+a small module's time. test_batch_tools' last test replaces its worker (killed mid-batch);
+the next module goes on with the new one."""
 
 from __future__ import annotations
 
@@ -9,14 +11,14 @@ import pytest
 from tests.worker.batches.batch_stack import WORKERS, stack
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("batch-logs")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def main(llama_dir, logs):
-    """The Redis, worker and API shared by the tests of this module."""
+    """The Redis, worker and API shared by the tests of this package."""
     with stack(llama_dir, logs, "wb-main") as s:
         WORKERS.append(s.worker)
         yield s
