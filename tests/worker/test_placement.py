@@ -71,9 +71,17 @@ def fleet(llama_dir, tmp_path_factory):
             f.launch("w1", "w2")
             f.api, f.base = start_api(server.url, llama_dir, logs, **SETTINGS)  # as they load
             f.wait("w1", "w2")
+            # Until the API's view of the live engines holds both, it places nothing (one
+            # worker), and whichever reads first takes up to a turn's worth of requests.
+            wait_for(lambda: _engines_seen(f.base) == 2, 30, "the API seeing both workers")
             yield f
         finally:
             kill_all([*f.workers.values(), getattr(f, "api", None)])
+
+
+def _engines_seen(base: str) -> int:
+    answer = httpx.get(f"{base}/ready")
+    return answer.json().get("engines", 0) if answer.status_code == 200 else 0
 
 
 def system_prompt(i: int, words: int = 60) -> str:
