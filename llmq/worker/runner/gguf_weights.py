@@ -21,6 +21,7 @@ transformers' loader puts them back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -127,33 +128,31 @@ class GGUFTensors:
         heads = self.heads.get(name.split(".")[-2])
         if heads is None:
             return weight
-        fields = (getattr(weight, f) for f in ("q", "scale", "zero") if hasattr(weight, f))
-        return type(weight)(*(unpermute_rows(t, heads) for t in fields))
+        return dataclasses.replace(
+            weight, **{f: unpermute_rows(getattr(weight, f), heads) for f in _row_fields(weight)}
+        )
 
     def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear:
         """One fused projection of the tensors ``names``: int4 where all are Q4_K, int8 from the
         file's blocks where all are Q8_0, else int8 from the (dequantized) fused float weight."""
-        for read, fuse in ((self.int4, _fused_int4), (self.int8, _fused_int8)):
+        for read, linear in ((self.int4, Int4Linear), (self.int8, Int8Linear)):
             parts = [read(name) for name in names]
             if not parts or any(p is None for p in parts):
                 continue
-            fused = fuse(parts)
+            fused = dataclasses.replace(
+                parts[0],
+                **{f: torch.cat([getattr(p, f) for p in parts]) for f in _row_fields(parts[0])},
+            )
             if _same_weights(fused, plain_weight):
-                return (
-                    Int4Linear(fused, bias)
-                    if isinstance(fused, Int4Weight)
-                    else Int8Linear(fused, bias)
-                )
+                return linear(fused, bias)
             log.warning("%s: the file's blocks differ from the loaded weights; int8", names[0])
         return quantized_linear(plain_weight, bias, 8)
 
 
-def _fused_int4(parts: list[Int4Weight]) -> Int4Weight:
-    return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
-
-
-def _fused_int8(parts: list[Int8Weight]) -> Int8Weight:
-    return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+def _row_fields(weight: Int4Weight | Int8Weight) -> list[str]:
+    """The weight's tensors, each a row per output channel (q, scale and zero)."""
+    fields = dataclasses.fields(weight)
+    return [f.name for f in fields if isinstance(getattr(weight, f.name), torch.Tensor)]
 
 
 def _same_weights(weight: Int4Weight | Int8Weight, loaded: torch.Tensor) -> bool:

@@ -192,10 +192,8 @@ def can_pack(weight: torch.Tensor) -> bool:
         # Row counts on either side of the kernels oneDNN switches between (on AMX hosts the
         # packed matmul leaves F.linear's bits from 33 rows, not at 3).
         probes = [torch.randn(rows, weight.shape[1], generator=gen) for rows in _PROBE_ROWS]
-        same = all(
-            torch.equal(linear(p.to(weight.dtype)), F.linear(p.to(weight.dtype), weight))
-            for p in probes
-        )
+        probes = [p.to(weight.dtype) for p in probes]
+        same = all(torch.equal(linear(p), F.linear(p, weight)) for p in probes)
     except RuntimeError as exc:  # a torch built without these oneDNN ops
         log.info("packed weights unavailable: %s", exc)
         return False

@@ -2,8 +2,8 @@
 head and embedding table in 8 or 4 bits (``quantized_linear``).
 
 - ``int8``: every projection and the head int8, a scale per group of 32 (per output channel on
-  torch's kernel); the embedding table alike, rows dequantized as they are looked up (as llama.cpp's Q8_0 keeps
-  ``token_embd`` in Q8_0 and reads its rows with ``get_rows``).
+  torch's kernel); the embedding table alike, rows dequantized as they are looked up (as
+  llama.cpp's Q8_0 keeps ``token_embd`` in Q8_0 and reads its rows with ``get_rows``).
 - ``int4``: projections 4-bit in groups of 32, except the tensors kept at 8 bits, as Q4_K_M
   keeps them at 6 (``llama_tensor_get_type``): the head (``output.weight``), and in the layers
   llama.cpp's ``use_more_bits`` picks (the first and last eighth, every third between) the

@@ -88,7 +88,7 @@ class Int8Weight:
             if grouped:
                 blocks = F.pad(w, (0, -k % GROUP)).view(w.shape[0], -1, GROUP)
                 scale = (blocks.abs().amax(dim=2) / 127).clamp(min=2**-24).to(torch.float16)
-                step = scale.float().repeat_interleave(GROUP, dim=1)[:, :k]
+                step = _group_steps(scale, k)
             else:
                 scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS)
                 step = scale.float()[:, None]
@@ -100,10 +100,15 @@ class Int8Weight:
         q = self.q.float()
         if not self.grouped:
             return q * self.scale.float()[..., None]
-        return q * self.scale.float().repeat_interleave(GROUP, dim=-1)[..., : q.shape[-1]]
+        return q * _group_steps(self.scale, q.shape[-1])
 
     def rows(self, ids: torch.Tensor) -> Int8Weight:
         return Int8Weight(self.q[ids], self.scale[ids])
+
+
+def _group_steps(scale: torch.Tensor, k: int) -> torch.Tensor:
+    """Group scales [..., ceil(k / 32)] as one float32 step per input column [..., k]."""
+    return scale.float().repeat_interleave(GROUP, dim=-1)[..., :k]
 
 
 @dataclass(slots=True)
