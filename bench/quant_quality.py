@@ -105,13 +105,19 @@ def scored_positions(count: int, ctx: int) -> tuple[list[tuple[int, int]], torch
 
 @torch.inference_mode()
 def log_probs(
-    model_dir: str, ids: list[int], form, kv_cache: str = "auto", ctx: int = 0, ref="float32"
+    model_dir: str,
+    ids: list[int],
+    form,
+    kv_cache: str = "auto",
+    ctx: int = 0,
+    ref="float32",
+    device: str = "cpu",
 ) -> tuple[torch.Tensor, int, float]:
     """Next-token log-probabilities [T, V] of the text through ``form`` (None: the bf16
     weights, computed in ``ref``: float32, or bfloat16 as llmq serves them) and the KV cache
     ``kv_cache`` (auto: the model's dtype), each chunk of ``ctx`` a context (0: one), the
     weights' bytes, and the seconds the forward took."""
-    model = load_causal_lm(model_dir, "float32" if form is not None else ref, "cpu")
+    model = load_causal_lm(model_dir, "float32" if form is not None else ref, device)
     forward = DecoderForward(model, pack=False)
     if form is None:
         nbytes = 2 * sum(p.numel() for p in model.parameters())  # as stored (bf16)
@@ -123,10 +129,13 @@ def log_probs(
     attend = _attend if codes is None else functools.partial(_attend_through_cache, codes)
     chunks, _ = scored_positions(len(ids), ctx)
     logits = [
-        forward.run(torch.tensor(ids[a:b]), torch.arange(b - a), None, attend).float()
+        forward.run(
+            torch.tensor(ids[a:b], device=device), torch.arange(b - a, device=device), None, attend
+        ).float()
         for a, b in chunks
     ]
-    return torch.log_softmax(torch.cat(logits), dim=-1), nbytes, time.perf_counter() - start
+    logits = torch.cat(logits).cpu()
+    return torch.log_softmax(logits, dim=-1), nbytes, time.perf_counter() - start
 
 
 def score(ref: torch.Tensor, got: torch.Tensor, ids: list[int], ctx: int = 0) -> dict[str, float]:
@@ -231,20 +240,31 @@ def main() -> None:
         help="the forms on torch's kernels (W8A16, W4A16), not llmq's VNNI ones (W8A8, W4A8)",
     )
     p.add_argument("--sensitivity", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the forms on the GPU's kernels")
+    p.add_argument(
+        "--checkpoint",
+        default="",
+        help="a quantized checkpoint of the model's weights (bench/write_gptq.py) to score too",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         default="",
         help="8-bit KV caches to score, e.g. int8,fp8 (bf16 weights)",
     )
     args = p.parse_args()
-    if not args.torch_kernels:
+    if not args.torch_kernels and args.device == "cpu":
         cpu_kernels.load()
     kernels = "llmq's (W8A8, W4A8)" if int_kernel_available() else "torch's (W8A16, W4A16)"
+    if args.device != "cpu":
+        kernels = f"{args.device}'s (tinygemm W4A16, int8 and fp8 W8A8)"
     model_dir = _model_dir(args)
     ids = text_tokens(load_tokenizer(model_dir), args.tokens)
     print(f"{model_dir}: {len(ids)} tokens of textwrap.py; {platform.processor() or 'cpu'}")
     print(f"quantized forms on {kernels} kernels")
-    ref, ref_bytes, seconds = log_probs(model_dir, ids, None, ctx=args.ctx, ref=args.reference)
+    device = args.device
+    ref, ref_bytes, seconds = log_probs(
+        model_dir, ids, None, ctx=args.ctx, ref=args.reference, device=device
+    )
     print("| form | weights MiB | mean KL | KL p99 | top-1 agreement | perplexity | forward s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     print(_row(f"bf16 ({args.reference})", ref_bytes, score(ref, ref, ids, args.ctx), seconds))
@@ -253,9 +273,12 @@ def main() -> None:
         forms += [("all 8-bit", lambda i, n, r: 8)]
         forms += [(f"{role} at 4 bits", only_role_plan(role)) for role in ROLES]
     forms = [(name, form, "auto") for name, form in forms]
+    if args.checkpoint:
+        forms += [(f"checkpoint {Path(args.checkpoint).name}", "checkpoint", "auto")]
     forms += [(f"bf16, {c} KV cache", None, c) for c in args.kv_cache_dtype.split(",") if c]
     for name, form, kv_cache in forms:
-        got, nbytes, seconds = log_probs(model_dir, ids, form, kv_cache, args.ctx)
+        folder = args.checkpoint if form == "checkpoint" else model_dir
+        got, nbytes, seconds = log_probs(folder, ids, form, kv_cache, args.ctx, device=device)
         print(_row(name, nbytes, score(ref, got, ids, args.ctx), seconds), flush=True)
     if args.llama_cpp:
         for name, nbytes, figures in llama_cpp_rows(model_dir, args.ctx or len(ids) // 2):

@@ -16,7 +16,7 @@ from typing import Literal
 # `llmq make-model --arch`; the coverage tests build every architecture of model_archs.ARCHS.
 CLI_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe")
 Arch = str
-Size = Literal["tiny", "smollm2-135m", "moe-1b", "llama-1b"]
+Size = Literal["tiny", "smollm2-135m", "moe-1b", "llama-1b", "llama-8b"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
@@ -65,6 +65,20 @@ SHAPES: dict[Size, dict] = {
         max_position_embeddings=8192,
         initializer_range=0.02,
         tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    # The shape of Llama-3.1-8B with SmolLM2's vocabulary: 7.4B parameters (head untied).
+    "llama-8b": dict(
+        vocab_size=49152,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
         rope_theta=500000.0,
         rms_norm_eps=1e-5,
     ),
@@ -185,10 +199,13 @@ def _config(arch: str, size: Size, shape: dict, ids: dict):
     raise ValueError(f"unknown arch {arch!r} at size {size}; choose one of {', '.join(ARCHS)}")
 
 
-def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed: int = 0) -> Path:
+def make_model(
+    path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed: int = 0, device: str = "cpu"
+) -> Path:
     """Write a random-weight model and its tokenizer to ``path``; return the path. ``arch``:
     llama, qwen2, qwen3 or gemma3 at either size, or any architecture of ``model_archs.ARCHS``
-    (gemma3 is gemma3_text) at the tiny size."""
+    (gemma3 is gemma3_text) at the tiny size. ``device``: where the random weights are drawn
+    (a GPU draws the 8B shape's in seconds; other weights than the CPU's)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -208,7 +225,8 @@ def make_model(path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed
     # Marks the folder as a demo: /v1/models and the playground label it "random weights".
     config.llmq_random_weights = True
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if arch == "qwen2":
         # Biases start at zero; random ones make a bias bug visible in the exactness tests.
         with torch.no_grad():

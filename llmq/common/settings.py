@@ -35,14 +35,16 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the model runs; auto picks cuda when available."
     )
-    quantization: Literal["none", "int8", "int4"] = Field(
+    quantization: Literal["none", "int8", "int4", "fp8"] = Field(
         "none",
-        description="Weights quantized at load (CPU, on llmq's fast forward: the families it "
-        "serves): int8, int8 weights with a scale per group of 32 (Q8_0's form); int4, 4-bit in "
-        "groups of 32 with the head and Q4_K_M's sensitive tensors at 8 bits. On a CPU with "
+        description="Weights quantized at load (on llmq's fast forward: the families it "
+        "serves): int8, int8 weights with a scale per group of 32 (Q8_0's form; per channel on "
+        "CUDA); int4, 4-bit in groups of 32 with the head and Q4_K_M's sensitive tensors at 8 "
+        "bits; fp8, float8 e4m3 projections with a scale per channel, the activations quantized "
+        "to float8 per row (vLLM's fp8; a GPU of compute capability 8.9+). On a CPU with "
         "AVX512-VNNI the activations are quantized to int8 per block of 32 (W8A8, W4A8), else "
-        "they enter torch's kernels in bfloat16. A GGUF model is served as its file is "
-        "quantized.",
+        "they enter torch's kernels in bfloat16 (on CUDA: int4 on tinygemm, int8 W8A8 on "
+        "torch._int_mm). A GGUF model is served as its file is quantized, on the CPU.",
     )
     max_model_len: int | None = Field(
         None, description="Longest prompt plus output in tokens; defaults to the model's own limit."

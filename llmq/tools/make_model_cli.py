@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
-from llmq.common.model_factory import CLI_ARCHS
+from llmq.common.model_factory import CLI_ARCHS, Size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="llama",
         help="gemma3 is its text model; qwen3_moe at the tiny and moe-1b sizes only",
     )
-    p.add_argument("--size", choices=["tiny", "smollm2-135m", "moe-1b", "llama-1b"], default="tiny")
+    p.add_argument("--size", choices=list(get_args(Size)), default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run, parser=p)
 

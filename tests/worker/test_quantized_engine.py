@@ -6,6 +6,7 @@ schedule of ``test_engine_exact``)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ def _each_alone(engine: LLMEngine, prompts, max_tokens) -> list[list[int]]:
     ]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "fp8"])
 def alone(request, llama_dir):
     """(scheme, path, prompts, max_tokens, each prompt's tokens stepped alone: with llmq's C++
     ops, and with torch's)."""
@@ -74,3 +75,27 @@ def test_quantized_weights_need_the_fast_forward(llama_dir):
     config = EngineConfig(num_blocks=16, fast_forward=False)
     with pytest.raises(ValueError, match="fast forward"):
         _engine(str(llama_dir), "int8", config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_cuda_quantized_graph_steps_equal_each_prompt_alone(llama_dir, scheme):
+    """On a GPU (tinygemm's int4, W8A8 int8 and fp8): batched steps, decode steps replayed
+    from CUDA graphs, preemption and prefix hits give each prompt's tokens stepped alone."""
+    path = str(llama_dir)
+
+    def engine(config: EngineConfig) -> LLMEngine:
+        model = load_causal_lm(path, "float32", "cuda", scheme)
+        return LLMEngine(model, config, eos_token_ids={EOS})
+
+    alone = engine(EngineConfig(num_blocks=64, cuda_graphs=False))
+    prompts, max_tokens = make_prompts(alone.runner.model.config.vocab_size)
+    expected = _each_alone(alone, prompts, max_tokens)
+    assert len({tuple(t) for t in expected}) == len(expected)
+    for config in (VARIANTS["preemption"], VARIANTS["prefix_cache"]):
+        batched = engine(config)
+        assert batched.runner.forward.layout == scheme and batched.runner.graphs is not None
+        results, _, _ = drive(batched, prompts, max_tokens)
+        mismatched = [i for i in range(len(prompts)) if results[str(i)] != expected[i]]
+        assert not mismatched, [(i, expected[i], results[str(i)]) for i in mismatched[:3]]
+        assert batched.runner.graphs.steps > 0

@@ -34,9 +34,9 @@ from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, kernel_group
 from llmq.worker.runner.quantized_linear import (
     Int4Linear,
     Int4Weight,
-    Int8Linear,
     Int8Weight,
     QuantizedLinear,
+    int8_linear,
 )
 
 log = logging.getLogger(__name__)
@@ -118,23 +118,25 @@ def _split(bias: torch.Tensor | None, parts: list[QuantTensor]) -> list:
     return list(bias.split([p.shape[0] for p in parts]))
 
 
-def kernel_linear(parts: list[QuantTensor], bias: torch.Tensor | None):
-    """One fused projection on the int4/int8 kernels; None where they do not take all its
-    parts."""
+def kernel_linear(
+    parts: list[QuantTensor], bias: torch.Tensor | None, device: torch.device | str = "cpu"
+):
+    """One fused projection on ``device``'s int4/int8 kernels; None where they do not take all
+    its parts."""
     kinds = {p.kernel() for p in parts}
     if kinds == {"int8"}:
-        return Int8Linear(int8_weight(parts), bias)
+        return int8_linear(int8_weight(parts).to(device), bias)
     if kinds != {"int4"}:
         return None
     orders = [p.column_order() for p in parts]
     same = all(_same_order(o, orders[0]) for o in orders)
     if not same:
         return ConcatLinear(
-            [kernel_linear([p], b) for p, b in zip(parts, _split(bias, parts), strict=True)]
+            [kernel_linear([p], b, device) for p, b in zip(parts, _split(bias, parts), strict=True)]
         )
     weight, order = int4_weight(parts)
-    linear = Int4Linear(weight, bias)
-    return linear if order is None else PermutedLinear(linear, order)
+    linear = Int4Linear(weight.to(device), bias)
+    return linear if order is None else PermutedLinear(linear, order.to(device))
 
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -170,7 +172,7 @@ class CheckpointQuantizer:
         parts = [self.checkpoint.quant(name) for name in names]
         linear = None
         if all(p is not None for p in parts):
-            linear = kernel_linear(parts, plain.bias)
+            linear = kernel_linear(parts, plain.bias, plain.weight.device)
         if linear is not None and not _same_weights(parts, plain.weight):
             log.warning("%s: the checkpoint's weights differ from the loaded ones", names[0])
             linear = None
@@ -188,7 +190,7 @@ def _same_weights(parts: list[QuantTensor], loaded: torch.Tensor) -> bool:
     ours = torch.cat([p.dequantize() for p in parts])
     if ours.shape != loaded.shape:
         return False
-    return torch.equal(ours.to(loaded.dtype), loaded)
+    return torch.equal(ours.to(loaded.dtype), loaded.cpu())
 
 
 def _why(parts: list[QuantTensor | None]) -> str:

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from llmq.worker.runner import decoder_cpp_step
+from llmq.worker.runner.dynamic_quantized import Fp8Linear, Int8DynamicLinear
 from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.quantized_linear import (
     GROUP,
@@ -38,10 +39,11 @@ from llmq.worker.runner.quantized_linear import (
 
 log = logging.getLogger(__name__)
 
-Scheme = Literal["int8", "int4", "gguf", "checkpoint"]
-SCHEMES: tuple[Scheme, ...] = ("int8", "int4", "gguf", "checkpoint")
+Scheme = Literal["int8", "int4", "fp8", "gguf", "checkpoint"]
+SCHEMES: tuple[Scheme, ...] = ("int8", "int4", "fp8", "gguf", "checkpoint")
 ROLES = ("qkv", "o", "gate_up", "down", "head", "embed")
-# bits(layer index, layer count, role) -> 4 or 8 (layer index -1: head and embedding)
+# bits(layer index, layer count, role) -> 4, 8 or 16 (float: kept as it is; layer index -1:
+# head and embedding)
 BitsPlan = Callable[[int, int, str], int]
 _DENSE = ("gate_up_proj", "down_proj")
 
@@ -64,7 +66,12 @@ def int4_plan(layer: int, layers: int, role: str) -> int:
     return 4
 
 
-PLANS: dict[Scheme, BitsPlan] = {"int8": int8_plan, "int4": int4_plan}
+def fp8_plan(layer: int, layers: int, role: str) -> int:
+    """vLLM's fp8: the layers' projections; the head and embedding table kept float."""
+    return 16 if role in ("head", "embed") else 8
+
+
+PLANS: dict[Scheme, BitsPlan] = {"int8": int8_plan, "int4": int4_plan, "fp8": fp8_plan}
 
 
 def only_role_plan(role: str, bits: int = 4) -> BitsPlan:
@@ -78,7 +85,7 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def __init__(
         self,
-        weight: Int8Weight | Int8Linear | Int4Weight,
+        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int4Weight,
         dtype: torch.dtype,
         scale: torch.Tensor | None,
     ):
@@ -86,7 +93,9 @@ class QuantizedEmbedding(torch.nn.Module):
         self.dtype = dtype
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
         # An Int8Weight, or a tied head's Int8Linear (its rows are the table's)
-        self.int8 = weight if isinstance(weight, (Int8Weight, Int8Linear)) else None
+        self.int8 = (
+            weight if isinstance(weight, (Int8Weight, Int8Linear, Int8DynamicLinear)) else None
+        )
         if isinstance(weight, Int4Weight):
             q = weight.q.to(torch.uint8)
             self.nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
@@ -116,17 +125,27 @@ def _release(model: torch.nn.Module, storages: set[int]) -> None:
 
 
 class _Quantizer:
-    """How each of a forward's weights is quantized: by a bits plan, from the float weights."""
+    """How each of a forward's weights is quantized: by a bits plan, from the float weights;
+    8 bits as float8 (``Fp8Linear``) where ``fp8``."""
 
-    def __init__(self, plan: BitsPlan, layers: int):
-        self.plan, self.layers = plan, layers
+    def __init__(self, plan: BitsPlan, layers: int, fp8: bool = False):
+        self.plan, self.layers, self.fp8 = plan, layers, fp8
 
-    def linear(self, index: int, role: str, plain) -> QuantizedLinear:
-        """Layer ``index``'s (-1: the head's) projection ``role`` from its plain ``Linear``."""
-        return quantized_linear(plain.weight, plain.bias, self.plan(index, self.layers, role))
+    def linear(self, index: int, role: str, plain) -> QuantizedLinear | Fp8Linear | None:
+        """Layer ``index``'s (-1: the head's) projection ``role`` from its plain ``Linear``
+        (None: kept float)."""
+        bits = self.plan(index, self.layers, role)
+        if bits == 16:
+            return None
+        if self.fp8 and bits == 8:
+            return Fp8Linear.quantize(plain.weight, plain.bias)
+        return quantized_linear(plain.weight, plain.bias, bits)
 
-    def embedding(self, table: torch.Tensor) -> Int8Weight | Int4Weight:
-        if self.plan(-1, self.layers, "embed") == 4 and table.shape[1] % GROUP == 0:
+    def embedding(self, table: torch.Tensor) -> Int8Weight | Int4Weight | None:
+        bits = self.plan(-1, self.layers, "embed")
+        if bits == 16:
+            return None
+        if bits == 4 and table.shape[1] % GROUP == 0:
             return Int4Weight.quantize(table)
         return Int8Weight.quantize(table)
 
@@ -135,10 +154,10 @@ def make_quantizer(forward, scheme: str | BitsPlan):
     """How ``forward``'s weights are quantized (its model and shape are set; its layers may
     not be built yet)."""
     device = forward.inner.embed_tokens.weight.device
-    if device.type != "cpu":
-        raise ValueError(f"quantized weights run on the CPU only, not on {device}")
     count = forward.model.config.num_hidden_layers
     if scheme == "gguf":
+        if device.type != "cpu":
+            raise ValueError(f"GGUF weights are served on the CPU, not on {device}")
         from llmq.worker.runner.gguf_weights import GGUFQuantizer
 
         return GGUFQuantizer(forward)
@@ -146,7 +165,14 @@ def make_quantizer(forward, scheme: str | BitsPlan):
         from llmq.worker.runner.checkpoint_weights import CheckpointQuantizer
 
         return CheckpointQuantizer(forward)
-    return _Quantizer(PLANS[scheme] if isinstance(scheme, str) else scheme, count)
+    if (
+        scheme == "fp8"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError("fp8 weights need a GPU of compute capability 8.9 or more (Ada, Hopper)")
+    plan = PLANS[scheme] if isinstance(scheme, str) else scheme
+    return _Quantizer(plan, count, fp8=scheme == "fp8")
 
 
 def quantize_forward(forward, scheme: str | BitsPlan) -> None:
@@ -201,8 +227,8 @@ def _quantize_head_and_embedding(forward, quantizer) -> None:
     tied = head.weight.data_ptr() == embedding.weight.data_ptr()
     quantized = quantizer.linear(-1, "head", forward.lm_head)
     table = embedding.weight.detach()
-    # Tied to an 8-bit head, one table: the head's rows are the embedding's.
-    one_table = tied and isinstance(quantized, Int8Linear)
+    # Tied to an int8 head, one table: the head's rows are the embedding's.
+    one_table = tied and isinstance(quantized, (Int8Linear, Int8DynamicLinear))
     weight = quantized if one_table else quantizer.embedding(table)
     if quantized is not None:
         forward.lm_head = quantized

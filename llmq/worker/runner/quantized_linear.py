@@ -105,6 +105,9 @@ class Int8Weight:
     def rows(self, ids: torch.Tensor) -> Int8Weight:
         return Int8Weight(self.q[ids], self.scale[ids])
 
+    def to(self, device: torch.device) -> Int8Weight:
+        return Int8Weight(self.q.to(device), self.scale.to(device))
+
 
 def _group_steps(scale: torch.Tensor, k: int) -> torch.Tensor:
     """Group scales [..., ceil(k / 32)] as one float32 step per input column [..., k]."""
@@ -148,6 +151,10 @@ class Int4Weight:
         q = self.q.float().view(n, k // self.group, self.group)
         w = (q - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
         return w.view(n, k)
+
+    def to(self, device: torch.device) -> Int4Weight:
+        move = (t.to(device) for t in (self.q, self.scale, self.zero))
+        return Int4Weight(*move, group=self.group)
 
 
 class Int8Linear:
@@ -280,8 +287,9 @@ def q4_panels(weight: Int4Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor
 class Int4Linear:
     """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's VNNI kernel where it is
     loaded (``q4_matmul``: activations quantized to int8 per block of 32), else on torch's
-    int4pack kernels (bfloat16 activations). Output channels are padded to a multiple of 16
-    with zero rows."""
+    int4pack kernels (bfloat16 activations; on CUDA tinygemm's, ``_weight_int4pack_mm``, which
+    takes the same ``(q - 8) * scale + zero`` groups). Output channels are padded to a multiple
+    of 16 with zero rows."""
 
     bits = 4
 
@@ -289,7 +297,8 @@ class Int4Linear:
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
         rows = _round_up(n, _INT4_N_MULTIPLE)
-        self.kernel = int_kernel_available() if kernel is None else kernel
+        self.kernel = kernel if kernel is not None else int_kernel_available()
+        self.kernel = self.kernel and not weight.q.is_cuda
         self.group = weight.group
         self.bias = bias
         if self.kernel:
@@ -300,8 +309,13 @@ class Int4Linear:
         if rows > n:
             q = F.pad(q, (0, 0, 0, rows - n), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, rows - n)), F.pad(zero, (0, 0, 0, rows - n))
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        # The kernel's layout: [K / group, N, 2], scale then zero.
+        if q.is_cuda:  # tinygemm: [N, K / 2] bytes, the even input in the high nibble
+            nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), tiles)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        # The kernels' layout: [K / group, N, 2], scale then zero.
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACTIVATIONS)
 
     @property
@@ -313,9 +327,9 @@ class Int4Linear:
             return _on_kernel(torch.ops.llmq.q4_matmul, x, self.packed, self.scales_and_zeros, self)
         dtype = x.dtype
         a = x.to(ACTIVATIONS).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            a, self.packed, self.group, self.scales_and_zeros
-        )
+        aten = torch.ops.aten
+        mm = aten._weight_int4pack_mm if a.is_cuda else aten._weight_int4pack_mm_for_cpu
+        y = mm(a, self.packed, self.group, self.scales_and_zeros)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
         y = y.to(dtype)
@@ -328,6 +342,18 @@ class Int4Linear:
 QuantizedLinear = Int8Linear | Int4Linear
 
 
+def int8_linear(weight: Int8Weight, bias: torch.Tensor | None, kernel: bool | None = None):
+    """``weight`` on its device's int8 kernel: on CUDA ``Int8DynamicLinear`` (per-channel scales:
+    a grouped weight is quantized again per channel), else ``Int8Linear``."""
+    if not weight.q.is_cuda:
+        return Int8Linear(weight, bias, kernel)
+    from llmq.worker.runner.dynamic_quantized import Int8DynamicLinear
+
+    if weight.grouped:
+        weight = Int8Weight.quantize(weight.dequantize(), grouped=False)
+    return Int8DynamicLinear(weight, bias)
+
+
 def quantized_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, bits: int, kernel: bool | None = None
 ) -> QuantizedLinear:
@@ -337,5 +363,7 @@ def quantized_linear(
         return Int4Linear(Int4Weight.quantize(weight), bias, kernel)
     if bits not in (4, 8):
         raise ValueError(f"unsupported weight bits {bits}")
+    if weight.is_cuda:
+        return int8_linear(Int8Weight.quantize(weight, grouped=False), bias)
     kernel = int_kernel_available() if kernel is None else kernel
     return Int8Linear(Int8Weight.quantize(weight, grouped=kernel), bias, kernel)
