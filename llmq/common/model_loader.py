@@ -113,7 +113,7 @@ def _load_tokenizer(model: str):
 def load_causal_lm(
     model: str, dtype: str = "auto", device: str = "auto", quantization: str = "none"
 ):
-    """The model; ``quantization`` (int8, int4) is recorded on its config, and the worker's
+    """The model; ``quantization`` (int8, int4, fp8) is recorded on its config, and the worker's
     forward quantizes the weights as it builds (``worker/runner/quantize.py``). A GGUF file
     (``gguf_location``) is quantized as the file is: ``quantization`` does not apply."""
     from transformers import AutoModelForCausalLM

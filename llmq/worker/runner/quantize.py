@@ -1,5 +1,6 @@
 """Quantization at load (``LLMQ_QUANTIZATION``): llmq's decoder forward with its projections,
-head and embedding table in 8 or 4 bits (``quantized_linear``).
+head and embedding table in 8 or 4 bits (``quantized_linear``; on CUDA int8 and fp8 as W8A8,
+``dynamic_quantized``).
 
 - ``int8``: every projection and the head int8, a scale per group of 32 (per output channel on
   torch's kernel); the embedding table alike, rows dequantized as they are looked up (as
@@ -11,6 +12,8 @@ head and embedding table in 8 or 4 bits (``quantized_linear``).
   with q and k, which take the same kernel call). The embedding table is 4-bit in groups of 32
   (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's 8-bit table.
   ``bench/quant_quality.py --sensitivity`` measures the KL each role adds at 4 bits.
+- ``fp8``: the projections in float8 e4m3 (``Fp8Linear``), the head and embedding table kept
+  float, as vLLM's fp8.
 
 The fused C++ step (``kernels/step_layers.cpp``) runs the int8 and int4 projections through the
 same kernels as the Python layer loop (llmq's VNNI ones or torch's: ``quantized_linear``); a
