@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from llmq.worker.runner import decoder_cpp_step
+from llmq.worker.runner import decoder_cpp_step, mapped_pages
 from llmq.worker.runner.dynamic_quantized import Fp8Linear, Int8DynamicLinear
 from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.quantized_linear import (
@@ -236,11 +236,17 @@ def _quantize_head_and_embedding(forward, quantizer) -> None:
     if quantized is not None:
         forward.lm_head = quantized
         if not tied or weight is not None:  # tied, a float embedding still reads it
-            head.weight.data = head.weight.new_empty(0)
+            _drop(head.weight)
     if weight is not None:  # a float head keeps its own reference to the table
         scale = getattr(embedding, "embed_scale", None)
         inner.embed_tokens = QuantizedEmbedding(weight, dtype, scale)
-        embedding.weight.data = embedding.weight.new_empty(0)
+        _drop(embedding.weight)
+
+
+def _drop(param: torch.nn.Parameter) -> None:
+    """Empty ``param``, handing back the weight file's pages under it (read once to quantize)."""
+    mapped_pages.release(param.data)
+    param.data = param.data.new_empty(0)
 
 
 def quantized_bytes(forward) -> int:

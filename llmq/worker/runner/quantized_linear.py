@@ -35,10 +35,13 @@ another order).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from llmq.worker.runner import mapped_pages
 
 GROUP = 32  # int4 group size: llama.cpp's Q4_K sub-block, and exact for GGUF Q4_K
 ACTIVATIONS = torch.bfloat16  # the kernels' fast path
@@ -59,8 +62,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _row_chunks(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return weight.detach().split(max(1, _CHUNK_BYTES // (4 * weight.shape[1])))
+def _row_chunks(weight: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``weight``'s rows a chunk at a time; a weight read from its file hands the file's pages
+    of each chunk back once it was read (a later read faults them in again): quantizing the 1B
+    shape's tied table from its file held its 0.2 GB of pages besides the quantized copy."""
+    for rows in weight.detach().split(max(1, _CHUNK_BYTES // (4 * weight.shape[1]))):
+        yield rows
+        mapped_pages.release(rows)
 
 
 @dataclass(slots=True)
@@ -81,20 +89,24 @@ class Int8Weight:
     def quantize(cls, weight: torch.Tensor, grouped: bool = True) -> Int8Weight:
         """Symmetric absmax scales, q computed against the stored (rounded) ones: the
         dequantized weight is the nearest the stored numbers allow."""
-        qs, scales = [], []
+        # q filled a chunk at a time: a list and its torch.cat held it twice at start
+        q, scales, start = torch.empty(weight.shape, dtype=torch.int8, device=weight.device), [], 0
         k = weight.shape[1]
         for rows in _row_chunks(weight):
-            w = rows.float()
+            # in place on one float32 copy of the chunk: its temporaries were 5 more at start
+            w = rows.to(torch.float32, copy=True)
             if grouped:
-                blocks = F.pad(w, (0, -k % GROUP)).view(w.shape[0], -1, GROUP)
-                scale = (blocks.abs().amax(dim=2) / 127).clamp(min=2**-24).to(torch.float16)
-                step = _group_steps(scale, k)
+                w = F.pad(w, (0, -k % GROUP)) if k % GROUP else w
+                w = w.view(w.shape[0], -1, GROUP)
+                scale = (_amax(w, 2) / 127).clamp(min=2**-24).to(torch.float16)
             else:
-                scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS)
-                step = scale.float()[:, None]
-            qs.append(torch.round(w / step).clamp(-127, 127).to(torch.int8))
+                w = w.view(w.shape[0], 1, k)
+                scale = (_amax(w, 2)[:, 0] / 127).clamp(min=1e-12).to(ACTIVATIONS)
+            w.div_(scale.float().view(w.shape[0], -1, 1)).round_().clamp_(-127, 127)
+            q[start : start + len(w)] = w.view(len(w), -1)[:, :k]
             scales.append(scale)
-        return cls(torch.cat(qs), torch.cat(scales))
+            start += len(w)
+        return cls(q, torch.cat(scales))
 
     def dequantize(self) -> torch.Tensor:
         q = self.q.float()
@@ -109,6 +121,11 @@ class Int8Weight:
         return Int8Weight(self.q.to(device), self.scale.to(device))
 
 
+def _amax(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |w| along ``dim`` without an ``abs()`` copy of ``w``."""
+    return torch.linalg.vector_norm(w, float("inf"), dim=dim)
+
+
 def _group_steps(scale: torch.Tensor, k: int) -> torch.Tensor:
     """Group scales [..., ceil(k / 32)] as one float32 step per input column [..., k]."""
     return scale.float().repeat_interleave(GROUP, dim=-1)[..., :k]
@@ -117,7 +134,8 @@ def _group_steps(scale: torch.Tensor, k: int) -> torch.Tensor:
 @dataclass(slots=True)
 class Int4Weight:
     """``weight ~= (q - 8) * scale + zero`` per group of ``group`` input columns (32, 64, 128 or
-    256: the kernel's): q [N, K] in 0..15 (int32 here, packed by ``Int4Linear``), scale and zero
+    256: the kernel's): q [N, K] in 0..15 (a byte each here, packed by ``Int4Linear``; a
+    checkpoint's may be int32), scale and zero
     [N, K / group] (bfloat16 for the kernel; a checkpoint's float32 ones are rounded to it by
     ``Int4Linear``)."""
 
@@ -133,18 +151,20 @@ class Int4Weight:
         k = weight.shape[1]
         if k % GROUP:
             raise ValueError(f"int4 needs input widths in multiples of {GROUP}, not {k}")
-        qs, scales, zeros = [], [], []
+        qs = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
+        scales, zeros, start = [], [], 0
         for rows in _row_chunks(weight):
-            w = rows.float().view(rows.shape[0], k // GROUP, GROUP)
+            w = rows.to(torch.float32, copy=True).view(rows.shape[0], k // GROUP, GROUP)
             low, high = w.amin(dim=2), w.amax(dim=2)
             scale = ((high - low) / 15).clamp(min=1e-12).to(ACTIVATIONS)
             zero = (low + 8 * scale.float()).to(ACTIVATIONS)
             base = zero.float() - 8 * scale.float()  # the value of q = 0
-            q = torch.round((w - base[..., None]) / scale.float()[..., None]).clamp(0, 15)
-            qs.append(q.view(rows.shape[0], k).to(torch.int32))
+            w.sub_(base[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
+            qs[start : start + len(rows)] = w.view(rows.shape[0], k)
             scales.append(scale)
             zeros.append(zero)
-        return cls(torch.cat(qs), torch.cat(scales), torch.cat(zeros))
+            start += len(rows)
+        return cls(qs, torch.cat(scales), torch.cat(zeros))
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -165,15 +185,25 @@ class Int8Linear:
 
     bits = 8
 
-    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, kernel: bool | None = None):
-        n, k = weight.q.shape
+    def __init__(
+        self,
+        weight: Int8Weight | torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: bool | None = None,
+    ):
+        """``weight``: an ``Int8Weight``, or float weights to quantize (in groups of 32 on
+        llmq's kernel, a slice of rows at a time; else per channel)."""
+        n, k = weight.shape if isinstance(weight, torch.Tensor) else weight.q.shape
         self.out_features, self.in_features = n, k
         self.kernel = int_kernel_available() if kernel is None else kernel
         self.bias = bias
         if self.kernel:
-            self.q, self.scale = q8_panels(weight)
+            floats = isinstance(weight, torch.Tensor)
+            self.q, self.scale = q8_panels_from_float(weight) if floats else q8_panels(weight)
             self.bias = _kernel_bias(bias)
             return
+        if isinstance(weight, torch.Tensor):
+            weight = Int8Weight.quantize(weight, grouped=False)
         if weight.grouped:
             weight = Int8Weight.quantize(weight.dequantize(), grouped=False)
         self.pad = _round_up(k, _INT8_K_MULTIPLE) - k
@@ -226,6 +256,22 @@ def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
         return panels, F.pad(weight.scale.float(), (0, rows - n))
     scale = F.pad(weight.scale.to(torch.float16), (0, 0, 0, rows - n))
     return panels, scale.view(-1, _PANEL_COLS, cols // GROUP).transpose(1, 2).contiguous()
+
+
+def q8_panels_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q8_panels(Int8Weight.quantize(weight))`` built ``_PACK_ROWS`` rows at a time: the
+    whole int8 weight is never held beside its panels (the 1B shape's 49,152-row head: 0.1 GB
+    less at start)."""
+    n, k = weight.shape
+    panels, groups = _round_up(n, _PANEL_COLS) // _PANEL_COLS, _round_up(k, GROUP) // GROUP
+    packed = torch.empty(panels, groups, 8, _PANEL_COLS, 4, dtype=torch.uint8)
+    scales = torch.empty(panels, groups, _PANEL_COLS, dtype=torch.float16)
+    for start in range(0, n, _PACK_ROWS):
+        part, scale = q8_panels(Int8Weight.quantize(weight[start : start + _PACK_ROWS]))
+        first = start // _PANEL_COLS
+        packed[first : first + len(part)] = part
+        scales[first : first + len(part)] = scale
+    return packed, scales
 
 
 def _panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
@@ -314,7 +360,8 @@ class Int4Linear:
             tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), tiles)
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            q = q.to(torch.int32).contiguous()  # the CPU packing takes int32
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The kernels' layout: [K / group, N, 2], scale then zero.
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACTIVATIONS)
 
@@ -365,5 +412,4 @@ def quantized_linear(
         raise ValueError(f"unsupported weight bits {bits}")
     if weight.is_cuda:
         return int8_linear(Int8Weight.quantize(weight, grouped=False), bias)
-    kernel = int_kernel_available() if kernel is None else kernel
-    return Int8Linear(Int8Weight.quantize(weight, grouped=kernel), bias, kernel)
+    return Int8Linear(weight, bias, kernel)
