@@ -1,14 +1,15 @@
 """Cache-aware placement against plain pull, side by side in one run, through the real API.
 
     python bench/routing.py [--model DIR] [--workers 1,2,3,4] [--scale 1.0] [--rounds 1]
-                            [--output-tokens 32]
+                            [--output-tokens 32] [--load-weights 1.0,0.25]
 
 Starts a redis-server, then for each worker count N: N `llmq worker` processes
-(LLMQ_TORCH_THREADS=1, started side by side) and two `llmq api` processes on them, one with
-placement on and one with it off (LLMQ_PLACEMENT=false: entries carry no target, whichever
-worker reads one takes it). Each round runs every workload through both APIs, alternating
-which goes first, each time with fresh random prompts (so no round finds another's prefixes
-cached). Workloads (token-id prompts through /v1/completions, streamed, greedy, ignore_eos):
+(LLMQ_TORCH_THREADS=1, started side by side) and `llmq api` processes on them: one with
+placement on per --load-weights value (its LLMQ_PLACEMENT_LOAD_WEIGHT) and one with it off
+(LLMQ_PLACEMENT=false: entries carry no target, whichever worker reads one takes it). Each round
+runs every workload through each API, alternating which goes first, each time with fresh random
+prompts (so no run finds another's prefixes cached).
+Workloads (token-id prompts through /v1/completions, streamed, greedy, ignore_eos):
 
 - shared: 16 groups, each a 1,024-token system prompt shared by 8 requests with 128-token
   questions (SGLang's generated-shared-prefix), 32 requests in flight;
@@ -195,8 +196,16 @@ def bench_fleet(args, server: RedisServer, n: int, logs: Path, results: dict) ->
     try:
         for w, p in zip(names, procs, strict=True):
             wait_for(lambda w=w, p=p: p.alive() and heartbeat(server.url, w), 120, w)
-        for mode, on in (("on", True), ("off", False)):
-            proc, base = start_api(server.url, args.model, logs, f"api-{n}-{mode}", placement=on)
+        for mode, weight in modes(args.load_weights):
+            placement = dict(placement_load_weight=weight) if weight is not None else {}
+            proc, base = start_api(
+                server.url,
+                args.model,
+                logs,
+                f"api-{n}-{mode}",
+                placement=weight is not None,
+                **placement,
+            )
             apis.append((mode, proc, base))
         vocab = int(heartbeat(server.url, names[0])["vocab_size"])
         for _, _, base in apis:  # warm up: a fresh fleet's first requests run slower
@@ -208,9 +217,8 @@ def bench_fleet(args, server: RedisServer, n: int, logs: Path, results: dict) ->
             order = apis if r % 2 == 0 else apis[::-1]
             for workload in ("shared", "multiturn", "skewed"):
                 for mode, _, base in order:
-                    load = Workloads(
-                        vocab, args.scale, args.output_tokens, seed=n * 100 + r * 2 + (mode == "on")
-                    )
+                    seed = n * 1000 + r * 10 + [m for m, _, _ in apis].index(mode)
+                    load = Workloads(vocab, args.scale, args.output_tokens, seed=seed)
                     got = run_workload(workload, base, server.url, names, load)
                     results.setdefault((workload, n, mode), []).append(got)
                     print(f"  N={n} {workload:9s} {mode:3s} {got}", flush=True)
@@ -222,24 +230,30 @@ def bench_fleet(args, server: RedisServer, n: int, logs: Path, results: dict) ->
             p.terminate()
 
 
-def report(results: dict, ns: list[int]) -> None:
+def modes(load_weights: list[float]) -> list[tuple[str, float | None]]:
+    """(mode name, placement load weight; None: placement off): one "on" API per weight."""
+    named = [("on" if len(load_weights) == 1 else f"on@{w:g}", w) for w in load_weights]
+    return [*named, ("off", None)]
+
+
+def report(results: dict, ns: list[int], names: list[str]) -> None:
     def mean(rows, key):
         return statistics.fmean(r[key] for r in rows)
 
-    print("\nworkload   N mode cache  x1-worker ttft_p50 ttft_p99 out_tok/s  request shares")
+    print("\nworkload   N mode    cache  x1-worker ttft_p50 ttft_p99 out_tok/s  request shares")
     for workload in ("shared", "multiturn", "skewed"):
         # One worker: placement has no choice to make, both modes are one baseline.
-        base_rows = results.get((workload, 1, "on"), []) + results.get((workload, 1, "off"), [])
+        base_rows = [r for mode in names for r in results.get((workload, 1, mode), [])]
         one = mean(base_rows, "cache_share") if base_rows else None
         for n in ns:
-            for mode in ("on", "off"):
+            for mode in names:
                 rows = results.get((workload, n, mode))
                 if not rows:
                     continue
                 share = mean(rows, "cache_share")
                 rel = f"{share / one:.2f}x" if one else "-"
                 print(
-                    f"{workload:10s} {n} {mode:4s} {share:.3f} {rel:>9s} "
+                    f"{workload:10s} {n} {mode:7s} {share:.3f} {rel:>9s} "
                     f"{mean(rows, 'ttft_p50'):8.3f} {mean(rows, 'ttft_p99'):8.3f} "
                     f"{mean(rows, 'out_tok_s'):9.1f}  {rows[-1]['request_shares']}"
                 )
@@ -252,7 +266,13 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument(
+        "--load-weights",
+        default="1.0",
+        help="LLMQ_PLACEMENT_LOAD_WEIGHT of the placing APIs, one API each (e.g. 1.0,0.25)",
+    )
     args = parser.parse_args()
+    args.load_weights = [float(w) for w in args.load_weights.split(",")]
     ns = [int(x) for x in args.workers.split(",")]
     print(f"CPU: {cpu_model()}; workers {ns}, scale {args.scale}, rounds {args.rounds}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,7 +287,7 @@ def main() -> None:
             for n in ns:
                 rss = bench_fleet(args, server, n, logs, results)
                 print(f"  N={n}: peak RSS of workers and APIs {rss} MiB", flush=True)
-        report(results, ns)
+        report(results, ns, [m for m, _ in modes(args.load_weights)])
 
 
 if __name__ == "__main__":

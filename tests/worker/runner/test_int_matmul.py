@@ -16,6 +16,8 @@ from llmq.worker.runner.quantized_linear import (
     Int8Linear,
     Int8Weight,
     int_kernel_available,
+    q8_panels,
+    q8_panels_from_float,
     quantized_linear,
 )
 
@@ -174,3 +176,16 @@ def test_the_kernel_serves_where_loaded_and_torch_s_where_asked(bits):
     ref = x.float() @ deq.T
     for linear in (ours, torch_s):
         assert float((linear(x).float() - ref).abs().max()) < 0.015 * float(ref.abs().max())
+
+
+def test_panels_built_a_slice_at_a_time_equal_the_whole_weights():
+    """``q8_panels_from_float`` (a slice of rows quantized and packed at a time) gives the
+    panels and scales of the whole weight quantized at once, past a slice and at odd widths."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((2500, 96), (1024, 40), (17, 64)):
+        weight = torch.randn(n, k, generator=gen).bfloat16()
+        before = weight.clone()
+        packed, scales = q8_panels_from_float(weight)
+        whole, whole_scales = q8_panels(Int8Weight.quantize(weight))
+        assert torch.equal(packed, whole) and torch.equal(scales, whole_scales), (n, k)
+        assert torch.equal(weight, before)  # quantized from, never written
