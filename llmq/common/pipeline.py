@@ -67,7 +67,7 @@ class TokenGeneratorPipeline:
         record_ttl: int = 3600,
         no_worker_grace: float = 1.0,
         placement: bool = False,
-        placement_load_weight: float = 1.0,
+        placement_load_weight: float = 0.25,
     ):
         """``placement``: name in each generation request the worker chosen for it
         (``placer.py``); off, whichever worker reads it first takes it."""

@@ -195,11 +195,14 @@ class Settings(BaseSettings):
         "reads it first takes it.",
     )
     placement_load_weight: float = Field(
-        1.0,
+        0.25,
         ge=0,
         description="Placement's weight of a worker's load (tokens it has still to compute) "
         "against the prompt tokens its cache would spare: higher spreads more, 0 follows the "
-        "cache alone.",
+        "cache alone. 0.25: a queued token costs a quarter of a prompt token computed again "
+        "(its holder batches it with the rest, a miss computes the prefix twice); bench/"
+        "routing.py at 2-4 workers kept 1.00x the one-worker cache share with it, 0.80-0.91x "
+        "with 1.0.",
     )
     max_deliveries: int = Field(
         3, description="Times a request may be delivered to workers before it is dead-lettered."
