@@ -163,8 +163,8 @@ class DecoderForward:
         if layout == "panels":
             choose_panel_sums()
         copies = WeightCopies()
-        if quantization:
-            quantizer = make_quantizer(self, quantization)
+        quantizer = make_quantizer(self, quantization) if quantization else None
+        if quantizer is not None:
             copies.finish_layer = functools.partial(quantize_layer, quantizer, model=model)
         self.layers = build_layers(list(layers), self.family, layout, copies)
         self.small_step_ops = False  # set by the runner where the C++ ops are loaded
@@ -185,6 +185,13 @@ class DecoderForward:
         )
         self.final_eps = self.layers[0].eps
         self.final_softcap = self.family.final_softcap
+        self._build_head(copies, quantizer, quantization)
+        log.debug("weight file pages released as copied: %d MiB", copies.released >> 20)
+
+    def _build_head(self, copies: WeightCopies, quantizer, quantization: Scheme | None) -> None:
+        """The head (and, quantized, the embedding table), and the model's other weights copied
+        out of their file."""
+        model, layout = self.model, self.layout
         if not quantization:  # quantized, the head and table are read from the file's pages
             own_memory(model, copies)
         head = model.lm_head
@@ -201,7 +208,6 @@ class DecoderForward:
             own_memory(model, copies)  # the norms, and a head or table kept float
             if isinstance(self.lm_head, Linear):  # kept float: onto the owned copy
                 self.lm_head = Linear(head.weight.detach(), head.bias, layout)
-        log.debug("weight file pages released as copied: %d MiB", copies.released >> 20)
 
     def windows(self, max_model_len: int) -> frozenset[int]:
         """The sliding windows of the layers that hide anything within ``max_model_len``."""
