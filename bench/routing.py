@@ -2,6 +2,7 @@
 
     python bench/routing.py [--model DIR] [--workers 1,2,3,4] [--scale 1.0] [--rounds 1]
                             [--output-tokens 32] [--load-weights 1.0,0.25]
+                            [--workloads shared,multiturn,skewed]
 
 Starts a redis-server, then for each worker count N: N `llmq worker` processes
 (LLMQ_TORCH_THREADS=1, started side by side) and `llmq api` processes on them: one with
@@ -215,7 +216,7 @@ def bench_fleet(args, server: RedisServer, n: int, logs: Path, results: dict) ->
             settled(server.url, names, before, sum(r[2] for r in done))  # counted before a run
         for r in range(args.rounds):
             order = apis if r % 2 == 0 else apis[::-1]
-            for workload in ("shared", "multiturn", "skewed"):
+            for workload in args.workloads:
                 for mode, _, base in order:
                     seed = n * 1000 + r * 10 + [m for m, _, _ in apis].index(mode)
                     load = Workloads(vocab, args.scale, args.output_tokens, seed=seed)
@@ -267,12 +268,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument(
+        "--workloads", default="shared,multiturn,skewed", help="which to run, comma-separated"
+    )
+    parser.add_argument(
         "--load-weights",
         default="1.0",
         help="LLMQ_PLACEMENT_LOAD_WEIGHT of the placing APIs, one API each (e.g. 1.0,0.25)",
     )
     args = parser.parse_args()
     args.load_weights = [float(w) for w in args.load_weights.split(",")]
+    args.workloads = args.workloads.split(",")
     ns = [int(x) for x in args.workers.split(",")]
     print(f"CPU: {cpu_model()}; workers {ns}, scale {args.scale}, rounds {args.rounds}")
     with tempfile.TemporaryDirectory() as tmp:
