@@ -21,13 +21,13 @@ import gc
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cuda_graphs import timed  # noqa: E402
 from bench.write_gptq import write_gptq  # noqa: E402
 from llmq.common.model_factory import make_model  # noqa: E402
 from llmq.common.model_loader import load_causal_lm  # noqa: E402
@@ -36,14 +36,6 @@ from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from llmq.worker.runner.quantize import quantized_bytes  # noqa: E402
 
 SCHEMES = {"bf16": "none", "int8": "int8", "int4": "int4", "fp8": "fp8", "gptq": "none"}
-
-
-def timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    return sum(map(len, out)) / (time.perf_counter() - start)
 
 
 def weight_bytes(engine: LLMEngine) -> int:

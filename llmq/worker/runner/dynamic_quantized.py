@@ -24,6 +24,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from llmq.worker.runner.quantized_weights import Int8Weight, round_up
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _TINY = 1e-12
@@ -34,17 +36,13 @@ _INT8_MULTIPLE = 8
 _INT_MM_MIN_ROWS = 17
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] as ``dtype`` (float8 e4m3 or int8) values and one float32 scale per row
     [M, 1]: ``x ~= q * scale``; on CUDA in one kernel (``row_quant_cuda``), the same numbers."""
-    top = FP8_MAX if dtype == FP8 else 127.0
-    if x.is_cuda and _row_kernel() is not None:
-        return _row_kernel()(x, dtype, top, _TINY)
-    return quantize_rows_torch(x, dtype)
+    kernel = _row_kernel() if x.is_cuda else None
+    if kernel is None:
+        return quantize_rows_torch(x, dtype)
+    return kernel(x, dtype, FP8_MAX if dtype == FP8 else 127.0, _TINY)
 
 
 def quantize_rows_torch(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +77,7 @@ class _RowwiseLinear:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         n, k = q.shape
         self.out_features, self.in_features = n, k
-        rows, cols = _round_up(n, self.multiple), _round_up(k, self.multiple)
+        rows, cols = round_up(n, self.multiple), round_up(k, self.multiple)
         self.q = F.pad(q, (0, cols - k, 0, rows - n)).contiguous()  # [N', K'] row-major
         self.scale = F.pad(scale.float().view(1, n), (0, rows - n))  # [1, N']
         self.bias = bias
@@ -88,10 +86,8 @@ class _RowwiseLinear:
     def weight(self) -> torch.Tensor:
         return self.q
 
-    def rows(self, ids: torch.Tensor):
+    def rows(self, ids: torch.Tensor) -> Int8Weight:
         """The rows ``ids`` of the weight, as an ``Int8Weight`` (a tied embedding reads them)."""
-        from llmq.worker.runner.quantized_linear import Int8Weight
-
         return Int8Weight(self.q[ids, : self.in_features], self.scale[0, ids])
 
     def dequantize(self) -> torch.Tensor:
@@ -143,7 +139,7 @@ class Int8DynamicLinear(_RowwiseLinear):
     dtype = torch.int8
     multiple = _INT8_MULTIPLE
 
-    def __init__(self, weight, bias: torch.Tensor | None):
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None):
         """``weight``: an ``Int8Weight`` with a scale per output channel."""
         if weight.grouped:
             raise ValueError("Int8DynamicLinear takes per-channel scales")

@@ -49,6 +49,8 @@ ROLES = ("qkv", "o", "gate_up", "down", "head", "embed")
 # head and embedding)
 BitsPlan = Callable[[int, int, str], int]
 _DENSE = ("gate_up_proj", "down_proj")
+# int8 heads whose rows a tied embedding table reads (``rows(ids)``)
+_INT8_HEADS = (Int8Linear, Int8DynamicLinear)
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -96,9 +98,7 @@ class QuantizedEmbedding(torch.nn.Module):
         self.dtype = dtype
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
         # An Int8Weight, or a tied head's Int8Linear (its rows are the table's)
-        self.int8 = (
-            weight if isinstance(weight, (Int8Weight, Int8Linear, Int8DynamicLinear)) else None
-        )
+        self.int8 = weight if isinstance(weight, (Int8Weight, *_INT8_HEADS)) else None
         if isinstance(weight, Int4Weight):
             q = weight.q.to(torch.uint8)
             self.nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
@@ -231,7 +231,7 @@ def _quantize_head_and_embedding(forward, quantizer) -> None:
     quantized = quantizer.linear(-1, "head", forward.lm_head)
     table = embedding.weight.detach()
     # Tied to an int8 head, one table: the head's rows are the embedding's.
-    one_table = tied and isinstance(quantized, (Int8Linear, Int8DynamicLinear))
+    one_table = tied and isinstance(quantized, _INT8_HEADS)
     weight = quantized if one_table else quantizer.embedding(table)
     if quantized is not None:
         forward.lm_head = quantized

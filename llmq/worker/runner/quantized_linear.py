@@ -38,11 +38,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmq.worker.runner.dynamic_quantized import Int8DynamicLinear
 from llmq.worker.runner.quantized_weights import (
     ACTIVATIONS,
     GROUP,
     Int4Weight,
     Int8Weight,
+    round_up,
 )
 
 _INT8_K_MULTIPLE = (
@@ -53,10 +55,6 @@ _PANEL_COLS = 16  # output columns of a panel of llmq's kernels (int_matmul.cpp'
 
 
 _PACK_ROWS = 1024  # rows packed into a kernel's panels at a time (a multiple of 16)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class Int8Linear:
@@ -86,9 +84,8 @@ class Int8Linear:
             return
         if isinstance(weight, torch.Tensor):
             weight = Int8Weight.quantize(weight, grouped=False)
-        if weight.grouped:
-            weight = Int8Weight.quantize(weight.dequantize(), grouped=False)
-        self.pad = _round_up(k, _INT8_K_MULTIPLE) - k
+        weight = weight.per_channel()
+        self.pad = round_up(k, _INT8_K_MULTIPLE) - k
         self.q = F.pad(weight.q, (0, self.pad)) if self.pad else weight.q
         self.scale = weight.scale.to(ACTIVATIONS)
 
@@ -126,7 +123,7 @@ def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     and the scales: a grouped weight's [P, K / 32, 16] float16, else the columns' [P * 16]
     float32."""
     n, k = weight.q.shape
-    rows, cols = _round_up(n, _PANEL_COLS), _round_up(k, GROUP)
+    rows, cols = round_up(n, _PANEL_COLS), round_up(k, GROUP)
     panels = torch.empty(rows // _PANEL_COLS, cols // GROUP, 8, _PANEL_COLS, 4, dtype=torch.uint8)
     for start, q in _panel_rows(weight.q, rows):
         q = F.pad(q, (0, cols - k))
@@ -145,7 +142,7 @@ def q8_panels_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     whole int8 weight is never held beside its panels (the 1B shape's 49,152-row head: 0.1 GB
     less at start)."""
     n, k = weight.shape
-    panels, groups = _round_up(n, _PANEL_COLS) // _PANEL_COLS, _round_up(k, GROUP) // GROUP
+    panels, groups = round_up(n, _PANEL_COLS) // _PANEL_COLS, round_up(k, GROUP) // GROUP
     packed = torch.empty(panels, groups, 8, _PANEL_COLS, 4, dtype=torch.uint8)
     scales = torch.empty(panels, groups, _PANEL_COLS, dtype=torch.float16)
     for start in range(0, n, _PACK_ROWS):
@@ -224,7 +221,7 @@ class Int4Linear:
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, kernel: bool | None = None):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
-        rows = _round_up(n, _INT4_N_MULTIPLE)
+        rows = round_up(n, _INT4_N_MULTIPLE)
         self.kernel = kernel if kernel is not None else int_kernel_available()
         self.kernel = self.kernel and not weight.q.is_cuda
         self.group = weight.group
@@ -276,11 +273,7 @@ def int8_linear(weight: Int8Weight, bias: torch.Tensor | None, kernel: bool | No
     a grouped weight is quantized again per channel), else ``Int8Linear``."""
     if not weight.q.is_cuda:
         return Int8Linear(weight, bias, kernel)
-    from llmq.worker.runner.dynamic_quantized import Int8DynamicLinear
-
-    if weight.grouped:
-        weight = Int8Weight.quantize(weight.dequantize(), grouped=False)
-    return Int8DynamicLinear(weight, bias)
+    return Int8DynamicLinear(weight.per_channel(), bias)
 
 
 def quantized_linear(

@@ -20,6 +20,10 @@ ACTIVATIONS = torch.bfloat16  # the kernels' fast path
 _CHUNK_BYTES = 32 << 20
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _row_chunks(weight: torch.Tensor) -> Iterator[torch.Tensor]:
     """``weight``'s rows a chunk at a time; a weight read from its file hands the file's pages
     of each chunk back once it was read (a later read faults them in again): quantizing the 1B
@@ -74,6 +78,10 @@ class Int8Weight:
 
     def rows(self, ids: torch.Tensor) -> Int8Weight:
         return Int8Weight(self.q[ids], self.scale[ids])
+
+    def per_channel(self) -> Int8Weight:
+        """This weight with one scale per output channel (a grouped one quantized again)."""
+        return Int8Weight.quantize(self.dequantize(), grouped=False) if self.grouped else self
 
     def to(self, device: torch.device) -> Int8Weight:
         return Int8Weight(self.q.to(device), self.scale.to(device))
