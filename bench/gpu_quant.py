@@ -4,10 +4,13 @@
                               [--streams 1,64] [--output-tokens 128]
 
 Builds (once) the random model of ``--size`` and, for ``gptq``, its 4-bit GPTQ checkpoint
-(``bench/write_gptq.py``: groups of 128, AutoGPTQ's layout, read by llmq as a downloaded one).
+(``bench/write_gptq.py``: groups of 128, AutoGPTQ's layout, read by llmq as a downloaded one),
+for ``fp8-channel`` and ``fp8-blocks`` its FP8 checkpoints (``bench/write_fp8.py``:
+llm-compressor's FP8-dynamic, DeepSeek's and Qwen3's 128 x 128 blocks).
 Each form runs in one ``LLMEngine`` with CUDA graphs: int8 (W8A8 on ``torch._int_mm``), int4
-(tinygemm's W4A16, Q4_K_M's 8-bit tensors as int8), fp8 (W8A8 on ``torch._scaled_mm``) and the
-GPTQ checkpoint (tinygemm). For each stream count it prints output tokens/s (128-token prompts;
+(tinygemm's W4A16, Q4_K_M's 8-bit tensors as int8), fp8 (W8A8 on ``torch._scaled_mm``), the
+GPTQ checkpoint (tinygemm) and the FP8 checkpoints (``torch._scaled_mm`` row-wise, and
+block-scaled on a Hopper GPU). For each stream count it prints output tokens/s (128-token prompts;
 the best of ``--rounds`` after a warm-up that captures the graphs), the ratio to bf16, the
 weights' bytes and the GPU's peak memory, and how many of the lone stream's greedy tokens
 equal bf16's (a random model's greedy text drifts at the first differing logit: a measure of
@@ -28,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cuda_graphs import timed  # noqa: E402
+from bench.write_fp8 import write_fp8  # noqa: E402
 from bench.write_gptq import write_gptq  # noqa: E402
 from llmq.common.model_factory import make_model  # noqa: E402
 from llmq.common.model_loader import load_causal_lm  # noqa: E402
@@ -35,7 +39,13 @@ from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from llmq.worker.runner.quantize import quantized_bytes  # noqa: E402
 
-SCHEMES = {"bf16": "none", "int8": "int8", "int4": "int4", "fp8": "fp8", "gptq": "none"}
+SCHEMES = {"bf16": "none", "int8": "int8", "int4": "int4", "fp8": "fp8"}
+# forms read from a checkpoint written from the model: its folder's suffix, its writer
+CHECKPOINTS = {
+    "gptq": ("gptq", lambda src, dst: write_gptq(src, dst, device="cuda")),
+    "fp8-channel": ("fp8-channel", lambda src, dst: write_fp8(src, dst, "channel", "cuda")),
+    "fp8-blocks": ("fp8-blocks", lambda src, dst: write_fp8(src, dst, "blocks", "cuda")),
+}
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -82,17 +92,19 @@ def main() -> int:
         make_model(folder, "llama", args.size, device="cuda")
     streams = [int(s) for s in args.streams.split(",")]
     forms = args.forms.split(",")
-    gptq = folder.parent / f"{args.size}-gptq"
-    if "gptq" in forms and not (gptq / "config.json").exists():
-        write_gptq(folder, gptq, device="cuda")
+    paths = {form: folder for form in forms}
+    for form in set(forms) & set(CHECKPOINTS):
+        suffix, write = CHECKPOINTS[form]
+        paths[form] = folder.parent / f"{args.size}-{suffix}"
+        if not (paths[form] / "config.json").exists():
+            write(folder, paths[form])
     rng = random.Random(0)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(max(streams))]
     print(f"{torch.cuda.get_device_name()}, {args.size}, 128-token prompts, {args.output_tokens}")
     rows: dict[str, dict] = {}
     for form in forms:
-        path = str(gptq if form == "gptq" else folder)
-        rows[form] = run_form(path, SCHEMES[form], streams, args, prompts)
+        rows[form] = run_form(str(paths[form]), SCHEMES.get(form, "none"), streams, args, prompts)
         print(form, {k: v for k, v in rows[form].items() if k != "lone_tokens"}, flush=True)
     base = rows.get("bf16")
     heads = " | ".join(f"{n} streams tok/s" for n in streams)

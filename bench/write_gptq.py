@@ -47,8 +47,8 @@ def gptq_tensors(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     }
 
 
-def write_gptq(src: Path, dst: Path, group: int = 128, device: str = "cpu") -> Path:
-    """``src``'s weights as a GPTQ checkpoint in ``dst`` (computed on ``device``)."""
+def source_state(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """``src``'s tensors, its other files (tokenizer, generation config) copied into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
         if path.is_file() and not path.name.startswith("model") and path.suffix != ".safetensors":
@@ -56,6 +56,21 @@ def write_gptq(src: Path, dst: Path, group: int = 128, device: str = "cpu") -> P
     state: dict[str, torch.Tensor] = {}
     for file in sorted(src.glob("*.safetensors")):
         state.update(load_file(file))
+    return state
+
+
+def save_checkpoint(src: Path, dst: Path, tensors: dict, quantization_config: dict) -> Path:
+    """``tensors`` and ``src``'s config with ``quantization_config`` written into ``dst``."""
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def write_gptq(src: Path, dst: Path, group: int = 128, device: str = "cpu") -> Path:
+    """``src``'s weights as a GPTQ checkpoint in ``dst`` (computed on ``device``)."""
+    state = source_state(src, dst)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if ".layers." in name and name.endswith("_proj.weight") and tensor.shape[1] % group == 0:
@@ -64,9 +79,7 @@ def write_gptq(src: Path, dst: Path, group: int = 128, device: str = "cpu") -> P
                 out[f"{prefix}.{part}"] = value.cpu()
         else:
             out[name] = tensor
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
+    quantization_config = {
         "quant_method": "gptq",
         "bits": BITS,
         "group_size": group,
@@ -74,8 +87,7 @@ def write_gptq(src: Path, dst: Path, group: int = 128, device: str = "cpu") -> P
         "sym": True,
         "checkpoint_format": "gptq",
     }
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return save_checkpoint(src, dst, out, quantization_config)
 
 
 def main() -> None:

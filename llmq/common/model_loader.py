@@ -129,7 +129,7 @@ def load_causal_lm(
         lm.config.llmq_gguf_path = str(Path(gguf[0]) / gguf[1])
         quantization = "gguf"
     elif (quantized := quantization_config(model)) is not None:
-        lm = load_quantized_checkpoint(model, quantized, torch_dtype)
+        lm = load_quantized_checkpoint(model, quantized, torch_dtype, device)
         quantization = "checkpoint" if hasattr(lm.config, "llmq_checkpoint_files") else "none"
     else:
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
@@ -162,16 +162,20 @@ def _weight_files(model: str) -> list[str]:
     return [_model_file(model, shard) for shard in shards]
 
 
-def load_quantized_checkpoint(model: str, quantized: dict, dtype: torch.dtype):
-    """A checkpoint published quantized (compressed-tensors, GPTQ, AWQ: ``common/
+def load_quantized_checkpoint(
+    model: str, quantized: dict, dtype: torch.dtype, device: str | torch.device = "cpu"
+):
+    """A checkpoint published quantized (compressed-tensors, GPTQ, AWQ, fp8: ``common/
     quant_checkpoint``), built as its float model (the quantization_config taken off, so that
     transformers does not look for its own kernels' packages) holding the dequantized weights.
-    Where torch's int4/int8 kernels take any of its projections, the worker's forward reads
-    them again from the files (``worker/runner/checkpoint_weights.py``); the rest stay float."""
+    Where torch's int4/int8 kernels (or, on ``device``, its fp8 matmuls) take any of its
+    projections, the worker's forward reads them again from the files
+    (``worker/runner/checkpoint_weights.py``); the rest stay float."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from llmq.common.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
+    from llmq.common.quant_checkpoint.fp8_tensor import serves
 
     fmt = checkpoint_format(quantized)  # refuses what is not implemented, naming it
     files = _weight_files(model)
@@ -183,17 +187,18 @@ def load_quantized_checkpoint(model: str, quantized: dict, dtype: torch.dtype):
     )
     if _model_file(model, "generation_config.json") is not None:
         lm.generation_config = GenerationConfig.from_pretrained(model)
-    floats = kernels.pop(None, 0)
+    floats = sum(kernels.pop(k) for k in list(kernels) if not serves(k, device))
     if kernels:
         lm.config.llmq_checkpoint_files = files
         lm.config.llmq_checkpoint_quantization = quantized
     if floats:
         log.info(
-            "%s: %d quantized projections of a layout torch's int4/int8 kernels do not take "
-            "(4-bit groups not a multiple of 32, 8-bit not per channel and symmetric): "
-            "dequantized, served as float",
+            "%s: %d quantized projections of a layout torch's kernels do not take on %s "
+            "(4-bit groups not a multiple of 32, 8-bit not per channel and symmetric, fp8 "
+            "where the device has no fp8 matmuls of its scales): dequantized, served as float",
             fmt.description,
             floats,
+            device,
         )
     return lm
 

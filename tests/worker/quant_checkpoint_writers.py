@@ -1,7 +1,8 @@
-"""Projections written in published quantized checkpoints' layouts, from random integers, each
-with its reference float32 weight: GPTQ and AWQ packed here as their formats document (the
-references their formulas over the integers, before packing), compressed-tensors by its own
-compressors (the reference its own decompression).
+"""Projections written in published quantized checkpoints' layouts, from random integers (or
+float8 values), each with its reference float32 weight: GPTQ and AWQ packed here as their
+formats document (the references their formulas over the integers, before packing),
+compressed-tensors by its own compressors (the reference its own decompression), transformers'
+fp8 as its ``FP8Linear`` holds it (the reference its own ``_dequantize_fp8_weight``).
 
 A writer: ``(module name, out_features, in_features, generator) -> ({part: tensor}, reference
 [N, K])``."""
@@ -9,10 +10,14 @@ A writer: ``(module name, out_features, in_features, generator) -> ({part: tenso
 from __future__ import annotations
 
 import torch
-from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+from compressed_tensors.compressors.naive_quantized.base import (
+    FloatQuantizationCompressor,
+    IntQuantizationCompressor,
+)
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's: the column nibble i of a word holds
 
@@ -185,6 +190,68 @@ def compressed_act_order(group: int):
     return write, config
 
 
+def _fp8_codes(n: int, k: int, generator) -> torch.Tensor:
+    """Random float8 e4m3 values of mean zero, spread over the format's range."""
+    codes = (100 * torch.randn(n, k, generator=generator)).clamp(-448, 448)
+    return codes.to(torch.float8_e4m3fn)  # in range: torch before 2.12 casts past it to NaN
+
+
+def _fp8_scales(shape, generator) -> torch.Tensor:
+    """bfloat16 scales held in float32: with the 4-bit fp8 values, weights of about 0.2."""
+    return (0.001 + 0.003 * torch.rand(shape, generator=generator)).to(torch.bfloat16).float()
+
+
+def compressed_fp8(weights: QuantizationArgs):
+    """float-quantized (FP8-dynamic) by compressed-tensors' own compressor."""
+    activations = QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
+
+    def write(module: str, n: int, k: int, generator):
+        if weights.strategy == "block":
+            rows, cols = weights.block_structure
+            grid = (-(-n // rows), -(-k // cols))
+        else:
+            rows, cols, grid = (1, k, (n, 1)) if weights.strategy == "channel" else (n, k, (1,))
+        scale = _fp8_scales(grid, generator)
+        full = scale.reshape(-(-n // rows), -1).repeat_interleave(rows, 0)[:n]
+        full = full.repeat_interleave(cols, 1)[:, :k]
+        # Weights on the grid: the compressor's quantize gives back the fp8 values exactly.
+        state = {"weight": _fp8_codes(n, k, generator).float() * full, "weight_scale": scale}
+        packed = FloatQuantizationCompressor.compress(state, scheme)
+        assert packed["weight"].dtype == torch.float8_e4m3fn
+        return packed, FloatQuantizationCompressor.decompress(packed, scheme)["weight"]
+
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": scheme.model_dump()},
+        "ignore": ["lm_head"],
+    }
+    return write, config
+
+
+def transformers_fp8(block: list[int] | None):
+    """transformers' fp8 (``quant_method: fp8``): blocks of ``block``, or one scale a tensor."""
+
+    def write(module: str, n: int, k: int, generator):
+        codes = _fp8_codes(n, k, generator)
+        grid = () if block is None else (-(-n // block[0]), -(-k // block[1]))
+        scale = _fp8_scales(grid, generator)
+        reference = _dequantize_fp8_weight(codes, scale, block, torch.float32)
+        return {"weight": codes, "weight_scale_inv": scale}, reference
+
+    config = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": block,
+        "modules_to_not_convert": ["lm_head"],
+    }
+    return write, config
+
+
 _W8 = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
 _A8 = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
 
@@ -206,4 +273,14 @@ WRITERS = {
     ),
     "ct-w4a16-actorder": compressed_act_order(64),
     "ct-w8a8": compressed("int-quantized", _W8, _A8),
+    "ct-fp8-channel": compressed_fp8(
+        QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    ),
+    "ct-fp8-block": compressed_fp8(
+        QuantizationArgs(
+            num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]
+        )
+    ),
+    "fp8-block": transformers_fp8([128, 128]),
+    "fp8-tensor": transformers_fp8(None),
 }

@@ -1,9 +1,10 @@
-"""Quantized checkpoints as published (GPTQ, AWQ, compressed-tensors): tiny random Llama and
-Qwen2 models whose projections are written in each format's documented layout (by
-compressed-tensors' own compressors where it has them), loaded through llmq's loader.
+"""Quantized checkpoints as published (GPTQ, AWQ, compressed-tensors, transformers' fp8): tiny
+random Llama and Qwen2 models whose projections are written in each format's documented layout
+(by compressed-tensors' own compressors where it has them), loaded through llmq's loader.
 
 (a) the weights read back equal the reference dequantization exactly (compressed-tensors' own
-decompression; for GPTQ and AWQ the formats' formulas applied to the integers the test packed),
+decompression, transformers' own fp8 dequantization; for GPTQ and AWQ the formats' formulas
+applied to the integers the test packed),
 and the repacked kernel weights equal them too (exactly in float32; the kernel's output within
 the bfloat16 rounding of its scales and zeros); (b) the engine's greedy output, batched with a
 prefix hit, equals the same model stepped on each prompt alone (int kernels, which compute in
@@ -23,14 +24,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from llmq.common.model_loader import load_causal_lm
 from llmq.common.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
+from llmq.common.quant_checkpoint.fp8_tensor import fp8_block_matmuls, fp8_matmuls
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.runner.checkpoint_weights import (
     ConcatLinear,
     PermutedLinear,
+    fp8_linear,
     int4_weight,
     kernel_linear,
 )
+from llmq.worker.runner.dynamic_quantized import Fp8Linear, quantize_rows_torch
+from llmq.worker.runner.fp8_blocks import Fp8BlockLinear
 from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear
 
 pytest.importorskip("compressed_tensors")  # its compressors write the reference checkpoints
@@ -119,18 +124,48 @@ KERNELS = {
     "ct-w4a16-actorder": Int4Linear,
     "ct-w8a8": Int8Linear,
 }
+# fp8 checkpoints -> whether a down projection (128 x 256) takes Fp8Linear: blocks of 128 x 128
+# split its rows in two (Fp8BlockLinear); a scale per channel or tensor does not.
+FP8_KINDS = {"ct-fp8-channel": True, "ct-fp8-block": False, "fp8-block": False, "fp8-tensor": True}
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", list(KERNELS))
+@pytest.mark.parametrize("kind", [*KERNELS, *FP8_KINDS])
 def test_weights_read_back_as_the_reference_dequantizes_them(checkpoints, kind):
     folder, reference = checkpoints("llama", kind)
     checkpoint = _read(folder)
     assert sorted(checkpoint.modules) == sorted(reference)
     for module, want in reference.items():
         got = checkpoint.quant(module)
-        assert got.kernel() is not None, (module, got.layout())
+        if kind in FP8_KINDS:
+            rows = FP8_KINDS[kind] or not module.endswith("down_proj")
+            assert got.kernel() == ("fp8" if rows else "fp8-block"), (module, got.layout())
+        else:
+            assert got.kernel() is not None, (module, got.layout())
         assert torch.equal(got.dequantize(), want), module
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", list(FP8_KINDS))
+def test_fp8_weights_with_a_scale_a_row_run_as_the_checkpoint_holds_them(checkpoints, kind):
+    """q, k, v fused into an ``Fp8Linear`` (torch's ``_scaled_mm``; on a CPU its reference):
+    the weights it multiplies are the reference's exactly, and its output is the float64
+    product of the activations as it quantizes them (fp8 per row) with them, within the
+    output's bfloat16 rounding. Off a GPU with fp8 matmuls the loader serves them as float."""
+    folder, reference = checkpoints("llama", kind)
+    checkpoint = _read(folder)
+    names = [f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    want = torch.cat([reference[n] for n in names])
+    parts = [checkpoint.quant(n) for n in names]
+    assert kernel_linear(parts, None, "cpu") is None  # no fp8 matmuls on a CPU
+    linear = fp8_linear(parts, None)
+    assert isinstance(linear, Fp8Linear)
+    assert torch.equal(linear.dequantize(), want)
+    x = torch.randn(5, want.shape[1], generator=torch.Generator().manual_seed(3))
+    q, scale = quantize_rows_torch(x, torch.float8_e4m3fn)
+    exact = (q.double() * scale.double()) @ want.double().T
+    bound = 2**-8 * exact.abs() + 1e-5 * (x.abs().double() @ want.abs().double().T)
+    assert bool(((linear(x).double() - exact).abs() <= bound).all())
 
 
 def _slack(weight, x: torch.Tensor) -> torch.Tensor:
@@ -230,8 +265,8 @@ def _batched(engine: LLMEngine, prompts) -> tuple[list[list[int]], dict[str, int
     return [results[str(i)] for i in range(len(prompts))], cached
 
 
-def _engine(folder: Path) -> LLMEngine:
-    model = load_causal_lm(str(folder), "float32", "cpu")
+def _engine(folder: Path, device: str = "cpu") -> LLMEngine:
+    model = load_causal_lm(str(folder), "float32", device)
     return LLMEngine(model, EngineConfig(num_blocks=64), eos_token_ids=set())
 
 
@@ -254,6 +289,32 @@ def test_engine_serves_the_checkpoints_kernels_batched_as_alone(checkpoints, arc
     assert cached["2"] >= 32
 
 
+@pytest.mark.skipif(not fp8_matmuls("cuda"), reason="needs a GPU with fp8 matmuls")
+@pytest.mark.parametrize(
+    ("arch", "kind"), [("qwen2", "ct-fp8-channel"), ("llama", "fp8-tensor"), ("llama", "fp8-block")]
+)
+def test_fp8_checkpoints_run_on_fp8_matmuls_batched_as_alone(checkpoints, arch, kind):
+    """On a GPU with fp8 matmuls the checkpoint's fp8 weights, as they are, run on
+    ``Fp8Linear`` (a scale a row) or, on a Hopper GPU, ``Fp8BlockLinear`` (a down projection
+    two blocks wide): batched with a prefix hit as each prompt stepped alone."""
+    if kind == "fp8-block" and not fp8_block_matmuls("cuda"):
+        pytest.skip("needs a GPU with block-scaled fp8 matmuls")
+    folder, _ = checkpoints(arch, kind)
+    alone = _engine(folder, "cuda")
+    forward = alone.runner.forward
+    assert forward.layout == "checkpoint"
+    assert isinstance(forward.layers[0].qkv_proj, Fp8Linear)
+    down = Fp8Linear if FP8_KINDS[kind] else Fp8BlockLinear
+    assert isinstance(forward.layers[1].mlp.down_proj, down)
+    prompts = _prompts(alone.runner.model.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    expected = [alone.generate([p], params)[0] for p in prompts]
+    assert all(len(set(t)) >= OUTPUT_TOKENS // 2 for t in expected), expected
+    results, cached = _batched(_engine(folder, "cuda"), prompts)
+    assert results == expected
+    assert cached["2"] >= 32
+
+
 def _reference_model(folder: Path, reference: dict[str, torch.Tensor]):
     """transformers' float32 model holding the reference weights, built apart from llmq."""
     from safetensors.torch import load_file
@@ -269,10 +330,12 @@ def _reference_model(folder: Path, reference: dict[str, torch.Tensor]):
     return model.eval()
 
 
-def test_a_layout_no_kernel_takes_is_served_as_float_equal_to_generate(checkpoints):
-    """GPTQ in groups of 16 columns: dequantized, served as the float model; float32 greedy
-    output, batched with a prefix hit, equals ``generate`` on the reference weights."""
-    folder, reference = checkpoints("llama", "gptq4-group16")
+@pytest.mark.parametrize(("arch", "kind"), [("llama", "gptq4-group16"), ("qwen2", "fp8-block")])
+def test_a_layout_no_kernel_takes_is_served_as_float_equal_to_generate(checkpoints, arch, kind):
+    """GPTQ in groups of 16 columns, and fp8 on a CPU (no fp8 matmuls): dequantized, served as
+    the float model; float32 greedy output, batched with a prefix hit, equals ``generate`` on
+    the reference weights."""
+    folder, reference = checkpoints(arch, kind)
     engine = _engine(folder)
     assert not hasattr(engine.runner.model.config, "llmq_quantization")
     prompts = _prompts(engine.runner.model.config.vocab_size)
@@ -293,7 +356,9 @@ def test_a_layout_no_kernel_takes_is_served_as_float_equal_to_generate(checkpoin
 
 
 REFUSED = [
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"}, "fp8 e5m2"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({"quant_method": "hqq", "nbits": 4}, "hqq"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
@@ -302,10 +367,10 @@ REFUSED = [
     (
         {
             "quant_method": "compressed-tensors",
-            "format": "float-quantized",
-            "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}},
+            "format": "nvfp4-pack-quantized",
+            "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}},
         },
-        "float-quantized",
+        "nvfp4-pack-quantized",
     ),
     (
         {
@@ -327,10 +392,10 @@ def test_what_is_not_implemented_is_refused_by_name(config, named):
 
 @pytest.mark.unit
 def test_the_loader_refuses_an_unknown_quantization(llama_dir, tmp_path):
-    folder = tmp_path / "fp8"
+    folder = tmp_path / "bnb"
     shutil.copytree(llama_dir, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantization 'fp8' is not implemented"):
+    with pytest.raises(ValueError, match="quantization 'bitsandbytes' is not implemented"):
         load_causal_lm(str(folder), "float32", "cpu")

@@ -1,8 +1,9 @@
 """A quantized checkpoint's safetensors files: its projections decoded (``QuantTensor``) and
 its float state dict (every quantized projection dequantized) for transformers' modules.
 
-The format comes from config.json's ``quantization_config``: compressed-tensors, GPTQ or AWQ;
-any other ``quant_method`` (fp8, bitsandbytes, ...) is refused at load, naming it.
+The format comes from config.json's ``quantization_config``: compressed-tensors, GPTQ, AWQ or
+transformers' fp8; any other ``quant_method`` (bitsandbytes, hqq, ...) is refused at load,
+naming it.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ import torch
 
 from llmq.common.quant_checkpoint.awq import AWQFormat
 from llmq.common.quant_checkpoint.compressed import CompressedFormat
+from llmq.common.quant_checkpoint.fp8 import Fp8Format
+from llmq.common.quant_checkpoint.fp8_tensor import FP8, Fp8Tensor
 from llmq.common.quant_checkpoint.gptq import GPTQFormat
 from llmq.common.quant_checkpoint.quant_tensor import QuantTensor
 
 log = logging.getLogger(__name__)
 
-Format = GPTQFormat | AWQFormat | CompressedFormat
-FORMATS = {"gptq": GPTQFormat, "awq": AWQFormat, "compressed-tensors": CompressedFormat}
+Format = GPTQFormat | AWQFormat | CompressedFormat | Fp8Format
+FORMATS = {
+    "gptq": GPTQFormat,
+    "awq": AWQFormat,
+    "compressed-tensors": CompressedFormat,
+    "fp8": Fp8Format,
+}
 
 
 def checkpoint_format(quantization_config: dict) -> Format:
@@ -58,7 +66,7 @@ class QuantCheckpoint:
         handle = self.where.get(name)
         return None if handle is None else handle.get_tensor(name)
 
-    def quant(self, module: str) -> QuantTensor | None:
+    def quant(self, module: str) -> QuantTensor | Fp8Tensor | None:
         """``module``'s weight as the checkpoint quantized it; None where it is float."""
         if module not in self.modules:
             return None
@@ -82,6 +90,8 @@ class QuantCheckpoint:
             if key in self._consumed:
                 continue
             value = self.tensor(key)
+            if value.dtype == FP8:  # an fp8 tensor without the scale it is read with
+                raise ValueError(f"{key}: fp8 tensor of a layout that is not implemented")
             state[key] = value.to(dtype) if value.is_floating_point() else value
         log.info(
             "%s: %d quantized projections (%s)",

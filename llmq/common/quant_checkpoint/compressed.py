@@ -11,9 +11,13 @@ Integer weights in two of its formats, as its compressors write them:
 - ``int-quantized`` / ``naive-quantized`` (W8A8 int8): ``weight`` int8 [N, K] and
   ``weight_scale`` [N, 1] (``channel``) or [1] (``tensor``). The activations of a W8A8
   checkpoint are served unquantized (bfloat16 into the int8 kernel, or the model's dtype): W8A16.
+- ``float-quantized`` (FP8 W8A8, "FP8-dynamic"): ``weight`` float8 e4m3 [N, K] and
+  ``weight_scale`` [N, 1] (``channel``), [1] (``tensor``), [N, K / group] (``group``) or
+  [ceil(N / bn), ceil(K / bk)] (``block``, ``block_structure: [bn, bk]``): ``Fp8Tensor``. A
+  static ``input_scale`` is dropped: activations are quantized per row as each call runs.
 
 ``weight_g_idx`` (older files' group activation order) gives each input column's group.
-Float formats (fp8, nvfp4, mxfp4, ...), sparse formats and transforms are refused.
+Other float formats (nvfp4, mxfp4, ...), sparse formats and transforms are refused.
 """
 
 from __future__ import annotations
@@ -24,23 +28,37 @@ from collections.abc import Callable
 
 import torch
 
+from llmq.common.quant_checkpoint.fp8_tensor import Fp8Tensor, fp8_tensor
 from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
 
 log = logging.getLogger(__name__)
 
-INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 STRATEGIES = ("channel", "group", "tensor")
+FLOAT_STRATEGIES = (*STRATEGIES, "block")
 
 
 def _check_args(weights: dict, where: str) -> None:
     kind, bits = weights.get("type", "int"), int(weights.get("num_bits", 8))
     strategy = weights.get("strategy", "tensor")
-    if kind != "int" or bits not in (4, 8):
+    if (kind, bits) not in (("int", 4), ("int", 8), ("float", 8)):
         raise ValueError(
             f"compressed-tensors {kind} {bits}-bit weights ({where}) are not implemented"
         )
-    if strategy not in STRATEGIES:
+    if strategy not in (FLOAT_STRATEGIES if kind == "float" else STRATEGIES):
         raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not implemented")
+
+
+def _block(weights: dict) -> tuple[int, int]:
+    """The block of an fp8 weight each scale covers (``Fp8Tensor``)."""
+    whole = 2**62
+    strategy = weights.get("strategy", "tensor")
+    if strategy == "block":
+        rows, cols = weights.get("block_structure") or (128, 128)
+        return int(rows), int(cols)
+    if strategy == "group":
+        return 1, int(weights["group_size"])
+    return (1, whole) if strategy == "channel" else (whole, whole)
 
 
 def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -72,7 +90,7 @@ class CompressedFormat:
         activations = False
         for name, group in (config.get("config_groups") or {}).items():
             fmt = group.get("format") or top
-            if fmt not in INT_FORMATS:
+            if fmt not in FORMATS:
                 raise ValueError(f"compressed-tensors format {fmt!r} is not implemented")
             weights = group.get("weights") or {}
             _check_args(weights, name)
@@ -80,33 +98,42 @@ class CompressedFormat:
             self.groups.append((group.get("targets") or ["Linear"], weights))
         if not self.groups:
             raise ValueError("compressed-tensors config without config_groups")
-        self.description = f"compressed-tensors {top}" + (
-            " (activations served unquantized: W8A16 / W4A16)" if activations else ""
+        served = (
+            "fp8 activations per row, as each call runs"
+            if top == "float-quantized"
+            else ("activations served unquantized: W8A16 / W4A16")
         )
+        self.description = f"compressed-tensors {top}" + (f" ({served})" if activations else "")
 
-    def bits(self, module: str) -> int:
-        """The bits of ``module``'s scheme: its config group by target (a regular expression
-        ``re:...`` on the module's name, else a class name matched by any Linear)."""
+    def weights(self, module: str) -> dict:
+        """The weights arguments of ``module``'s scheme: its config group by target (a regular
+        expression ``re:...`` on the module's name, else a class name matched by any Linear)."""
         fallback = None
         for targets, weights in self.groups:
             for target in targets:
                 if target.startswith("re:") and re.match(target[3:], module):
-                    return int(weights.get("num_bits", 8))
+                    return weights
                 if fallback is None and not target.startswith("re:"):
-                    fallback = int(weights.get("num_bits", 8))
+                    fallback = weights
         if fallback is None:
             raise ValueError(f"no compressed-tensors config group names {module}")
         return fallback
 
-    def decode(self, get: Callable[[str], torch.Tensor], module: str = "") -> QuantTensor:
-        bits = self.bits(module)
+    def decode(
+        self, get: Callable[[str], torch.Tensor], module: str = ""
+    ) -> QuantTensor | Fp8Tensor:
+        weights = self.weights(module)
+        bits = int(weights.get("num_bits", 8))
+        stored = get("weight")
+        if weights.get("type") == "float":
+            return fp8_tensor(stored, get("weight_scale"), _block(weights))
         offset = 2 ** (bits - 1)
         packed = get("weight_packed")
         if packed is not None:
             n, k = (int(v) for v in get("weight_shape"))
             q = unpack_int32(packed, bits, k)  # stored offset: unsigned already
         else:
-            q = get("weight").to(torch.int32) + offset
+            q = stored.to(torch.int32) + offset
             n, k = q.shape
         scale = _per_row(get("weight_scale").float(), n)
         stored = get("weight_zero_point")

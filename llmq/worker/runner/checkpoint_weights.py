@@ -1,4 +1,4 @@
-"""A quantized checkpoint's own weights (compressed-tensors, GPTQ, AWQ) as llmq's quantized
+"""A quantized checkpoint's own weights (compressed-tensors, GPTQ, AWQ, fp8) as llmq's quantized
 projections.
 
 transformers serves the checkpoint as its float model, the weights dequantized at load
@@ -17,6 +17,11 @@ transformers serves the checkpoint as its float model, the weights dequantized a
   permutes its activations the same way (``PermutedLinear``): the same sums, exactly. Fused
   parts (q, k, v; gate, up) of different permutations run as separate kernel calls.
 - 8 bits, one symmetric scale per output channel: ``Int8Weight`` with the same q - 128.
+- float8 e4m3 with one scale per output channel (or per tensor), on a device with fp8 matmuls
+  (CUDA, compute capability 8.9 or more): ``Fp8Linear`` with the same weights and scales, the
+  activations quantized per row as each call runs (vLLM's dynamic fp8); in blocks of
+  128 x 128, on a Hopper GPU: ``Fp8BlockLinear``, the activations quantized per 128 columns.
+  Parts of other kinds, or whose blocks do not line up once fused, run side by side.
 
 Any other layout, a fused group whose parts differ in kernel, and projections the checkpoint
 holds in float (its head, usually) stay float, with a log line.
@@ -30,7 +35,10 @@ import math
 import torch
 
 from llmq.common.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
+from llmq.common.quant_checkpoint.fp8_tensor import FP8_BLOCK, Fp8Tensor, serves
 from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, kernel_group
+from llmq.worker.runner.dynamic_quantized import Fp8Linear
+from llmq.worker.runner.fp8_blocks import Fp8BlockLinear
 from llmq.worker.runner.quantized_linear import (
     Int4Linear,
     Int4Weight,
@@ -69,6 +77,42 @@ def int8_weight(parts: list[QuantTensor]) -> Int8Weight:
     """Parts of 8 bits, one symmetric scale per output channel (``kernel() == "int8"``)."""
     q = torch.cat([(p.q - 128).to(torch.int8) for p in parts])
     return Int8Weight(q, torch.cat([p.scale[:, 0] for p in parts]))
+
+
+def fp8_linear(
+    parts: list[Fp8Tensor], bias: torch.Tensor | None, device: torch.device | str = "cpu"
+) -> Fp8Linear:
+    """Parts in float8 with a scale per row (``kernel() == "fp8"``) as one ``Fp8Linear`` of
+    their rows in order, on ``device``: the checkpoint's weights and scales as they are."""
+    q = torch.cat([p.q for p in parts]).to(device)
+    scale = torch.cat([p.row_scales() for p in parts]).to(device)
+    return Fp8Linear(q, scale, bias)
+
+
+def fp8_block_linear(
+    parts: list[Fp8Tensor], bias: torch.Tensor | None, device: torch.device | str = "cpu"
+) -> Fp8BlockLinear:
+    """Parts in 128 x 128 blocks (``kernel() == "fp8-block"``; each but the last a whole
+    number of blocks high) as one ``Fp8BlockLinear`` of their rows in order."""
+    q = torch.cat([p.q for p in parts]).to(device)
+    scale = torch.cat([p.scale for p in parts]).to(device)
+    return Fp8BlockLinear(q, scale, bias)
+
+
+def _fp8_kernel_linear(parts: list[Fp8Tensor], bias, device):
+    kinds = {p.kernel() for p in parts}
+    if not all(serves(k, device) for k in kinds):
+        return None
+    if kinds == {"fp8"}:
+        return fp8_linear(parts, bias, device)
+    if kinds == {"fp8-block"} and all(p.shape[0] % FP8_BLOCK == 0 for p in parts[:-1]):
+        return fp8_block_linear(parts, bias, device)
+    return ConcatLinear(
+        [
+            _fp8_kernel_linear([p], b, device)
+            for p, b in zip(parts, _split(bias, parts), strict=True)
+        ]
+    )
 
 
 class PermutedLinear:
@@ -119,10 +163,14 @@ def _split(bias: torch.Tensor | None, parts: list[QuantTensor]) -> list:
 
 
 def kernel_linear(
-    parts: list[QuantTensor], bias: torch.Tensor | None, device: torch.device | str = "cpu"
+    parts: list[QuantTensor | Fp8Tensor],
+    bias: torch.Tensor | None,
+    device: torch.device | str = "cpu",
 ):
-    """One fused projection on ``device``'s int4/int8 kernels; None where they do not take all
-    its parts."""
+    """One fused projection on ``device``'s int4/int8 kernels (or fp8 matmuls); None where they
+    do not take all its parts."""
+    if any(isinstance(p, Fp8Tensor) for p in parts):
+        return _fp8_kernel_linear(parts, bias, device)
     kinds = {p.kernel() for p in parts}
     if kinds == {"int8"}:
         return int8_linear(int8_weight(parts).to(device), bias)
