@@ -190,13 +190,28 @@ def run_workload(name: str, base: str, url: str, workers: list[str], load: Workl
     }
 
 
+def wait_up(server: RedisServer, name: str, proc: Proc) -> None:
+    """Until worker ``name`` beats; its log shown where it exits or does not come up."""
+
+    def up():
+        if not proc.alive():
+            raise RuntimeError(f"worker {name} exited:\n{proc.log()}")
+        return heartbeat(server.url, name)
+
+    try:
+        wait_for(up, 120, name)
+    except TimeoutError:
+        print(proc.log(), file=sys.stderr)
+        raise
+
+
 def bench_fleet(args, server: RedisServer, n: int, logs: Path, results: dict) -> float:
     names = [f"w{i}" for i in range(1, n + 1)]
     procs = [start_worker(server.url, args.model, w, logs, wait=False, **SETTINGS) for w in names]
     apis = []
     try:
         for w, p in zip(names, procs, strict=True):
-            wait_for(lambda w=w, p=p: p.alive() and heartbeat(server.url, w), 120, w)
+            wait_up(server, w, p)
         for mode, weight in modes(args.load_weights):
             placement = dict(placement_load_weight=weight) if weight is not None else {}
             proc, base = start_api(
