@@ -115,7 +115,9 @@ def load_causal_lm(
 ):
     """The model; ``quantization`` (int8, int4, fp8) is recorded on its config, and the worker's
     forward quantizes the weights as it builds (``worker/runner/quantize.py``). A GGUF file
-    (``gguf_location``) is quantized as the file is: ``quantization`` does not apply."""
+    (``gguf_location``), and a quantized checkpoint whose layout a kernel here takes, are served
+    as the file is: ``quantization`` does not apply. A quantized checkpoint served as float (an
+    FP8 one on a CPU, say) is quantized by ``quantization`` as a float checkpoint would be."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -130,7 +132,17 @@ def load_causal_lm(
         quantization = "gguf"
     elif (quantized := quantization_config(model)) is not None:
         lm = load_quantized_checkpoint(model, quantized, torch_dtype, device)
-        quantization = "checkpoint" if hasattr(lm.config, "llmq_checkpoint_files") else "none"
+        if hasattr(lm.config, "llmq_checkpoint_files"):
+            if quantization != "none":
+                log.warning(
+                    "LLMQ_QUANTIZATION=%s does not apply: %s is served on its own quantized "
+                    "weights",
+                    quantization,
+                    model,
+                )
+            quantization = "checkpoint"
+        # Served as float (no kernel here takes its layout): LLMQ_QUANTIZATION, if set,
+        # quantizes the dequantized weights, as it would a float checkpoint's.
     else:
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     lm.to(device).eval()

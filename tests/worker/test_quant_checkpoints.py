@@ -315,6 +315,19 @@ def test_fp8_checkpoints_run_on_fp8_matmuls_batched_as_alone(checkpoints, arch, 
     assert cached["2"] >= 32
 
 
+def test_a_checkpoint_served_as_float_takes_the_quantization_setting(checkpoints):
+    """fp8 on a CPU is served as float; LLMQ_QUANTIZATION=int8 quantizes those float weights
+    (the dequantized checkpoint's), as it would a float checkpoint's."""
+    folder, reference = checkpoints("llama", "ct-fp8-channel")
+    model = load_causal_lm(str(folder), "float32", "cpu", "int8")
+    engine = LLMEngine(model, EngineConfig(num_blocks=64), eos_token_ids=set())
+    forward = engine.runner.forward
+    assert forward.layout == "int8"
+    want = torch.cat([reference[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"])
+    got = forward.layers[0].qkv_proj.rows(torch.arange(want.shape[0])).dequantize()
+    assert (got - want).abs().max() <= want.abs().max() / 127  # int8 steps of the float
+
+
 def _reference_model(folder: Path, reference: dict[str, torch.Tensor]):
     """transformers' float32 model holding the reference weights, built apart from llmq."""
     from safetensors.torch import load_file
