@@ -43,6 +43,7 @@ class _Watch:
     last_activity: float
     unserved_since: float | None = None
     resent: int = 0  # times the request was sent again after Redis lost it
+    owner_steps: int | None = None  # the steps its worker had taken at the last silent poll
 
 
 class OutputReader:
@@ -72,12 +73,12 @@ class OutputReader:
                 raise _deadline(request)
             msg = await _next(queue, min(self._poll_in(watch), remaining))
             if msg is None:
-                msg, state = await self.recover(request, expected)
+                msg, state, owner = await self.recover(request, expected)
                 if msg is None:
                     if state is None and expected == 0 and watch.resent < _MAX_RESENDS:
                         await self._resend(request, watch)
                         continue
-                    await self._still_waiting(request, state, watch)
+                    await self._still_waiting(request, state, owner, watch)
                     continue
             if isinstance(msg, LLMQError):  # put there by RequestStream.fail
                 raise msg
@@ -111,12 +112,15 @@ class OutputReader:
         return max(0.05, min(_POLL, left))
 
     async def _still_waiting(
-        self, request: EngineRequest, state: str | None, watch: _Watch
+        self, request: EngineRequest, state: str | None, owner: str, watch: _Watch
     ) -> None:
         """After a silent poll: raises when Redis lost the request, once no live worker has
         served its model for no_worker_grace (it is then cancelled: a worker that comes back
         later drops it), or once it has been inactive for too long. Waiting its turn in the
-        queue of a served model is not inactivity."""
+        queue of a served model is not inactivity, nor is running on a worker whose engine
+        keeps stepping (a long prompt's prefill, or others' before its first token: on a slow
+        CPU, 16 prompts of 128 tokens on a 1B model took over 60 s to their first tokens);
+        a worker whose loop stops is the stall timeout's, which withholds its heartbeat."""
         if state is None:  # its record lives until past its deadline unless Redis lost it
             raise Unavailable(
                 "Redis lost this request (it restarted without persistence, was flushed or "
@@ -135,7 +139,7 @@ class OutputReader:
                 )
         if served:
             watch.unserved_since = None
-            if state == "queued":
+            if state == "queued" or (state == "running" and await self._stepping(owner, watch)):
                 watch.last_activity = now
         elif since is None:
             watch.unserved_since = now
@@ -168,6 +172,18 @@ class OutputReader:
             request.id,
         )
 
+    async def _stepping(self, owner: str, watch: _Watch) -> bool:
+        """Whether the request's worker has taken steps since the last silent poll."""
+        try:
+            engines = await self.engines(_LIVENESS_AGE)
+        except Exception as exc:
+            log.debug("live engines unavailable: %s", exc)
+            return False
+        steps = next((e.steps_total for e in engines if owner and e.worker == owner), None)
+        stepped = steps is not None and steps != watch.owner_steps
+        watch.owner_steps = steps
+        return stepped
+
     async def _served(self, request: EngineRequest, state: str | None, max_age: float) -> bool:
         """Whether a live worker serves the request's model (engines read at most ``max_age``
         seconds ago). A batch line waits for a worker however long it takes; so does a
@@ -185,7 +201,7 @@ class OutputReader:
         """Tokens [expected, upto) from the request's record. Retried while Redis is
         unreachable: a restart drops pub/sub messages and stale pool connections alike."""
         while True:
-            filled, state = await self.recover(request, expected)
+            filled, state, _ = await self.recover(request, expected)
             if state != _UNAVAILABLE:
                 if filled is None or filled.index + len(filled.tokens) < upto:
                     raise EngineFailure("output tokens were lost in transit", code="output_lost")
@@ -196,10 +212,10 @@ class OutputReader:
 
     async def recover(
         self, request: EngineRequest, expected: int
-    ) -> tuple[OutputMessage | None, str | None]:
+    ) -> tuple[OutputMessage | None, str | None, str]:
         """Read the request's record: tokens published while this client missed them (Redis
         restarted, a pub/sub gap), or its end. Also returns its state (``_UNAVAILABLE`` when
-        Redis could not be read)."""
+        Redis could not be read) and the worker that owns it ("": none)."""
         try:
             wants_logprobs = request.params.logprobs is not None
             state, tokens, logprobs = await self.transport.request_state(
@@ -207,28 +223,36 @@ class OutputReader:
             )
         except Exception as exc:
             log.debug("request state unavailable: %s", exc)
-            return None, _UNAVAILABLE
-        status = state.get("state")
+            return None, _UNAVAILABLE, ""
+        status, owner = state.get("state"), state.get("worker", "")
         if status == "failed":
-            return OutputMessage(index=expected, tokens=[], error=_error_from_state(state)), status
+            failed = OutputMessage(index=expected, tokens=[], error=_error_from_state(state))
+            return failed, status, owner
         done = status == "finished"
         if done and request.kind != "generate":
-            return None, status  # vectors travel only by pub/sub: wait for the message
+            return None, status, owner  # vectors travel only by pub/sub: wait for the message
         if len(tokens) <= expected and not done:
-            return None, status
+            return None, status, owner
         prompt_logprobs = None
         if expected == 0 and state.get("prompt_logprobs"):  # the first message was missed
             prompt_logprobs = json.loads(state["prompt_logprobs"])
-        return OutputMessage(
-            index=expected,
-            tokens=tokens[expected:],
-            logprobs=logprobs[expected : len(tokens)] if wants_logprobs else None,
-            finish_reason=(state.get("finish_reason") or "stop") if done else None,
-            usage={"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": len(tokens)}
-            if done
-            else None,
-            prompt_logprobs=prompt_logprobs,
-        ), status
+        return (
+            OutputMessage(
+                index=expected,
+                tokens=tokens[expected:],
+                logprobs=logprobs[expected : len(tokens)] if wants_logprobs else None,
+                finish_reason=(state.get("finish_reason") or "stop") if done else None,
+                usage={
+                    "prompt_tokens": len(request.prompt_token_ids),
+                    "completion_tokens": len(tokens),
+                }
+                if done
+                else None,
+                prompt_logprobs=prompt_logprobs,
+            ),
+            status,
+            owner,
+        )
 
 
 async def _next(queue: asyncio.Queue, timeout: float) -> OutputMessage | LLMQError | None:

@@ -242,7 +242,10 @@ class Settings(BaseSettings):
         600.0, description="Seconds a request may take end to end before it fails with an error."
     )
     inactivity_timeout: float = Field(
-        60.0, description="Seconds without output after which a running request fails."
+        60.0,
+        description="Seconds without output after which a running request fails, unless the "
+        "worker running it keeps taking engine steps (a long prefill, or others' before its "
+        "first token).",
     )
     no_worker_grace: float = Field(
         1.0,

@@ -29,6 +29,6 @@ def test_a_missed_first_message_brings_its_prompt_logprobs_back(llama_dir):
                 engine.emit([Emission("plp", "0-1", OutputMessage(index=1, tokens=[6]))])
                 return await p.output.recover(asked, 0), await p.output.recover(asked, 1)
 
-        (whole, _), (tail, _) = asyncio.run(run())
+        (whole, _, _), (tail, _, _) = asyncio.run(run())
     assert whole.tokens == [5, 6] and whole.prompt_logprobs == prompt
     assert tail.tokens == [6] and tail.prompt_logprobs is None

@@ -343,10 +343,10 @@ def test_a_gap_is_filled_with_its_logprobs(llama_dir):
                 for i in (0, 1):  # nobody listens: missed
                     msg = OutputMessage(index=i, tokens=[5 + i], logprobs=lps[i : i + 1])
                     assert not engine.emit([Emission("gap", "0-1", msg)])
-                whole, _ = await p.output.recover(asked, 0)
-                tail, _ = await p.output.recover(asked, 1)
+                whole, _, _ = await p.output.recover(asked, 0)
+                tail, _, _ = await p.output.recover(asked, 1)
                 plain = EngineRequest(id="gap", prompt_token_ids=[1, 2])
-                none, _ = await p.output.recover(plain, 0)
+                none, _, _ = await p.output.recover(plain, 0)
                 return whole, tail, none
 
         whole, tail, none = asyncio.run(run())
