@@ -42,7 +42,8 @@ class Settings(BaseSettings):
         "CUDA); int4, 4-bit in groups of 32 with the head and Q4_K_M's sensitive tensors at 8 "
         "bits; fp8, float8 e4m3 projections with a scale per channel, the activations quantized "
         "to float8 per row (vLLM's fp8; a GPU of compute capability 8.9+). On a CPU with "
-        "AVX512-VNNI the activations are quantized to int8 per block of 32 (W8A8, W4A8), else "
+        "AVX512-VNNI or AVX2 the activations are quantized to int8 per block of 32 (W8A8, "
+        "W4A8), else "
         "they enter torch's kernels in bfloat16 (on CUDA: int4 on tinygemm, int8 W8A8 on "
         "torch._int_mm). A GGUF model is served as its file is quantized, on the CPU.",
     )

@@ -16,7 +16,7 @@ head and embedding table in 8 or 4 bits (``quantized_linear``; on CUDA int8 and 
   float, as vLLM's fp8.
 
 The fused C++ step (``kernels/step_layers.cpp``) runs the int8 and int4 projections through the
-same kernels as the Python layer loop (llmq's VNNI ones or torch's: ``quantized_linear``); a
+same kernels as the Python layer loop (llmq's integer ones or torch's: ``quantized_linear``); a
 checkpoint's other kinds (act-order permutations, parts concatenated) keep the Python loop.
 """
 

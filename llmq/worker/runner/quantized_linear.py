@@ -1,4 +1,4 @@
-"""Projections with quantized weights: llmq's VNNI kernels where they are loaded, torch's CPU
+"""Projections with quantized weights: llmq's integer kernels where they are loaded, torch's CPU
 weight-only kernels elsewhere.
 
 - ``Int8Linear``: int8 weights with one symmetric scale per group of 32 input columns (llmq's
@@ -7,11 +7,13 @@ weight-only kernels elsewhere.
   checkpoint's), one scale and one zero per group and output channel
   (``w = (q - 8) * scale + zero``, q in 0..15).
 
-On a CPU with AVX512-VNNI, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both run as
-llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to int8 per
-block of 32 inputs, integer dot products, one float32 scaling per block: on the 1B shape's
-projections 2.3-3.1x torch's kernels at 16 rows and 3.2-5.2x at 128 (bench/cpu_kernels.py
---quantized), faster than bfloat16 there; at one row 1.0-1.7x, both at the memory's pace.
+On a CPU with AVX512-VNNI or AVX2, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both
+run as llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to
+int8 per block of 32 inputs, integer dot products, one float32 scaling per block: on the 1B
+shape's projections (bench/cpu_kernels.py --quantized), on an AVX512 EPYC 2.3-3.1x torch's
+kernels at 16 rows and 3.2-5.2x at 128, faster than bfloat16 there, at one row 1.0-1.7x, both
+at the memory's pace; on an AVX2-only EPYC 2.2-3.3x at 16 rows, 1.9-3.1x at 128 and 1.3-2.6x at
+one row (17-25 GB/s of weights read).
 Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
 activations as quantized and the dequantized weights, within ``1e-5`` of the sum of the terms'
 magnitudes (the rounding to bfloat16 of a bfloat16 output besides); a row gets the same bits in
@@ -58,8 +60,8 @@ _PACK_ROWS = 1024  # rows packed into a kernel's panels at a time (a multiple of
 
 
 class Int8Linear:
-    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's VNNI kernel where it is
-    loaded (``q8_matmul``: activations quantized to int8 per block of 32; weights' scales per
+    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's integer kernel where it
+    is loaded (``q8_matmul``: activations quantized to int8 per block of 32; weights' scales per
     group of 32 or per channel), else on torch's ``_weight_int8pack_mm`` (bfloat16
     activations; per-channel scales: a grouped weight is quantized again per channel)."""
 
@@ -178,8 +180,8 @@ def _on_kernel(op, x: torch.Tensor, weight, scales, linear) -> torch.Tensor:
 
 
 def int_kernel_available() -> bool:
-    """Whether llmq's VNNI int4 and int8 kernels (``kernels/int_matmul.cpp``) are loaded and
-    built for this CPU (AVX512-VNNI)."""
+    """Whether llmq's int4 and int8 kernels (``kernels/int_matmul.cpp``) are loaded and built
+    for this CPU (AVX512-VNNI or AVX2)."""
     try:
         return bool(torch.ops.llmq.int_matmul_available())
     except (AttributeError, RuntimeError):  # the kernels are not loaded
@@ -210,8 +212,8 @@ def q4_panels(weight: Int4Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 class Int4Linear:
-    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's VNNI kernel where it is
-    loaded (``q4_matmul``: activations quantized to int8 per block of 32), else on torch's
+    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's integer kernel where it
+    is loaded (``q4_matmul``: activations quantized to int8 per block of 32), else on torch's
     int4pack kernels (bfloat16 activations; on CUDA tinygemm's, ``_weight_int4pack_mm``, which
     takes the same ``(q - 8) * scale + zero`` groups). Output channels are padded to a multiple
     of 16 with zero rows."""
@@ -280,7 +282,7 @@ def quantized_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, bits: int, kernel: bool | None = None
 ) -> QuantizedLinear:
     """``weight`` [N, K] (any float dtype) quantized to ``bits`` (8, or 4 where K is a multiple
-    of the group: else 8). ``kernel``: on llmq's VNNI kernels (None: where they are loaded)."""
+    of the group: else 8). ``kernel``: on llmq's integer kernels (None: where they are loaded)."""
     if bits == 4 and weight.shape[1] % GROUP == 0:
         return Int4Linear(Int4Weight.quantize(weight), bias, kernel)
     if bits not in (4, 8):

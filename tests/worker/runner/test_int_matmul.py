@@ -1,4 +1,4 @@
-"""llmq's VNNI kernels (``q4_matmul``, ``q8_matmul``): the product of the activations as they
+"""llmq's integer kernels (``q4_matmul``, ``q8_matmul``; AVX512-VNNI or AVX2): the product of the activations as they
 quantize them (int8 per row and block of 32) with the dequantized weights, over odd shapes
 (int8: input widths not a multiple of 32 too; int4: groups of 32 to 256), both dtypes and a
 bias; a row's bits independent of its batch; a tied table's rows read back from the int8
@@ -42,7 +42,9 @@ SHAPES = [
 def kernel():
     assert cpu_kernels.load(), "the kernels did not build (is g++ installed?)"
     if not int_kernel_available():
-        pytest.skip("this CPU has no AVX512-VNNI: torch's int4 and int8 kernels serve")
+        pytest.skip(
+            "this CPU has neither AVX512-VNNI nor AVX2: torch's int4 and int8 kernels serve"
+        )
 
 
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,15 @@
-// int4 and int8 projections (W4A8, W8A8) with AVX512-VNNI integer dot products, as llama.cpp
-// runs its quantized types on CPUs: the activations quantized per row to int8 in blocks of 32
-// (one float scale each), every weight multiplied with them by vpdpbusd (64 products an
-// instruction, unsigned weights by signed activations), and each block's integer sum scaled in
-// float32 once.
+// int4 and int8 projections (W4A8, W8A8) with integer dot products, as llama.cpp runs its
+// quantized types on CPUs: the activations quantized per row to int8 in blocks of 32 (one float
+// scale each), every weight multiplied with them by vpdpbusd on AVX512-VNNI (64 products an
+// instruction, unsigned weights by signed activations) or vpmaddubsw + vpmaddwd on AVX2
+// (int_lanes.h), and each block's integer sum scaled in float32 once.
 //
 // int8 (q8_matmul): weights as quantized_linear.Int8Weight holds them, w = q * scale per group of
 // 32 inputs (float16, as llama.cpp's Q8_0) or per output column (float32: a checkpoint's), q in
 // -127..127, stored q + 128 (unsigned) in panels [P][K / 32][8][16][4]: one 64-byte load gives
 // each of 16 columns 4 inputs. Block b of column n adds
-// d * scale * (sum((q + 128) * xq) - 128 * sum(xq)), the bracket exact in int32.
+// d * scale * (sum((q + 128) * xq) - 128 * sum(xq)), the bracket exact in int32 (on AVX2,
+// d * scale * sum(q * xq) directly: kQ8Bias).
 //
 // int4 (q4_matmul):
 // weights as quantized_linear.Int4Weight holds them, w = (q - 8) * scale + zero per group of 32
@@ -26,7 +27,9 @@
 // AVX512 EPYC, the Llama-3.2-1B shape's projections with their weights read from memory
 // (bench/cpu_kernels.py --quantized): at 1 row int4 0.96-1.18x torch's and int8 1.09-1.69x,
 // both reading 22-27 GB/s, the memory's pace; at 16 rows 2.3-3.1x; at 128 rows 3.2-5.2x, and
-// faster than bfloat16 F.linear (16,384 x 2,048 at 128 rows: int4 15.9 ms, bf16 22.3 ms).
+// faster than bfloat16 F.linear (16,384 x 2,048 at 128 rows: int4 15.9 ms, bf16 22.3 ms). On a
+// 2-core AVX2-only EPYC: at 1 row int4 2.1-2.6x torch's and int8 1.3-1.8x (17-25 GB/s), at 16
+// rows 2.2-3.3x, at 128 rows 1.9-3.1x.
 
 #include "vec.h"  // first: it sets the ISA ATen's headers compile for
 
@@ -43,10 +46,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define LLMQ_INT_MATMUL 1
-#endif
+#include "int_lanes.h"
 
 namespace llmq {
 namespace {
@@ -98,27 +98,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedR
 }
 
 #if defined(LLMQ_INT_MATMUL)
-__m512 bf16_to_float(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// To bfloat16 as torch rounds (to nearest, ties to even), without AVX512-BF16.
-__m256i to_bf16(const __m512& v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-template <typename O>
-void store(const __m512& v, O* out, __mmask16 mask) {
-  if constexpr (std::is_same_v<O, float>) {
-    _mm512_mask_storeu_ps(out, mask, v);
-  } else {
-    _mm256_mask_storeu_epi16(out, mask, to_bf16(v));
-  }
-}
+using namespace lanes;  // NOLINT: the kernels below are written in its lanes
 
 // Independent integer sums a row keeps in a pass: a lone row's group is a chain of vpdpbusd (5
 // cycles' latency each), which bounded one row's pass to about 22 GB/s of weights read from
@@ -132,44 +112,38 @@ template <int R, typename O>
 void q4_pass(const uint8_t* w, const uint16_t* sz, const QuantizedRows& x, int64_t row, int64_t k,
              const float* bias, O* out, int64_t out_stride, int64_t cols) {
   constexpr int S = kSums<R>;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512 eight = _mm512_set1_ps(8.0f);
+  const Floats eight = floats(8.0f);
   const auto* words = reinterpret_cast<const int32_t*>(x.xq.data() + row * k);
   const int64_t row_words = k / 4, groups = x.groups;
   const float* d = x.d.data() + row * groups;
   const float* dsum = x.dsum.data() + row * groups;
-  __m512 acc[R], acc_base[R];  // the scale * sum(xq * q) terms; the (zero - 8 scale) ones
-  for (int r = 0; r < R; ++r) acc[r] = acc_base[r] = _mm512_setzero_ps();
+  Floats acc[R], acc_base[R];  // the scale * sum(xq * q) terms; the (zero - 8 scale) ones
+  for (int r = 0; r < R; ++r) acc[r] = acc_base[r] = floats(0.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i isum[R][S];
+    Ints isum[R][S];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < S; ++i) isum[r][i] = _mm512_setzero_si512();
+      for (int i = 0; i < S; ++i) isum[r][i] = ints(0);
     for (int64_t c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(w + (g * 4 + c) * 64);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const Bytes v = load_bytes(w + (g * 4 + c) * 64);
+      const Bytes lo = low_nibbles(v), hi = high_nibbles(v);
       const int64_t word = g * 8 + c * 2;
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = words + r * row_words + word;
-        isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], lo, _mm512_set1_epi32(xr[0]));
-        isum[r][S - 1] = _mm512_dpbusd_epi32(isum[r][S - 1], hi, _mm512_set1_epi32(xr[1]));
+        isum[r][0] = dot_u8(isum[r][0], lo, xr[0]);
+        isum[r][S - 1] = dot_u8(isum[r][S - 1], hi, xr[1]);
       }
     }
-    const __m512 scale = bf16_to_float(sz + g * 2 * kCols);
-    const __m512 base = _mm512_fnmadd_ps(eight, scale, bf16_to_float(sz + g * 2 * kCols + kCols));
+    const Floats scale = load_bf16(sz + g * 2 * kCols);
+    const Floats base = fnmadd(eight, scale, load_bf16(sz + g * 2 * kCols + kCols));
     for (int r = 0; r < R; ++r) {
-      __m512i total = isum[r][0];
-      if constexpr (S == 2) total = _mm512_add_epi32(total, isum[r][1]);
-      const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), ds, acc[r]);
-      acc_base[r] = _mm512_fmadd_ps(base, _mm512_set1_ps(dsum[r * groups + g]), acc_base[r]);
+      Ints total = isum[r][0];
+      if constexpr (S == 2) total = add(total, isum[r][1]);
+      acc[r] = fmadd(total, mul(scale, floats(d[r * groups + g])), acc[r]);
+      acc_base[r] = fmadd(base, floats(dsum[r * groups + g]), acc_base[r]);
     }
   }
-  const __mmask16 mask = cols >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    store(_mm512_add_ps(_mm512_add_ps(acc[r], acc_base[r]), b), out + r * out_stride, mask);
-  }
+  const Floats b = bias != nullptr ? load_first(bias, cols) : floats(0.0f);
+  for (int r = 0; r < R; ++r) store_first(add(add(acc[r], acc_base[r]), b), out + r * out_stride, cols);
 }
 
 // Rows [0, R) of the quantized x (from row `row`) through one int8 panel (q + 128 bytes; the
@@ -184,39 +158,33 @@ void q8_pass(const uint8_t* w, const void* scales, const QuantizedRows& x, int64
   const int32_t* sum = x.sum.data() + row * groups;
   const auto* group_scales = static_cast<const uint16_t*>(scales);
   constexpr int S = kSums<R>;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  Floats acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = floats(0.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i isum[R][S];
+    Ints isum[R][S];
     for (int r = 0; r < R; ++r) {
-      isum[r][0] = _mm512_set1_epi32(-128 * sum[r * groups + g]);
-      if constexpr (S == 2) isum[r][1] = _mm512_setzero_si512();
+      isum[r][0] = ints(-kQ8Bias * sum[r * groups + g]);
+      if constexpr (S == 2) isum[r][1] = ints(0);
     }
     for (int64_t c = 0; c < 8; ++c) {
-      const __m512i v = _mm512_loadu_si512(w + (g * 8 + c) * 64);
+      const Bytes v = load_bytes(w + (g * 8 + c) * 64);
       for (int r = 0; r < R; ++r) {
-        const __m512i xr = _mm512_set1_epi32(words[r * row_words + g * 8 + c]);
-        isum[r][c % S] = _mm512_dpbusd_epi32(isum[r][c % S], v, xr);
+        isum[r][c % S] = dot_q8(isum[r][c % S], v, words[r * row_words + g * 8 + c]);
       }
     }
-    __m512 scale = _mm512_set1_ps(1.0f);
-    if constexpr (Grouped) {
-      scale = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + g * kCols)));
-    }
+    Floats scale = floats(1.0f);
+    if constexpr (Grouped) scale = load_f16(group_scales + g * kCols);
     for (int r = 0; r < R; ++r) {
-      __m512i total = isum[r][0];
-      if constexpr (S == 2) total = _mm512_add_epi32(total, isum[r][1]);
-      __m512 dg = _mm512_set1_ps(d[r * groups + g]);
-      if constexpr (Grouped) dg = _mm512_mul_ps(dg, scale);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), dg, acc[r]);
+      Ints total = isum[r][0];
+      if constexpr (S == 2) total = add(total, isum[r][1]);
+      Floats dg = floats(d[r * groups + g]);
+      if constexpr (Grouped) dg = mul(dg, scale);
+      acc[r] = fmadd(total, dg, acc[r]);
     }
   }
-  const __mmask16 mask = cols >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  const __m512 s = Grouped ? _mm512_set1_ps(1.0f)
-                           : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(scales));
-  const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) store(_mm512_fmadd_ps(acc[r], s, b), out + r * out_stride, mask);
+  const Floats s = Grouped ? floats(1.0f) : load_first(static_cast<const float*>(scales), cols);
+  const Floats b = bias != nullptr ? load_first(bias, cols) : floats(0.0f);
+  for (int r = 0; r < R; ++r) store_first(fmadd(acc[r], s, b), out + r * out_stride, cols);
 }
 
 enum class Form { kInt4, kInt8Channel, kInt8Grouped };
@@ -301,7 +269,7 @@ bool int_matmul_available() {
 // dtype.
 at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(int_matmul_available(), "q4_matmul: this build has no AVX512-VNNI");
+  TORCH_CHECK(int_matmul_available(), "q4_matmul: this build has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(panels.dim() == 5 && panels.scalar_type() == at::kByte && panels.size(2) == 4 &&
                   panels.size(3) == kCols && panels.size(4) == 4 && panels.is_contiguous(),
               "q4_matmul: panels are [P, K / 32, 4, 16, 4] uint8, contiguous");
@@ -325,7 +293,7 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
 // (float32): [M, N] in x's dtype.
 at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(int_matmul_available(), "q8_matmul: this build has no AVX512-VNNI");
+  TORCH_CHECK(int_matmul_available(), "q8_matmul: this build has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(panels.dim() == 5 && panels.scalar_type() == at::kByte && panels.size(2) == 8 &&
                   panels.size(3) == kCols && panels.size(4) == 4 && panels.is_contiguous(),
               "q8_matmul: panels are [P, K / 32, 8, 16, 4] uint8, contiguous");
