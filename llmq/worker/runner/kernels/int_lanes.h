@@ -73,6 +73,16 @@ inline Floats load_first(const float* p, int64_t count) {
   return {_mm512_maskz_loadu_ps(mask, p)};
 }
 inline void to_array(Floats a, float* out) { _mm512_storeu_ps(out, a.v); }
+// All 16 lanes into out: float32, or bfloat16 rounded as to_bf16 (one vector store).
+inline void store16(Floats a, float* out) { _mm512_storeu_ps(out, a.v); }
+template <typename O>
+inline void store16(Floats a, O* out) {
+  const __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
 
 #else  // AVX2: two registers of 8 lanes
 constexpr int32_t kQ8Bias = 0;
@@ -149,6 +159,9 @@ inline Floats fmadd(Ints a, Floats b, Floats c) { return fmadd(to_floats(a), b, 
 // The first `count` of the 16 lanes into out (float32, or bfloat16 as torch rounds).
 template <typename O>
 inline void store_first(Floats a, O* out, int64_t count) {
+#if defined(LLMQ_INT_LANES_AVX512)
+  if (count >= 16) return store16(a, out);
+#endif
   alignas(64) float tmp[16];
   to_array(a, tmp);
   const int64_t n = count >= 16 ? 16 : count;
