@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmq.common.quant_checkpoint.fp8_tensor import Fp8Tensor, fp8_tensor
+from llmq.common.quant_checkpoint.fp8_tensor import WHOLE, Fp8Tensor, fp8_tensor
 from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
 
 log = logging.getLogger(__name__)
@@ -51,14 +51,13 @@ def _check_args(weights: dict, where: str) -> None:
 
 def _block(weights: dict) -> tuple[int, int]:
     """The block of an fp8 weight each scale covers (``Fp8Tensor``)."""
-    whole = 2**62
     strategy = weights.get("strategy", "tensor")
     if strategy == "block":
         rows, cols = weights.get("block_structure") or (128, 128)
         return int(rows), int(cols)
     if strategy == "group":
         return 1, int(weights["group_size"])
-    return (1, whole) if strategy == "channel" else (whole, whole)
+    return (1, WHOLE) if strategy == "channel" else (WHOLE, WHOLE)
 
 
 def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -124,16 +123,15 @@ class CompressedFormat:
     ) -> QuantTensor | Fp8Tensor:
         weights = self.weights(module)
         bits = int(weights.get("num_bits", 8))
-        stored = get("weight")
         if weights.get("type") == "float":
-            return fp8_tensor(stored, get("weight_scale"), _block(weights))
+            return fp8_tensor(get("weight"), get("weight_scale"), _block(weights))
         offset = 2 ** (bits - 1)
         packed = get("weight_packed")
         if packed is not None:
             n, k = (int(v) for v in get("weight_shape"))
             q = unpack_int32(packed, bits, k)  # stored offset: unsigned already
         else:
-            q = stored.to(torch.int32) + offset
+            q = get("weight").to(torch.int32) + offset
             n, k = q.shape
         scale = _per_row(get("weight_scale").float(), n)
         stored = get("weight_zero_point")

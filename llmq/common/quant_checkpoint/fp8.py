@@ -17,9 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmq.common.quant_checkpoint.fp8_tensor import Fp8Tensor, fp8_tensor
-
-WHOLE = 2**62  # a block as large as any weight: one scale for the tensor
+from llmq.common.quant_checkpoint.fp8_tensor import WHOLE, Fp8Tensor, fp8_tensor
 
 
 class Fp8Format:

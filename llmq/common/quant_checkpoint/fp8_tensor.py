@@ -22,6 +22,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_BLOCK = 128  # the block side of block-scaled matmuls
+WHOLE = 2**62  # a block side as large as any weight's: one scale for the tensor, or the row
 
 
 def fp8_matmuls(device: torch.device | str) -> bool:
@@ -73,8 +74,8 @@ class Fp8Tensor:
         return self.q.float() * self._expanded()
 
     def row_scales(self) -> torch.Tensor:
-        """One scale per output channel [N] (``kernel() == "fp8"``)."""
-        return self._expanded()[:, 0].contiguous()
+        """One scale per output channel [N] (``kernel() == "fp8"``: one column of scales)."""
+        return self.scale[:, 0].repeat_interleave(self.block[0])[: self.q.shape[0]].contiguous()
 
     def kernel(self) -> str | None:
         """Which matmul takes the weight as it is, on a device that runs it (``serves``):
