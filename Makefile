@@ -31,7 +31,7 @@ format: $(STAMP)
 
 # Under CI (CI=true) the browser test's chromium is installed first: it runs, never skips.
 test: lint $(if $(CI),browser)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # The fast tier: tests that start no process (under a minute).
 test-unit: $(STAMP)

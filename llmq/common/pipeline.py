@@ -158,6 +158,8 @@ class TokenGeneratorPipeline:
     ) -> EngineStatus:
         """A live engine of ``model`` of ``kind`` (or of one of several kinds)."""
         engines = [e for e in await self.engines() if e.model == model]
+        if not engines:  # the cache may predate a worker that just came (back) up
+            engines = [e for e in await self.engines(max_age=0.0) if e.model == model]
         if not engines:
             raise Unavailable(f"no worker is serving {model!r} right now; retry shortly")
         kinds = (kind,) if isinstance(kind, str) else kind

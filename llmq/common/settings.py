@@ -331,6 +331,14 @@ class Settings(BaseSettings):
         description="Seconds before a batch line that met a temporary error (5xx: no worker, "
         "Redis away, a deadline at batch priority) runs again; doubled each time.",
     )
+    batch_lease_ttl: float = Field(
+        10.0,
+        ge=1,
+        description="Seconds a batch job's lease lasts unless its run renews it (every third "
+        "of it): a job whose worker died resumes on another within this and the supervisor's "
+        "round (half of it, at most 5 s); shorter resumes sooner, but a run stalled longer "
+        "than it loses its job to another (which finishes it once).",
+    )
     batch_retry_max: float = Field(
         60.0,
         gt=0,

@@ -134,9 +134,7 @@ class GenerationBackend:
             "tokens_total": e.num_generated,
             "requests_total": e.num_requests_total,
             "prefix_cache_hit_tokens": bm.prefix_hits,
-            "pending_tokens": sum(
-                max(1, s.num_tokens - s.num_computed_tokens) for s in e.requests.values()
-            ),
+            "pending_tokens": sum(bm.tokens_to_compute(s) for s in e.requests.values()),
             "block_size": bm.block_size if bm.enable_prefix_caching else 0,
             "loras": e.loras.names() if e.loras is not None else "",
         }

@@ -16,6 +16,7 @@ import pytest
 from llmq.common.transport import Keys
 from tests.harness import kill_all, start_worker, wait_for
 from tests.worker.batches.batch_stack import (
+    LEASE,
     assert_output_lines,
     chat_lines,
     create_batch,
@@ -25,7 +26,7 @@ from tests.worker.batches.batch_stack import (
 )
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
-RETRY = {"batch_retry_initial": 0.2, "batch_retry_max": 1.0}
+RETRY = {"batch_retry_initial": 0.2, "batch_retry_max": 1.0, **LEASE}
 
 
 @pytest.fixture(scope="module")

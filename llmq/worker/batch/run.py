@@ -29,14 +29,13 @@ from llmq.worker.batch.retry import Backoff
 
 log = logging.getLogger("llmq.batch")
 
-LEASE_TTL = 10.0
-
 
 class BatchRun:
     def __init__(self, batch_id: str, task: Task | None = None):
         self.batch_id = batch_id
         self.task = task
         self.settings = get_settings()
+        self.lease_ttl = self.settings.batch_lease_ttl
         task_id = getattr(getattr(task, "request", None), "id", None) or "local"
         self.owner = f"{task_id}:{uuid.uuid4().hex[:8]}"
         self.expires_at: float | None = None
@@ -57,7 +56,7 @@ class BatchRun:
         )
         self.use(Store(client, keys_for(settings), settings.file_retention))
         try:
-            if not await self.store.acquire_lease(self.batch_id, self.owner, LEASE_TTL):
+            if not await self.store.acquire_lease(self.batch_id, self.owner, self.lease_ttl):
                 log.info("batch %s is already running elsewhere", self.batch_id)
                 return {"batch": self.batch_id, "skipped": "running elsewhere"}
             done = asyncio.Event()
@@ -77,16 +76,16 @@ class BatchRun:
         # Loops end on ``done``, not on cancel() alone: on Python 3.11 redis-py can swallow a
         # cancellation that lands while it opens a connection (asyncio.wait_for, gh-86296),
         # and a loop that missed its cancel would renew the lease of a finished run forever.
-        renewed = time.monotonic()
+        renewed, ttl = time.monotonic(), self.lease_ttl
         while not done.is_set():
-            await asyncio.sleep(LEASE_TTL / 3)
+            await asyncio.sleep(ttl / 3)
             if done.is_set():
                 return
             try:
-                held = await self.store.renew_lease(self.batch_id, self.owner, LEASE_TTL)
+                held = await self.store.renew_lease(self.batch_id, self.owner, ttl)
             except Exception as exc:  # Redis away: the lease may lapse meanwhile
                 log.warning("batch %s: renewing its lease failed: %s", self.batch_id, exc)
-                held = time.monotonic() - renewed < LEASE_TTL
+                held = time.monotonic() - renewed < ttl
             else:
                 renewed = time.monotonic()
             if not held:

@@ -44,11 +44,13 @@ async def redispatch_orphans(
     return sent
 
 
-def supervise(stop: threading.Event, interval: float = 5.0) -> None:
-    """Worker thread: re-dispatch batches whose task died with its worker."""
+def supervise(stop: threading.Event) -> None:
+    """Worker thread: re-dispatch batches whose task died with its worker, looking every half
+    lease (at most 5 s)."""
+    settings = get_settings()
+    interval = min(5.0, settings.batch_lease_ttl / 2)
 
     async def loop() -> None:
-        settings = get_settings()
         client = async_client(
             settings.redis_url_or_default(), sentinel_master=settings.redis_sentinel_master
         )

@@ -122,6 +122,16 @@ class BlockManager:
         cost 16 tokens of a step instead of 1."""
         return min(len(cached_blocks) * self.block_size, seq.num_tokens - 1)
 
+    def tokens_to_compute(self, seq: Sequence) -> int:
+        """The tokens ``seq`` has still to compute (its load, as the API weighs it against the
+        prefix cache a worker holds), net of what the cache spares a waiting prompt: counted
+        whole, a burst of repeats queued on the worker holding their prefix looked like its
+        full prompts' work, and drew the rest of the burst to a worker without it."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        if seq.num_computed_tokens == 0 and not seq.prompt_logprobs_pending:
+            left -= self.hit_tokens(seq, self.find_cached_prefix(seq))
+        return max(1, left)
+
     def free_blocks_taken(
         self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()
     ) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker.batches.batch_stack import WORKERS, stack
+from tests.worker.batches.batch_stack import LEASE, WORKERS, stack
 
 
 @pytest.fixture(scope="package")
@@ -19,6 +19,6 @@ def logs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="package")
 def main(llama_dir, logs):
     """The Redis, worker and API shared by the tests of this package."""
-    with stack(llama_dir, logs, "wb-main") as s:
+    with stack(llama_dir, logs, "wb-main", **LEASE) as s:
         WORKERS.append(s.worker)
         yield s

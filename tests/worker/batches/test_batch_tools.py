@@ -23,6 +23,7 @@ from tests.harness import (
 from tests.worker.batches.batch_stack import (
     FINAL,
     GREEDY,
+    LEASE,
     PROMPTS,
     WORKERS,
     assert_output_lines,
@@ -216,7 +217,7 @@ def test_batch_survives_killed_worker(main):
     killed_at = time.monotonic()
     at_kill = client.batches.retrieve(batch.id).request_counts.completed
     assert at_kill < n
-    main.worker = start_worker(main.redis_url, main.model, "wb-2", main.logs, wait=False)
+    main.worker = start_worker(main.redis_url, main.model, "wb-2", main.logs, wait=False, **LEASE)
     WORKERS.append(main.worker)
     main.worker_name = "wb-2"
     done = wait_batch(client, batch.id, 120)

@@ -122,6 +122,21 @@ def test_prefix_cache_partial_match_and_divergence():
     assert bm.find_cached_prefix(c) == []
 
 
+def test_tokens_to_compute_counts_a_waiting_prompt_net_of_its_cached_prefix():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", prefix(3 * BS + 4))
+    compute(bm, a)
+    repeat = make_seq("b", prefix(3 * BS + 4))
+    assert bm.tokens_to_compute(repeat) == 4  # three blocks cached
+    assert bm.tokens_to_compute(make_seq("c", prefix(3 * BS))) == 1  # cached whole
+    assert bm.tokens_to_compute(make_seq("d", prefix(BS, 900))) == BS  # nothing cached
+    # Running, it has what it has not computed yet; done with its prompt, one token a step.
+    assert bm.allocate(repeat, 4, bm.find_cached_prefix(repeat))
+    assert bm.tokens_to_compute(repeat) == 4
+    repeat.num_computed_tokens = repeat.num_tokens
+    assert bm.tokens_to_compute(repeat) == 1
+
+
 def test_prefix_cache_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = make_seq("a", prefix(3 * BS + 4))
