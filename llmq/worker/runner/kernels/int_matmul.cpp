@@ -29,7 +29,9 @@
 // both reading 22-27 GB/s, the memory's pace; at 16 rows 2.3-3.1x; at 128 rows 3.2-5.2x, and
 // faster than bfloat16 F.linear (16,384 x 2,048 at 128 rows: int4 15.9 ms, bf16 22.3 ms). On a
 // 2-core AVX2-only EPYC: at 1 row int4 2.1-2.6x torch's and int8 1.3-1.8x (17-25 GB/s), at 16
-// rows 2.2-3.3x, at 128 rows 1.9-3.1x.
+// rows 2.2-3.3x, at 128 rows 1.9-3.1x. On a 2-core AVX512 Zen (VNNI, bfloat16 projections read
+// at 35-44 GB/s there): at 1 row int4 0.93-1.10x torch's (35-42 GB/s), int8 1.24-1.57x (40-53
+// GB/s); at 16 rows 1.5-2.1x; at 128 rows 2.3-3.5x.
 
 #include "vec.h"  // first: it sets the ISA ATen's headers compile for
 
@@ -53,6 +55,7 @@ namespace {
 
 constexpr int64_t kCols = 16;   // output columns per panel: one vector of int32 / float lanes
 constexpr int64_t kGroup = 32;  // inputs per weight group and per activation block
+constexpr int64_t kChunkBytes = 64 * 1024;  // weights a thread takes at a time (panel_loop.h)
 
 // Rows quantized per block of 32: xq int8 (as int32 words of 4), d, sum(xq) and d * sum(xq).
 struct QuantizedRows {
@@ -226,7 +229,7 @@ void run_panels(const at::Tensor& x, const QuantizedRows& q, const uint8_t* w, i
       panel_rows<F>(rows, wp, sp, q, k, b, static_cast<float*>(op) + col, n, cols);
     }
   };
-  for_each_panel(count, run);
+  for_each_panel(count, run, std::max<int64_t>(1, kChunkBytes / panel_bytes));
 }
 
 // x quantized per row and block (one buffer per calling thread: a step makes over a hundred
