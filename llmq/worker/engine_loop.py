@@ -28,6 +28,8 @@ from llmq.worker.heartbeat import Heartbeat
 from llmq.worker.record_mend import mend_record
 from llmq.worker.request_error import RequestError
 
+_MAX_BACKOFF_S = 2.0  # between turns that Redis refused
+
 log = logging.getLogger(__name__)
 
 
@@ -119,7 +121,9 @@ class EngineLoop:
                 continue
             log.warning("redis unavailable or refusing (%s); retrying in %.1fs", error, backoff)
             self.stopping.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+            # At most 2 s: serving resumes within that of Redis taking writes again (a failover,
+            # maxmemory raised), for one connection attempt a retry.
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     def turn(self) -> Exception | None:
         """One turn, setting the transport up first where it is not (at start, after an
