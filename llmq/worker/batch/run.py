@@ -35,7 +35,6 @@ class BatchRun:
         self.batch_id = batch_id
         self.task = task
         self.settings = get_settings()
-        self.lease_ttl = self.settings.batch_lease_ttl
         task_id = getattr(getattr(task, "request", None), "id", None) or "local"
         self.owner = f"{task_id}:{uuid.uuid4().hex[:8]}"
         self.expires_at: float | None = None
@@ -56,7 +55,9 @@ class BatchRun:
         )
         self.use(Store(client, keys_for(settings), settings.file_retention))
         try:
-            if not await self.store.acquire_lease(self.batch_id, self.owner, self.lease_ttl):
+            if not await self.store.acquire_lease(
+                self.batch_id, self.owner, settings.batch_lease_ttl
+            ):
                 log.info("batch %s is already running elsewhere", self.batch_id)
                 return {"batch": self.batch_id, "skipped": "running elsewhere"}
             done = asyncio.Event()
@@ -76,7 +77,7 @@ class BatchRun:
         # Loops end on ``done``, not on cancel() alone: on Python 3.11 redis-py can swallow a
         # cancellation that lands while it opens a connection (asyncio.wait_for, gh-86296),
         # and a loop that missed its cancel would renew the lease of a finished run forever.
-        renewed, ttl = time.monotonic(), self.lease_ttl
+        renewed, ttl = time.monotonic(), self.settings.batch_lease_ttl
         while not done.is_set():
             await asyncio.sleep(ttl / 3)
             if done.is_set():

@@ -122,15 +122,20 @@ class BlockManager:
         cost 16 tokens of a step instead of 1."""
         return min(len(cached_blocks) * self.block_size, seq.num_tokens - 1)
 
+    def uncached(self, seq: Sequence) -> tuple[int, list[int]]:
+        """The tokens a waiting sequence has to compute, and the cached blocks that spare it
+        the rest. Prompt logprobs need every prompt row's logits: none come from the cache."""
+        cached = [] if seq.prompt_logprobs_pending else self.find_cached_prefix(seq)
+        return seq.num_tokens - self.hit_tokens(seq, cached), cached
+
     def tokens_to_compute(self, seq: Sequence) -> int:
         """The tokens ``seq`` has still to compute (its load, as the API weighs it against the
         prefix cache a worker holds), net of what the cache spares a waiting prompt: counted
         whole, a burst of repeats queued on the worker holding their prefix looked like its
         full prompts' work, and drew the rest of the burst to a worker without it."""
-        left = seq.num_tokens - seq.num_computed_tokens
-        if seq.num_computed_tokens == 0 and not seq.prompt_logprobs_pending:
-            left -= self.hit_tokens(seq, self.find_cached_prefix(seq))
-        return max(1, left)
+        if seq.num_computed_tokens == 0:
+            return self.uncached(seq)[0]  # at least one: hit_tokens leaves one
+        return max(1, seq.num_tokens - seq.num_computed_tokens)
 
     def free_blocks_taken(
         self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()

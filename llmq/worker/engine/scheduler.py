@@ -179,7 +179,7 @@ class Scheduler:
             seq = self.waiting[0]
             if first_priority is not None and seq.priority > first_priority:
                 break
-            num_new, cached = self._uncached(seq)
+            num_new, cached = self.block_manager.uncached(seq)
             num_new = min(num_new, step.tokens_left, step.prompt_tokens_left)
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
@@ -210,7 +210,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.priority != head.priority or share < 1:
                 break
-            num_new, cached = self._uncached(seq)
+            num_new, cached = self.block_manager.uncached(seq)
             if num_new > share:
                 if seq is head:
                     kept_slots = 1
@@ -229,13 +229,6 @@ class Scheduler:
             return None
         self.waiting = [s for s in self.waiting if s.status is SequenceStatus.WAITING]
         return head.priority
-
-    def _uncached(self, seq: Sequence) -> tuple[int, list[int]]:
-        """The tokens a waiting sequence has to compute, and the cached blocks that spare it
-        the rest. Prompt logprobs need every prompt row's logits: none come from the cache."""
-        bm = self.block_manager
-        cached = [] if seq.prompt_logprobs_pending else bm.find_cached_prefix(seq)
-        return seq.num_tokens - bm.hit_tokens(seq, cached), cached
 
     def _start(self, seq: Sequence, num_new: int, step: _StepBuilder) -> None:
         """A waiting sequence (its blocks allocated, out of ``waiting``) runs from this step."""
