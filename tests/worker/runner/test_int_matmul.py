@@ -91,6 +91,20 @@ def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dt
     assert bool((err <= bound).all()), float((err / bound).max())
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_a_group_s_largest_sums_are_exact(sign):
+    """Every weight 15 and every activation at +-127 once quantized: each group's integer sums are
+    as large as they get (16 products of 15 * 127 in each of a column's int16 lanes on AVX2,
+    where they are widened only once a group), and still exact."""
+    rows, n, k = 3, 16, 256
+    scale = torch.full((n, k // 32), 0.01).bfloat16()
+    weight = Int4Weight(torch.full((n, k), 15, dtype=torch.int32), scale, torch.zeros_like(scale))
+    x = torch.full((rows, k), 2.0 * sign)
+    y = Int4Linear(weight, None, kernel=True)(x)
+    ref = quantized_rows(x) @ weight.dequantize().double().T
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=0), float((y.double() - ref).abs().max())
+
+
 # (rows, out features, in features): input widths off the blocks of 32 too.
 INT8_SHAPES = [
     (1, 97, 64),

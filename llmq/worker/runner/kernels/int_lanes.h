@@ -9,6 +9,8 @@
 // stored q + 128: dot_q8 adds the q8 products on either ISA, vpdpbusd's on the biased bytes
 // (kQ8Bias: the caller subtracts 128 * sum(x)), AVX2's on the signed q (q = byte ^ 0x80) by
 // llama.cpp's sign trick, |q| * (x * sign(q)), each product within 127 * 127: no saturation.
+// add_nibble_dot sums a group's 4-bit products: vpdpbusd's int32 on AVX512-VNNI, int16 pair sums
+// on AVX2 widened once a group (NibbleSums, widen).
 #pragma once
 
 #include <immintrin.h>
@@ -53,6 +55,11 @@ inline Ints dot_u8(Ints acc, Bytes w, int32_t x) {
   return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x))};
 }
 inline Ints dot_q8(Ints acc, Bytes biased, int32_t x) { return dot_u8(acc, biased, x); }
+// A group's 4-bit products (see NibbleSums below): vpdpbusd's int32 sums as they are.
+constexpr bool kChainedDots = true;
+using NibbleSums = Ints;
+inline NibbleSums add_nibble_dot(NibbleSums acc, Bytes w, int32_t x) { return dot_u8(acc, w, x); }
+inline Ints widen(NibbleSums s) { return s; }
 
 inline Floats floats(float v) { return {_mm512_set1_ps(v)}; }
 inline Floats to_floats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
@@ -122,6 +129,27 @@ inline Ints dot_q8(Ints acc, Bytes biased, int32_t x) {
   const __m256i xv = _mm256_set1_epi32(x);
   return {_mm256_add_epi32(acc.lo, signed_dot(biased.lo, xv)),
           _mm256_add_epi32(acc.hi, signed_dot(biased.hi, xv))};
+}
+// A group's 4-bit products: vpmaddubsw's int16 pair sums added as int16, widened once a group
+// by vpmaddwd (a group's 8 steps sum at most 8 * 2 * 15 * 127 = 30,480 in a lane: exact), as
+// llama.cpp sums its 4-bit blocks: one multiply a step instead of two. On a 2-core AVX2 EPYC
+// (Zen 3), the 1B shape's gate_up and down projections at 16 and 128 rows took 0.96-1.48x less
+// time (median 1.14x, 153-209 GOPS before, 183-239 after; two runs side by side), one row
+// unchanged (it reads the weights at the memory's pace). Four rows a pass instead of eight
+// (fewer registers spilled) measured 0.7-1.0x: kept at eight.
+constexpr bool kChainedDots = false;  // vpaddw / vpaddd chains: a cycle a step
+struct NibbleSums { __m256i lo, hi; };
+inline NibbleSums add_nibble_dot(NibbleSums acc, Bytes w, int32_t x) {
+  const __m256i xv = _mm256_set1_epi32(x);
+  return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, xv)),
+          _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, xv))};
+}
+inline NibbleSums add(NibbleSums a, NibbleSums b) {
+  return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)};
+}
+inline Ints widen(NibbleSums s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(s.lo, ones), _mm256_madd_epi16(s.hi, ones)};
 }
 
 inline Floats floats(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }

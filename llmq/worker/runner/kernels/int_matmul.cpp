@@ -105,9 +105,9 @@ using namespace lanes;  // NOLINT: the kernels below are written in its lanes
 
 // Independent integer sums a row keeps in a pass: a lone row's group is a chain of vpdpbusd (5
 // cycles' latency each), which bounded one row's pass to about 22 GB/s of weights read from
-// memory with one sum; few rows split it in two.
+// memory with one sum; few rows split it in two (AVX2's chains are of one-cycle adds).
 template <int R>
-constexpr int kSums = R <= 4 ? 2 : 1;
+constexpr int kSums = kChainedDots && R <= 4 ? 2 : 1;
 
 // Rows [0, R) of the quantized x (from row `row`) through one int4 panel; out's columns
 // [0, cols).
@@ -123,25 +123,25 @@ void q4_pass(const uint8_t* w, const uint16_t* sz, const QuantizedRows& x, int64
   Floats acc[R], acc_base[R];  // the scale * sum(xq * q) terms; the (zero - 8 scale) ones
   for (int r = 0; r < R; ++r) acc[r] = acc_base[r] = floats(0.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    Ints isum[R][S];
+    NibbleSums isum[R][S];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < S; ++i) isum[r][i] = ints(0);
+      for (int i = 0; i < S; ++i) isum[r][i] = NibbleSums{};
     for (int64_t c = 0; c < 4; ++c) {
       const Bytes v = load_bytes(w + (g * 4 + c) * 64);
       const Bytes lo = low_nibbles(v), hi = high_nibbles(v);
       const int64_t word = g * 8 + c * 2;
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = words + r * row_words + word;
-        isum[r][0] = dot_u8(isum[r][0], lo, xr[0]);
-        isum[r][S - 1] = dot_u8(isum[r][S - 1], hi, xr[1]);
+        isum[r][0] = add_nibble_dot(isum[r][0], lo, xr[0]);
+        isum[r][S - 1] = add_nibble_dot(isum[r][S - 1], hi, xr[1]);
       }
     }
     const Floats scale = load_bf16(sz + g * 2 * kCols);
     const Floats base = fnmadd(eight, scale, load_bf16(sz + g * 2 * kCols + kCols));
     for (int r = 0; r < R; ++r) {
-      Ints total = isum[r][0];
+      NibbleSums total = isum[r][0];
       if constexpr (S == 2) total = add(total, isum[r][1]);
-      acc[r] = fmadd(total, mul(scale, floats(d[r * groups + g])), acc[r]);
+      acc[r] = fmadd(widen(total), mul(scale, floats(d[r * groups + g])), acc[r]);
       acc_base[r] = fmadd(base, floats(dsum[r * groups + g]), acc_base[r]);
     }
   }
