@@ -133,10 +133,11 @@ inline Ints dot_q8(Ints acc, Bytes biased, int32_t x) {
 // A group's 4-bit products: vpmaddubsw's int16 pair sums added as int16, widened once a group
 // by vpmaddwd (a group's 8 steps sum at most 8 * 2 * 15 * 127 = 30,480 in a lane: exact), as
 // llama.cpp sums its 4-bit blocks: one multiply a step instead of two. On a 2-core AVX2 EPYC
-// (Zen 3), the 1B shape's gate_up and down projections at 16 and 128 rows took 0.96-1.48x less
-// time (median 1.14x, 153-209 GOPS before, 183-239 after; two runs side by side), one row
-// unchanged (it reads the weights at the memory's pace). Four rows a pass instead of eight
-// (fewer registers spilled) measured 0.7-1.0x: kept at eight.
+// (Zen 3), the 1B shape's qkv, gate_up and down projections in int4 took 1.09-1.29x less time
+// at 1, 16 and 128 rows (229-255 GOPS at 16-128 rows; the 2,048 x 2,048 one 0.84-0.96x), int8
+// 0.90-1.07x (`bench/kernel_ab.py --base acb02d5 --rounds 4`). Four rows a pass instead of
+// eight (fewer registers spilled) measured 0.7-1.0x, and slicing a panel by 16 groups to keep
+// it in L1 across the passes 0.8-1.0x: both dropped.
 constexpr bool kChainedDots = false;  // vpaddw / vpaddd chains: a cycle a step
 struct NibbleSums { __m256i lo, hi; };
 inline NibbleSums add_nibble_dot(NibbleSums acc, Bytes w, int32_t x) {

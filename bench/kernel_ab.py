@@ -1,0 +1,128 @@
+"""llmq's integer kernels as a git revision builds them against the working tree's, side by side.
+
+Each side's ``kernels/*.cpp`` and headers are compiled into a library of their own (the cache key
+is the sources), and each round runs one process per side in turn, timing the 1B shape's
+projections in int4 and int8 (``quantized_linear`` on llmq's kernels, weights cycled through 256
+MB so that they come from memory). A side's figure is its fastest round: on a shared 2-core VM a
+build's own rounds of one shape differed by up to 1.4x, so compare the minimums of several
+alternating rounds, not one run each. Prints, per projection, bits and rows, both sides' us,
+the base's time over the tree's (above 1: the tree is faster) and the tree's GOPS, then the
+children's peak RSS.
+
+    .venv/bin/python bench/kernel_ab.py --base HEAD~1 --rows 1,16,128 --bits 4 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = "llmq/worker/runner/kernels"
+# The Llama-3.2-1B shape's projections: qkv, o, gate_up, down (out features, in features).
+SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))
+
+
+def checkout_kernels(rev: str, into: Path) -> Path:
+    """The kernel sources of ``rev`` written into ``into``."""
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    for name in names:
+        blob = subprocess.run(
+            ["git", "show", f"{rev}:{KERNELS}/{name}"], cwd=ROOT, check=True, capture_output=True
+        ).stdout
+        (into / name).write_bytes(blob)
+    return into
+
+
+def time_side(sources: Path, rows_list: list[int], bits_list: list[int], shapes) -> dict:
+    """In a child: us per call of each (shape, bits, rows) on the kernels built from ``sources``."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from llmq.worker.runner import cpu_kernels
+
+    cpu_kernels.SOURCES = sorted(sources.glob("*.cpp"))
+    cpu_kernels.HEADERS = sorted(sources.glob("*.h"))
+    if not cpu_kernels.load():
+        raise SystemExit(f"the kernels in {sources} did not build")
+    from llmq.worker.runner.quantized_linear import quantized_linear
+
+    gen = torch.Generator().manual_seed(0)
+    figures = {}
+    for out_f, in_f in shapes:
+        copies = max(2, (256 << 20) // (out_f * in_f))
+        weights = [torch.randn(out_f, in_f, generator=gen) * 0.02 for _ in range(copies)]
+        for bits in bits_list:
+            linears = [quantized_linear(w, None, bits, True) for w in weights]
+            for rows in rows_list:
+                x = torch.randn(rows, in_f, generator=gen).bfloat16()
+                for linear in linears[:2]:
+                    linear(x)
+                start = time.perf_counter()
+                for linear in linears:
+                    linear(x)
+                figures[f"{out_f}x{in_f} {bits} {rows}"] = (
+                    (time.perf_counter() - start) / len(linears) * 1e6
+                )
+    return figures
+
+
+def report(best: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'projection':<12}{'bits':>5}{'rows':>6}{'base us':>10}{'tree us':>10}"
+             f"{'base/tree':>11}{'tree GOPS':>11}"]  # fmt: skip
+    for key, base_us in best["base"].items():
+        shape, bits, rows = key.split()
+        out_f, in_f = (int(v) for v in shape.split("x"))
+        tree_us = best["tree"][key]
+        gops = 2 * int(rows) * out_f * in_f / tree_us / 1e3
+        lines.append(f"{shape:<12}{bits:>5}{rows:>6}{base_us:>10.1f}{tree_us:>10.1f}"
+                     f"{base_us / tree_us:>10.2f}x{gops:>11.0f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="HEAD", help="the git revision to compare against")
+    p.add_argument("--rows", default="1,16,128")
+    p.add_argument("--bits", default="4,8")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--shapes", default="", help="OUTxIN,... (default: the 1B's four)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    bits = [int(b) for b in args.bits.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
+    if args.child:
+        print(json.dumps(time_side(Path(args.child), rows, bits, shapes)))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"base": checkout_kernels(args.base, Path(tmp)), "tree": ROOT / KERNELS}
+        best: dict[str, dict[str, float]] = {"base": {}, "tree": {}}
+        for round_ in range(args.rounds):
+            for side, sources in sides.items():
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", str(sources), "--rows", args.rows,
+                     "--bits", args.bits, "--shapes", args.shapes],
+                    check=True, capture_output=True, text=True,
+                ).stdout  # fmt: skip
+                for key, us in json.loads(out.strip().splitlines()[-1]).items():
+                    best[side][key] = min(us, best[side].get(key, float("inf")))
+            print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+    print(f"base {args.base} against the working tree, fastest of {args.rounds} alternating rounds")
+    print(report(best))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    print(f"peak RSS of a side's process {peak:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
