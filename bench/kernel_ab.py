@@ -20,13 +20,10 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "llmq/worker/runner/kernels"
-# The Llama-3.2-1B shape's projections: qkv, o, gate_up, down (out features, in features).
-SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))
 
 
 def checkout_kernels(rev: str, into: Path) -> Path:
@@ -46,7 +43,9 @@ def checkout_kernels(rev: str, into: Path) -> Path:
 def time_side(sources: Path, rows_list: list[int], bits_list: list[int], shapes) -> dict:
     """In a child: us per call of each (shape, bits, rows) on the kernels built from ``sources``."""
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
     import torch
+    from cpu_kernels import QUANTIZED_PROJECTIONS, us_per_call
 
     from llmq.worker.runner import cpu_kernels
 
@@ -58,21 +57,14 @@ def time_side(sources: Path, rows_list: list[int], bits_list: list[int], shapes)
 
     gen = torch.Generator().manual_seed(0)
     figures = {}
-    for out_f, in_f in shapes:
+    for out_f, in_f in shapes or QUANTIZED_PROJECTIONS:
         copies = max(2, (256 << 20) // (out_f * in_f))
         weights = [torch.randn(out_f, in_f, generator=gen) * 0.02 for _ in range(copies)]
         for bits in bits_list:
             linears = [quantized_linear(w, None, bits, True) for w in weights]
             for rows in rows_list:
                 x = torch.randn(rows, in_f, generator=gen).bfloat16()
-                for linear in linears[:2]:
-                    linear(x)
-                start = time.perf_counter()
-                for linear in linears:
-                    linear(x)
-                figures[f"{out_f}x{in_f} {bits} {rows}"] = (
-                    (time.perf_counter() - start) / len(linears) * 1e6
-                )
+                figures[f"{out_f}x{in_f} {bits} {rows}"] = us_per_call(linears, x)
     return figures
 
 
@@ -100,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     bits = [int(b) for b in args.bits.split(",")]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     if args.child:
         print(json.dumps(time_side(Path(args.child), rows, bits, shapes)))
         return 0
