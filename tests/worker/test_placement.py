@@ -5,6 +5,7 @@ run in order (the last ones freeze and kill workers)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 
 import httpx
@@ -85,7 +86,9 @@ def _engines_seen(base: str) -> int:
 
 
 def system_prompt(i: int, words: int = 60) -> str:
-    return " ".join(WORDS[(i * 7 + j * (i + 3)) % len(WORDS)] for j in range(words))
+    """A system prompt of its own for each ``i`` (its words drawn from a generator seeded by it)."""
+    rng = random.Random(i)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def messages(system: str, question: str) -> list[dict]:
