@@ -4,10 +4,10 @@ transformers loads a GGUF model dequantized to floats (config, weights, tokenize
 file); this reads the file's own blocks again (``gguf``'s reader) for the kernels:
 
 - Q4_K (llama.cpp's 4-bit k-quant: 256-value super-blocks of eight 32-value sub-blocks, each
-  ``w = d * sc * q - dmin * m`` with 6-bit sc and m, q in 0..15) maps onto torch's int4pack
-  with group 32: ``scale = d * sc``, ``zero = 8 * scale - dmin * m``, the same q. The scale
-  and zero are held in bfloat16 (the kernel's dtype), so the weights are the file's within
-  their rounding (2**-9 relative of each); tested against ``gguf``'s ``dequantize``.
+  ``w = d * sc * q - dmin * m`` with 6-bit sc and m, q in 0..15) is llmq's ``Int4Blocks``
+  exactly: the same d, dmin and q, the codes held in 8 bits (m negated); tested against
+  ``gguf``'s ``dequantize``. On torch's kernels (no AVX2), scale and zero are rounded to
+  bfloat16.
 - Q8_0 (32 int8 values and one float16 scale a block) is llmq's grouped int8 exactly: the same
   q and scale, tested against ``gguf``'s ``dequantize``.
 - Q5_K, Q6_K and float tensors have no kernel of their layout: their dequantized weights are
@@ -28,9 +28,8 @@ import numpy as np
 import torch
 
 from llmq.worker.runner.quantized_linear import (
-    ACTIVATIONS,
+    Int4Blocks,
     Int4Linear,
-    Int4Weight,
     Int8Linear,
     Int8Weight,
     QuantizedLinear,
@@ -62,21 +61,23 @@ def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
-def q4_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Weight:
-    """A Q4_K tensor's bytes ([rows, cols / 256 * 144]) as an ``Int4Weight`` [rows, cols]."""
+def q4_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Blocks:
+    """A Q4_K tensor's bytes ([rows, cols / 256 * 144]) as ``Int4Blocks`` [rows, cols]: d and
+    dmin as they are, the 6-bit codes as 8-bit ones (m negated: w = d * sc * q + dmin * -m)."""
     blocks = np.ascontiguousarray(raw).reshape(-1, Q4_K_BLOCK)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    supers = cols // 256
+    d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, supers)
+    dmin = blocks[:, 2:4].copy().view(np.float16).reshape(rows, supers)
     sc, m = _scales_and_mins(blocks[:, 4:16])
     qs = blocks[:, 16:].reshape(-1, 4, 32)  # four chunks of 64 values: low nibbles, then high
-    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)  # [B, sub-block, value]
-    scale = d * sc  # [B, 8]
-    zero = 8 * scale - dmin * m
+    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)
     groups = cols // 32
-    return Int4Weight(
-        torch.from_numpy(q.reshape(rows, cols).astype(np.int32)),
-        torch.from_numpy(scale.reshape(rows, groups)).to(ACTIVATIONS),
-        torch.from_numpy(zero.reshape(rows, groups)).to(ACTIVATIONS),
+    return Int4Blocks(
+        torch.from_numpy(q.astype(np.uint8)),
+        torch.from_numpy(d),
+        torch.from_numpy(dmin),
+        torch.from_numpy(sc.reshape(rows, groups)),
+        torch.from_numpy(-m.reshape(rows, groups).astype(np.int8)),
     )
 
 
@@ -111,8 +112,8 @@ class GGUFTensors:
         permuted = architecture == "llama"
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if permuted else {}
 
-    def int4(self, name: str) -> Int4Weight | None:
-        """The tensor as an exact ``Int4Weight`` where it is Q4_K; None otherwise."""
+    def int4(self, name: str) -> Int4Blocks | None:
+        """The tensor as exact ``Int4Blocks`` where it is Q4_K; None otherwise."""
         return self._read(name, self.q4_k, q4_k_weight)
 
     def int8(self, name: str) -> Int8Weight | None:
@@ -149,25 +150,20 @@ class GGUFTensors:
         return quantized_linear(plain_weight, bias, 8)
 
 
-def _row_fields(weight: Int4Weight | Int8Weight) -> list[str]:
-    """The weight's tensors, each a row per output channel (q, scale and zero)."""
+def _row_fields(weight: Int4Blocks | Int8Weight) -> list[str]:
+    """The weight's tensors, each a row per output channel (q, its steps and codes)."""
     fields = dataclasses.fields(weight)
     return [f.name for f in fields if isinstance(getattr(weight, f.name), torch.Tensor)]
 
 
-def _same_weights(weight: Int4Weight | Int8Weight, loaded: torch.Tensor) -> bool:
+def _same_weights(weight: Int4Blocks | Int8Weight, loaded: torch.Tensor) -> bool:
     """Whether the blocks read here are the weights transformers loaded (its dequantized ones,
-    in its row order), within the bfloat16 rounding of an int4 scale and zero: a check that
-    the blocks map onto the right rows of an architecture, made once at load."""
+    in its row order), exact but for a bfloat16 model's rounding: a check that the blocks map
+    onto the right rows of an architecture, made once at load."""
     ours = weight.dequantize()
     if ours.shape != loaded.shape:
         return False
-    if isinstance(weight, Int8Weight):  # exact, but for a bfloat16 model's rounding
-        return bool(((ours - loaded.float()).abs() <= 2**-8 * ours.abs() + 1e-7).all())
-    scale = weight.scale.float().repeat_interleave(32, dim=1)
-    zero = weight.zero.float().repeat_interleave(32, dim=1)
-    slack = 2**-7 * (scale.abs() * (weight.q - 8).abs() + zero.abs()) + 1e-6
-    return bool(((ours - loaded.float()).abs() <= slack).all())
+    return bool(((ours - loaded.float()).abs() <= 2**-8 * ours.abs() + 1e-7).all())
 
 
 class GGUFQuantizer:
@@ -186,6 +182,6 @@ class GGUFQuantizer:
             names = [f"blk.{index}.{t}.weight" for t in ROLE_TENSORS[role]]
         return self.file.linear(names, plain.weight, plain.bias)
 
-    def embedding(self, table: torch.Tensor) -> Int4Weight | Int8Weight:
+    def embedding(self, table: torch.Tensor) -> Int4Blocks | Int8Weight:
         name = "token_embd.weight"
         return self.file.int4(name) or self.file.int8(name) or Int8Weight.quantize(table)

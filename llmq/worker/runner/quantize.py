@@ -5,9 +5,10 @@ head and embedding table in 8 or 4 bits (``quantized_linear``; on CUDA int8 and 
 - ``int8``: every projection and the head int8, a scale per group of 32 (per output channel on
   torch's kernel); the embedding table alike, rows dequantized as they are looked up (as
   llama.cpp's Q8_0 keeps ``token_embd`` in Q8_0 and reads its rows with ``get_rows``).
-- ``int4``: projections 4-bit in groups of 32, except the tensors kept at 8 bits, as Q4_K_M
-  keeps them at 6 (``llama_tensor_get_type``): the head (``output.weight``), and in the layers
-  llama.cpp's ``use_more_bits`` picks (the first and last eighth, every third between) the
+- ``int4``: projections 4-bit in groups of 32 (``Int4Blocks``: a group's scale and base coded
+  in 8 bits per super-block of 256, 4.625 bits a weight), except the tensors kept at 8 bits, as
+  Q4_K_M keeps them at 6 (``llama_tensor_get_type``): the head (``output.weight``), and in the
+  layers llama.cpp's ``use_more_bits`` picks (the first and last eighth, every third between) the
   down projection (``ffn_down``) and the query/key/value projection (``attn_v``: fused here
   with q and k, which take the same kernel call). The embedding table is 4-bit in groups of 32
   (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's 8-bit table.
@@ -22,6 +23,7 @@ checkpoint's other kinds (act-order permutations, parts concatenated) keep the P
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Literal
@@ -33,7 +35,7 @@ from llmq.worker.runner.dynamic_quantized import Fp8Linear, Int8DynamicLinear
 from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.quantized_linear import (
     GROUP,
-    Int4Weight,
+    Int4Blocks,
     Int8Linear,
     Int8Weight,
     QuantizedLinear,
@@ -85,12 +87,12 @@ def only_role_plan(role: str, bits: int = 4) -> BitsPlan:
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """An embedding table in 8 bits (``Int8Weight``) or 4 bits per group of 32
-    (``Int4Weight``, two values a byte): the looked-up rows are dequantized to ``dtype``."""
+    """An embedding table in 8 bits (``Int8Weight``) or 4 bits (``Int4Blocks``, two values a
+    byte): the looked-up rows are dequantized to ``dtype``."""
 
     def __init__(
         self,
-        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int4Weight,
+        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int4Blocks,
         dtype: torch.dtype,
         scale: torch.Tensor | None,
     ):
@@ -99,21 +101,28 @@ class QuantizedEmbedding(torch.nn.Module):
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
         # An Int8Weight, or a tied head's Int8Linear (its rows are the table's)
         self.int8 = weight if isinstance(weight, (Int8Weight, *_INT8_HEADS)) else None
-        if isinstance(weight, Int4Weight):
+        self.int4 = None
+        if isinstance(weight, Int4Blocks):
             q = weight.q.to(torch.uint8)
-            self.nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
-            self.scale, self.zero = weight.scale, weight.zero
+            nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
+            self.int4 = dataclasses.replace(weight, q=nibbles)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             rows = self.int8.rows(ids).dequantize().to(self.dtype)
         else:
-            packed = self.nibbles[ids]
-            q = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
-            rows = Int4Weight(q, self.scale[ids], self.zero[ids]).dequantize().to(self.dtype)
+            packed = self.int4.rows(ids)
+            q = torch.stack([packed.q & 15, packed.q >> 4], dim=-1).flatten(-2)
+            rows = dataclasses.replace(packed, q=q).dequantize().to(self.dtype)
         if self.embed_scale is not None:
             rows = rows * self.embed_scale.to(self.dtype)
         return rows
+
+    def nbytes(self) -> int:
+        """The bytes of a 4-bit table (an 8-bit one is counted with its weight)."""
+        if self.int4 is None:
+            return 0
+        return sum(getattr(self.int4, f.name).nbytes for f in dataclasses.fields(self.int4))
 
 
 def _plain_storages(linears) -> set[int]:
@@ -144,12 +153,12 @@ class _Quantizer:
             return Fp8Linear.quantize(plain.weight, plain.bias)
         return quantized_linear(plain.weight, plain.bias, bits)
 
-    def embedding(self, table: torch.Tensor) -> Int8Weight | Int4Weight | None:
+    def embedding(self, table: torch.Tensor) -> Int8Weight | Int4Blocks | None:
         bits = self.plan(-1, self.layers, "embed")
         if bits == 16:
             return None
         if bits == 4 and table.shape[1] % GROUP == 0:
-            return Int4Weight.quantize(table)
+            return Int4Blocks.quantize(table)
         return Int8Weight.quantize(table)
 
 
@@ -260,12 +269,9 @@ def quantized_bytes(forward) -> int:
     table = forward.inner.embed_tokens
     if not isinstance(table, QuantizedEmbedding):  # kept float
         return total
-    if table.int8 is not None:
-        if table.int8 is not head:
-            total += table.int8.q.nbytes + table.int8.scale.nbytes
-    else:
-        total += table.nibbles.nbytes + table.scale.nbytes + table.zero.nbytes
-    return total
+    if table.int8 is not None and table.int8 is not head:
+        total += table.int8.q.nbytes + table.int8.scale.nbytes
+    return total + table.nbytes()
 
 
 def quantization_of(model: torch.nn.Module) -> Scheme | None:

@@ -3,9 +3,10 @@ weight-only kernels elsewhere.
 
 - ``Int8Linear``: int8 weights with one symmetric scale per group of 32 input columns (llmq's
   kernel) or per output channel (torch's).
-- ``Int4Linear``: 4-bit weights in groups of 32 input columns (64, 128 or 256 for a quantized
-  checkpoint's), one scale and one zero per group and output channel
-  (``w = (q - 8) * scale + zero``, q in 0..15).
+- ``Int4Linear``: 4-bit weights in groups of 32 input columns, each group's scale and base
+  coded in 8 bits against its super-block of 256 inputs (``Int4Blocks``, llama.cpp's Q4_K
+  form: quantization at load and GGUF files), or a checkpoint's float scale and zero per group
+  of 32 to 256 (``Int4Weight``, ``w = (q - 8) * scale + zero``), q in 0..15.
 
 On a CPU with AVX512-VNNI or AVX2, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both
 run as llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to
@@ -43,7 +44,9 @@ import torch.nn.functional as F
 from llmq.worker.runner.dynamic_quantized import Int8DynamicLinear
 from llmq.worker.runner.quantized_weights import (
     ACTIVATIONS,
+    BLOCK_GROUPS,
     GROUP,
+    Int4Blocks,
     Int4Weight,
     Int8Weight,
     round_up,
@@ -188,27 +191,58 @@ def int_kernel_available() -> bool:
         return False
 
 
-def q4_panels(weight: Int4Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def q4_panels(weight: Int4Weight | Int4Blocks, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` (its output channels padded to ``rows``, a multiple of 16) in q4_matmul's
-    layout: nibbles [P, K / 32, 4, 16, 4] (a byte: inputs k + i low, k + 4 + i high, of 8),
-    scale and zero [P, K / 32, 2, 16] bfloat16, a larger group's repeated onto its 32s."""
+    layout: nibbles [P, K / 32, 4, 16, 4] (a byte: inputs k + i low, k + 4 + i high, of 8), and
+    the scales: an ``Int4Weight``'s scale and zero [P, K / 32, 2, 16] bfloat16 (a larger group's
+    repeated onto its 32s), or an ``Int4Blocks``' super-blocks (``_k_blocks``)."""
+    if isinstance(weight, Int4Blocks):
+        return _q4_nibbles(weight.q, rows), _k_blocks(weight, rows)
     n, k = weight.q.shape
     scale, zero = F.pad(weight.scale, (0, 0, 0, rows - n)), F.pad(weight.zero, (0, 0, 0, rows - n))
     repeat = weight.group // GROUP
     if repeat > 1:
         scale, zero = scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)
     panels, groups = rows // _PANEL_COLS, k // GROUP
+    sz = torch.stack([scale, zero], dim=1).to(ACTIVATIONS)
+    sz = sz.view(panels, _PANEL_COLS, 2, groups).permute(0, 3, 2, 1)
+    return _q4_nibbles(weight.q, rows), sz.contiguous()
+
+
+def _q4_nibbles(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """q [N, K] in 0..15 as q4_matmul's nibbles [P, K / 32, 4, 16, 4], its padding rows
+    (scale 0) q = 8."""
+    n, k = q.shape
+    panels, groups = rows // _PANEL_COLS, k // GROUP
     packed = torch.empty(panels, groups, 4, _PANEL_COLS, 4, dtype=torch.uint8)
-    for start, q in _panel_rows(weight.q, rows):
-        if start + q.shape[0] > n:  # its padding rows (new memory): q = 8, scale 0, zero 0
-            q[max(n - start, 0) :] = 8
-        nibbles = q.to(torch.uint8).view(-1, _PANEL_COLS, groups, 4, 2, 4)
+    for start, part in _panel_rows(q, rows):
+        if start + part.shape[0] > n:  # its padding rows (new memory)
+            part[max(n - start, 0) :] = 8
+        nibbles = part.to(torch.uint8).view(-1, _PANEL_COLS, groups, 4, 2, 4)
         both = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
         first = start // _PANEL_COLS
         packed[first : first + both.shape[0]] = both.permute(0, 2, 3, 1, 4)
-    sz = torch.stack([scale, zero], dim=1).to(ACTIVATIONS)
-    sz = sz.view(panels, _PANEL_COLS, 2, groups).permute(0, 3, 2, 1)
-    return packed, sz.contiguous()
+    return packed
+
+
+def _k_blocks(weight: Int4Blocks, rows: int) -> torch.Tensor:
+    """An ``Int4Blocks``' steps and codes as q4_matmul's super-blocks [P, ceil(K / 256), 320]
+    bytes: float16 d [16] and m step [16], then the groups' sc uint8 [8][16] and m int8 [8][16]
+    (padding rows: steps 0; a last super-block's missing groups: codes 0)."""
+    n, groups = weight.sc.shape
+    supers = weight.d.shape[1]
+    panels, pad_rows, pad_groups = rows // _PANEL_COLS, rows - n, supers * BLOCK_GROUPS - groups
+
+    def steps(t: torch.Tensor) -> torch.Tensor:  # [N, S] float16 -> [P, S, 32] bytes
+        t = F.pad(t, (0, 0, 0, pad_rows)).view(panels, _PANEL_COLS, supers).permute(0, 2, 1)
+        return t.contiguous().view(torch.uint8)
+
+    def codes(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [P, S, 128] bytes
+        t = F.pad(t, (0, pad_groups, 0, pad_rows)).view(panels, _PANEL_COLS, supers, -1)
+        return t.permute(0, 2, 3, 1).reshape(panels, supers, -1).view(torch.uint8)
+
+    parts = (steps(weight.d), steps(weight.m_step), codes(weight.sc), codes(weight.m))
+    return torch.cat(parts, dim=2)
 
 
 class Int4Linear:
@@ -220,18 +254,23 @@ class Int4Linear:
 
     bits = 4
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, kernel: bool | None = None):
+    def __init__(
+        self, weight: Int4Weight | Int4Blocks, bias: torch.Tensor | None, kernel: bool | None = None
+    ):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
         rows = round_up(n, _INT4_N_MULTIPLE)
         self.kernel = kernel if kernel is not None else int_kernel_available()
         self.kernel = self.kernel and not weight.q.is_cuda
-        self.group = weight.group
         self.bias = bias
         if self.kernel:
+            self.group = GROUP
             self.packed, self.scales_and_zeros = q4_panels(weight, rows)
             self.bias = _kernel_bias(bias)
             return
+        if isinstance(weight, Int4Blocks):
+            weight = weight.as_int4_weight()
+        self.group = weight.group
         q, scale, zero = weight.q, weight.scale, weight.zero
         if rows > n:
             q = F.pad(q, (0, 0, 0, rows - n), value=8)
@@ -284,7 +323,7 @@ def quantized_linear(
     """``weight`` [N, K] (any float dtype) quantized to ``bits`` (8, or 4 where K is a multiple
     of the group: else 8). ``kernel``: on llmq's integer kernels (None: where they are loaded)."""
     if bits == 4 and weight.shape[1] % GROUP == 0:
-        return Int4Linear(Int4Weight.quantize(weight), bias, kernel)
+        return Int4Linear(Int4Blocks.quantize(weight), bias, kernel)
     if bits not in (4, 8):
         raise ValueError(f"unsupported weight bits {bits}")
     if weight.is_cuda:

@@ -99,38 +99,15 @@ def _group_steps(scale: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class Int4Weight:
-    """``weight ~= (q - 8) * scale + zero`` per group of ``group`` input columns (32, 64, 128 or
-    256: the kernel's): q [N, K] in 0..15 (a byte each here, packed by ``Int4Linear``; a
-    checkpoint's may be int32), scale and zero
-    [N, K / group] (bfloat16 for the kernel; a checkpoint's float32 ones are rounded to it by
-    ``Int4Linear``)."""
+    """A checkpoint's int4 weights (GPTQ, AWQ, compressed-tensors; quantization at load makes
+    ``Int4Blocks``): ``weight ~= (q - 8) * scale + zero`` per group of ``group`` input columns
+    (32, 64, 128 or 256: the kernel's), q [N, K] in 0..15 (int32 or a byte each), scale and zero
+    [N, K / group] (the checkpoint's floats, rounded to bfloat16 by ``Int4Linear``)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group: int = GROUP
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
-        """Asymmetric min/max per group; q computed against the stored (rounded) scale and
-        zero, so that the dequantized weight is the nearest the stored numbers allow."""
-        k = weight.shape[1]
-        if k % GROUP:
-            raise ValueError(f"int4 needs input widths in multiples of {GROUP}, not {k}")
-        qs = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
-        scales, zeros, start = [], [], 0
-        for rows in _row_chunks(weight):
-            w = rows.to(torch.float32, copy=True).view(rows.shape[0], k // GROUP, GROUP)
-            low, high = w.amin(dim=2), w.amax(dim=2)
-            scale = ((high - low) / 15).clamp(min=1e-12).to(ACTIVATIONS)
-            zero = (low + 8 * scale.float()).to(ACTIVATIONS)
-            base = zero.float() - 8 * scale.float()  # the value of q = 0
-            w.sub_(base[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
-            qs[start : start + len(rows)] = w.view(rows.shape[0], k)
-            scales.append(scale)
-            zeros.append(zero)
-            start += len(rows)
-        return cls(qs, torch.cat(scales), torch.cat(zeros))
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -141,3 +118,92 @@ class Int4Weight:
     def to(self, device: torch.device) -> Int4Weight:
         move = (t.to(device) for t in (self.q, self.scale, self.zero))
         return Int4Weight(*move, group=self.group)
+
+
+BLOCK_GROUPS = 8  # groups of 32 in a k-quant super-block (256 inputs, as Q4_K's)
+
+
+@dataclass(slots=True)
+class Int4Blocks:
+    """``weight ~= d * sc * q + m_step * m`` per group of 32 input columns: q [N, K] in 0..15 (a
+    byte each here), d and m_step float16 per super-block of 8 groups [N, ceil(K / 256)], a
+    group's codes sc uint8 and m int8 [N, K / 32]. llama.cpp's Q4_K with 8-bit codes where it
+    has 6 (its ``-dmin`` and codes are held exactly): 4.625 bits a weight against the 5 of
+    ``Int4Weight``'s bfloat16 scale and zero, with the same error (the 1B shape's weights'
+    mean squared error 1.000x, ``bench/quant_quality.py`` KL alike)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m_step: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Blocks:
+        """Min/max per group, its scale and minimum coded against their super-block's largest;
+        q computed against the stored (coded) ones."""
+        n, k = weight.shape
+        if k % GROUP:
+            raise ValueError(f"int4 needs input widths in multiples of {GROUP}, not {k}")
+        groups = k // GROUP
+        supers = -(-groups // BLOCK_GROUPS)
+        dev = weight.device
+        out = cls(
+            torch.empty(n, k, dtype=torch.uint8, device=dev),
+            torch.empty(n, supers, dtype=torch.float16, device=dev),
+            torch.empty(n, supers, dtype=torch.float16, device=dev),
+            torch.empty(n, groups, dtype=torch.uint8, device=dev),
+            torch.empty(n, groups, dtype=torch.int8, device=dev),
+        )
+        start = 0
+        for rows in _row_chunks(weight):
+            w = rows.to(torch.float32, copy=True).view(len(rows), groups, GROUP)
+            low, high = w.amin(dim=2), w.amax(dim=2)
+            d, sc = _codes((high - low) / 15, 255)
+            m_step, m = _codes(low, 127)
+            scale = _per_group(d, groups) * sc.float()
+            base = _per_group(m_step, groups) * m.float()
+            w.sub_(base[..., None]).div_(scale.clamp(min=1e-30)[..., None]).round_().clamp_(0, 15)
+            end = start + len(rows)
+            out.q[start:end] = w.view(len(rows), k)
+            out.d[start:end], out.m_step[start:end] = d, m_step
+            out.sc[start:end], out.m[start:end] = sc, m
+            start = end
+        return out
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's scale and base (the value of q = 0), float32 [N, K / 32]."""
+        groups = self.sc.shape[1]
+        scale = _per_group(self.d, groups) * self.sc.float()
+        return scale, _per_group(self.m_step, groups) * self.m.float()
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        scale, base = self.group_scales()
+        q = self.q.float().view(n, k // GROUP, GROUP)
+        return (q * scale[..., None] + base[..., None]).view(n, k)
+
+    def rows(self, ids: torch.Tensor) -> Int4Blocks:
+        return Int4Blocks(*(t[ids] for t in (self.q, self.d, self.m_step, self.sc, self.m)))
+
+    def as_int4_weight(self) -> Int4Weight:
+        """The same weights as ``Int4Weight`` (torch's kernels): scale and zero rounded to
+        bfloat16."""
+        scale, base = self.group_scales()
+        zero = base + 8 * scale
+        return Int4Weight(self.q, scale.to(ACTIVATIONS), zero.to(ACTIVATIONS))
+
+
+def _per_group(steps: torch.Tensor, groups: int) -> torch.Tensor:
+    """A super-block's step [N, S] (float16) for each of its groups, float32 [N, groups]."""
+    return steps.float().repeat_interleave(BLOCK_GROUPS, dim=1)[:, :groups]
+
+
+def _codes(values: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` [N, G] as a float16 step per super-block of 8 groups [N, S] and integer codes
+    within +-``top`` (uint8 for 255: non-negative values; else int8)."""
+    n, groups = values.shape
+    padded = F.pad(values, (0, -groups % BLOCK_GROUPS)).view(n, -1, BLOCK_GROUPS)
+    step = (_amax(padded, 2) / top).clamp(min=2**-24).to(torch.float16)
+    codes = (padded / step.float()[..., None]).round_().clamp_(-top, top).view(n, -1)[:, :groups]
+    return step, codes.to(torch.uint8 if top == 255 else torch.int8)

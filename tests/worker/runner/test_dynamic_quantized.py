@@ -18,6 +18,7 @@ from llmq.worker.runner.dynamic_quantized import (
 )
 from llmq.worker.runner.quantize import quantize_forward
 from llmq.worker.runner.quantized_linear import (
+    Int4Blocks,
     Int4Linear,
     Int4Weight,
     Int8Weight,
@@ -115,7 +116,7 @@ def test_tinygemm_int4_equals_the_dequantized_matmul(shape, group):
     if k % group:
         pytest.skip("int4 widths are multiples of the group")
     weight, bias, x = _case(shape, torch.bfloat16, "cuda")
-    q4 = Int4Weight.quantize(weight)
+    q4 = Int4Blocks.quantize(weight).as_int4_weight()
     if group > 32:  # a checkpoint's larger groups: one scale and zero per `group` columns
         q4 = Int4Weight(q4.q, q4.scale[:, :: group // 32], q4.zero[:, :: group // 32], group)
     linear = Int4Linear(q4, bias)

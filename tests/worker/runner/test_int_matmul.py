@@ -11,6 +11,7 @@ import torch
 
 from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.quantized_linear import (
+    Int4Blocks,
     Int4Linear,
     Int4Weight,
     Int8Linear,
@@ -58,20 +59,43 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (xq.double() * d.double()[..., None]).view(rows, -1)[:, :k]
 
 
-def _weight(n: int, k: int, group: int, gen: torch.Generator) -> Int4Weight:
+def _weight(n: int, k: int, group: int, gen: torch.Generator, blocks: bool):
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    if blocks:  # steps of very different sizes across the super-blocks, codes of either sign
+        supers, groups = -(-k // 256), k // 32
+        d = (torch.rand(n, supers, generator=gen) * 1e-3 + 1e-4).half()
+        m_step = (torch.randn(n, supers, generator=gen) * 1e-2).half()
+        sc = torch.randint(0, 256, (n, groups), generator=gen, dtype=torch.uint8)
+        m = torch.randint(-127, 128, (n, groups), generator=gen, dtype=torch.int8)
+        return Int4Blocks(q.to(torch.uint8), d, m_step, sc, m)
     scale = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).bfloat16()
     zero = torch.randn(n, k // group, generator=gen).mul(0.3).bfloat16()
     return Int4Weight(q, scale, zero, group)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+def _scale_and_base(weight: Int4Weight | Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each input column's scale and base (the value of q = 0), float64 [N, K]."""
+    if isinstance(weight, Int4Blocks):
+        scale, base = (t.double().repeat_interleave(32, 1) for t in weight.group_scales())
+        return scale, base
+    scale = weight.scale.double().repeat_interleave(weight.group, 1)
+    zero = weight.zero.double().repeat_interleave(weight.group, 1)
+    return scale, zero - 8 * scale
+
+
+# Both scale forms: a checkpoint's bfloat16 groups, and k-quant blocks (groups of 32 only).
+INT4_CASES = [(s, False) for s in SHAPES] + [(s, True) for s in SHAPES if s[3] == 32]
+
+
+@pytest.mark.parametrize(("shape", "blocks"), INT4_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dtype, with_bias):
+def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
+    shape, blocks, dtype, with_bias
+):
     rows, n, k, group = shape
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
-    weight = _weight(n, k, group, gen)
+    weight = _weight(n, k, group, gen, blocks)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
     x[0, :32] = 0  # an all-zero block (d = 0)
@@ -81,9 +105,8 @@ def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dt
     deq = weight.dequantize().double()
     xd = quantized_rows(x)
     ref = xd @ deq.T + (bias.double() if bias is not None else 0)
-    # float32 sums of the group terms: scale * sum(xq * q) and (zero - 8 * scale) * sum(xq)
-    step = weight.scale.double().repeat_interleave(group, 1)
-    base = (weight.zero.double() - 8 * weight.scale.double()).repeat_interleave(group, 1)
+    # float32 sums of the group terms: scale * sum(xq * q) and base * sum(xq)
+    step, base = _scale_and_base(weight)
     bound = 1e-5 * (xd.abs() @ (15 * step + base.abs()).T) + 1e-6
     if dtype == torch.bfloat16:
         bound = bound + 2**-8 * ref.abs()
@@ -179,16 +202,17 @@ def test_group_scales_hold_small_columns_that_a_row_scale_rounds_away():
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernel_serves_where_loaded_and_torch_s_where_asked(bits):
-    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
+    weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(5))
     ours = quantized_linear(weight, None, bits)
     torch_s = quantized_linear(weight, None, bits, False)
     assert ours.kernel and not torch_s.kernel
     assert ours.weight.dim() == 5 and torch_s.weight.dim() == 2
-    assert ours.nbytes() < torch_s.nbytes() * 1.1  # the same bytes but scales
-    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
+    # the same bytes but scales: int4's k-quant blocks 4.625 bits a weight against torch's 5
+    assert ours.nbytes() < torch_s.nbytes() * (0.93 if bits == 4 else 1.1)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
     # Both are the product with the weight as quantized within their roundings (int8
     # activations against bf16 ones; int8: group scales against channel scales; bf16 outputs).
-    deq = Int4Weight.quantize(weight).dequantize() if bits == 4 else weight
+    deq = Int4Blocks.quantize(weight).dequantize() if bits == 4 else weight
     ref = x.float() @ deq.T
     for linear in (ours, torch_s):
         assert float((linear(x).float() - ref).abs().max()) < 0.015 * float(ref.abs().max())

@@ -16,8 +16,8 @@ from llmq.worker.runner.quantize import (
 )
 from llmq.worker.runner.quantized_linear import (
     GROUP,
+    Int4Blocks,
     Int4Linear,
-    Int4Weight,
     Int8Linear,
     Int8Weight,
     quantized_linear,
@@ -56,7 +56,10 @@ def test_kernel_equals_dequantized_matmul(shape, bits, dtype):
     four = bits == 4 and k % GROUP == 0
     assert isinstance(linear, Int4Linear if four else Int8Linear)
     # torch's int8 kernel takes one scale per channel
-    quantized = Int4Weight.quantize(weight) if four else Int8Weight.quantize(weight, False)
+    # torch's int4 kernel takes the blocks' scale and zero in bfloat16
+    quantized = (
+        Int4Blocks.quantize(weight).as_int4_weight() if four else Int8Weight.quantize(weight, False)
+    )
     y = linear(x)
     assert y.dtype == dtype and y.shape == (rows, n)
     _within_tolerance(y, x, quantized.dequantize(), bias)
@@ -87,27 +90,36 @@ def test_int8_rounds_to_the_nearest_step(grouped):
 
 
 def test_int4_groups_round_to_the_nearest_step():
-    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
-    q = Int4Weight.quantize(weight)
-    assert int(q.q.min()) >= 0 and int(q.q.max()) <= 15
-    assert q.scale.shape == q.zero.shape == (32, 128 // GROUP)
-    step = q.scale.float().repeat_interleave(GROUP, dim=1)
-    # Half a step, plus what the bfloat16 rounding of the zero moves the grid by.
-    slack = 2**-8 * q.zero.float().abs().repeat_interleave(GROUP, dim=1)
-    assert bool(((q.dequantize() - weight).abs() <= 0.5 * step + slack + 1e-6).all())
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(32, 320, generator=gen) * torch.logspace(-2, 0, 320)  # a partial block
+    weight[:, :32] += 1  # a group all positive: its base codes above zero
+    q = Int4Blocks.quantize(weight)
+    assert int(q.q.min()) >= 0 and int(q.q.max()) <= 15 and q.q.dtype == torch.uint8
+    assert q.d.shape == q.m_step.shape == (32, 2) and q.sc.shape == q.m.shape == (32, 10)
+    scale, base = (t.repeat_interleave(GROUP, dim=1) for t in q.group_scales())
+    d = q.d.float().repeat_interleave(8 * GROUP, dim=1)[:, :320]
+    m_step = q.m_step.float().abs().repeat_interleave(8 * GROUP, dim=1)[:, :320]
+    # Half a step, plus how far the coded scale and base move the grid's ends (half a code each).
+    slack = 15 * d / 2 + m_step / 2
+    assert bool(((q.dequantize() - weight).abs() <= 0.5 * scale + slack + 1e-6).all())
+    # On the whole, as close as a bfloat16 scale and zero per group.
+    bf16 = q.as_int4_weight().dequantize()
+    assert float((q.dequantize() - weight).pow(2).mean()) < 1.05 * float(
+        (bf16 - weight).pow(2).mean()
+    )
     with pytest.raises(ValueError, match="multiples of 32"):
-        Int4Weight.quantize(torch.randn(4, 33))
+        Int4Blocks.quantize(torch.randn(4, 33))
 
 
 @pytest.mark.parametrize("four", [False, True])
 def test_embedding_rows_are_the_dequantized_table(four):
     table = torch.randn(50, 64, generator=torch.Generator().manual_seed(4))
-    weight = Int4Weight.quantize(table) if four else Int8Weight.quantize(table)
+    weight = Int4Blocks.quantize(table) if four else Int8Weight.quantize(table)
     embedding = QuantizedEmbedding(weight, torch.float32, None)
     ids = torch.tensor([0, 7, 49, 7, 3])
     assert torch.equal(embedding(ids), weight.dequantize()[ids])
     if four:  # two values a byte
-        assert embedding.nibbles.shape == (50, 32) and embedding.nibbles.dtype == torch.uint8
+        assert embedding.int4.q.shape == (50, 32) and embedding.int4.q.dtype == torch.uint8
 
 
 def test_int4_plan_keeps_llama_cpp_sensitive_tensors_at_8_bits():

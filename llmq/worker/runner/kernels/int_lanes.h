@@ -74,6 +74,13 @@ inline Floats load_bf16(const uint16_t* p) {
 inline Floats load_f16(const uint16_t* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+// 16 bytes as floats: unsigned, or signed.
+inline Floats load_u8(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline Floats load_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 // The first `count` of 16 floats, zeros past them.
 inline Floats load_first(const float* p, int64_t count) {
   const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
@@ -171,6 +178,15 @@ inline Floats load_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; 
 inline Floats load_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline __m128i eight_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline Floats load_u8(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(p))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(p + 8)))};
+}
+inline Floats load_i8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_bytes(p))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_bytes(p + 8)))};
 }
 inline Floats load_first(const float* p, int64_t count) {
   float tmp[16] = {};

@@ -11,15 +11,19 @@
 // d * scale * (sum((q + 128) * xq) - 128 * sum(xq)), the bracket exact in int32 (on AVX2,
 // d * scale * sum(q * xq) directly: kQ8Bias).
 //
-// int4 (q4_matmul):
-// weights as quantized_linear.Int4Weight holds them, w = (q - 8) * scale + zero per group of 32
-// input columns (q in 0..15; scale and zero bfloat16), in panels of 16 output columns
-// (quantized_linear.q4_panels): [P][K / 32][4][16][4] bytes, each byte two q's, so that one
-// 64-byte load gives every column of a panel 8 inputs: its low nibbles inputs k..k+3, its high
-// ones k+4..k+7. Scale and zero [P][K / 32][2][16].
+// int4 (q4_matmul): w = scale * q + base per group of 32 input columns (q in 0..15), in panels
+// of 16 output columns (quantized_linear.q4_panels): [P][K / 32][4][16][4] bytes, each byte two
+// q's, so that one 64-byte load gives every column of a panel 8 inputs: its low nibbles inputs
+// k..k+3, its high ones k+4..k+7. A group's scale and base come in one of two forms:
+// - a checkpoint's (quantized_weights.Int4Weight): scale and zero bfloat16 [P][K / 32][2][16],
+//   base = zero - 8 * scale (5 bits a weight);
+// - k-quant blocks (quantized_weights.Int4Blocks, as llama.cpp's Q4_K holds them, with 8-bit
+//   codes where Q4_K has 6): super-blocks of 8 groups [P][ceil(K / 256)][320 bytes], a float16
+//   d and m step for each of 16 columns, then each group's scale codes (uint8 [8][16]) and base
+//   codes (int8 [8][16]): scale = d * sc, base = m_step * m (4.625 bits a weight).
 //
 // For a row x quantized as x ~ d * xq per block (d = max|x| / 127, xq in -127..127), group g
-// of column n adds  d * (scale * sum(xq * q) + (zero - 8 * scale) * sum(xq)):  exactly
+// of column n adds  d * (scale * sum(xq * q) + base * sum(xq)):  exactly
 // dequantize(xq) @ dequantize(W).T up to float32 rounding. A row's output does not depend on the
 // other rows of the call.
 //
@@ -56,6 +60,12 @@ namespace {
 constexpr int64_t kCols = 16;   // output columns per panel: one vector of int32 / float lanes
 constexpr int64_t kGroup = 32;  // inputs per weight group and per activation block
 constexpr int64_t kChunkBytes = 64 * 1024;  // weights a thread takes at a time (panel_loop.h)
+
+// A panel's int4 scale bytes: bfloat16 scale and zero per group, or k-quant super-blocks of 8
+// groups (320 bytes each: float16 d and m step [2][16], codes uint8 [8][16] and int8 [8][16]).
+constexpr int64_t kKBlockBytes = 320;
+constexpr int64_t bf16_group_bytes(int64_t groups) { return groups * 2 * kCols * 2; }
+constexpr int64_t k_block_bytes(int64_t groups) { return (groups + 7) / 8 * kKBlockBytes; }
 
 // Rows quantized per block of 32: xq int8 (as int32 words of 4), d, sum(xq) and d * sum(xq).
 struct QuantizedRows {
@@ -109,13 +119,35 @@ using namespace lanes;  // NOLINT: the kernels below are written in its lanes
 template <int R>
 constexpr int kSums = kChainedDots && R <= 4 ? 2 : 1;
 
-// Rows [0, R) of the quantized x (from row `row`) through one int4 panel; out's columns
-// [0, cols).
-template <int R, typename O>
-void q4_pass(const uint8_t* w, const uint16_t* sz, const QuantizedRows& x, int64_t row, int64_t k,
+// An int4 panel's scales as a checkpoint's: bfloat16 scale and zero [K / 32][2][16].
+struct Bf16Groups {
+  const uint8_t* bytes;
+  // Group g's scale and base (the value of q = 0) for each of the 16 columns.
+  void at(int64_t g, Floats& scale, Floats& base) const {
+    const auto* sz = reinterpret_cast<const uint16_t*>(bytes) + g * 2 * kCols;
+    scale = load_bf16(sz);
+    base = fnmadd(floats(8.0f), scale, load_bf16(sz + kCols));
+  }
+};
+
+// An int4 panel's scales as k-quant super-blocks of 8 groups: [ceil(K / 256)][320 bytes].
+struct KBlocks {
+  const uint8_t* bytes;
+  void at(int64_t g, Floats& scale, Floats& base) const {
+    const uint8_t* block = bytes + (g / 8) * kKBlockBytes;
+    const auto* steps = reinterpret_cast<const uint16_t*>(block);  // d [16], m step [16]
+    const int64_t code = (g % 8) * kCols;
+    scale = mul(load_f16(steps), load_u8(block + 64 + code));
+    base = mul(load_f16(steps + kCols), load_i8(reinterpret_cast<const int8_t*>(block + 192 + code)));
+  }
+};
+
+// Rows [0, R) of the quantized x (from row `row`) through one int4 panel (its scales read by
+// Scales); out's columns [0, cols).
+template <int R, typename Scales, typename O>
+void q4_pass(const uint8_t* w, Scales scales, const QuantizedRows& x, int64_t row, int64_t k,
              const float* bias, O* out, int64_t out_stride, int64_t cols) {
   constexpr int S = kSums<R>;
-  const Floats eight = floats(8.0f);
   const auto* words = reinterpret_cast<const int32_t*>(x.xq.data() + row * k);
   const int64_t row_words = k / 4, groups = x.groups;
   const float* d = x.d.data() + row * groups;
@@ -136,8 +168,8 @@ void q4_pass(const uint8_t* w, const uint16_t* sz, const QuantizedRows& x, int64
         isum[r][S - 1] = add_nibble_dot(isum[r][S - 1], hi, xr[1]);
       }
     }
-    const Floats scale = load_bf16(sz + g * 2 * kCols);
-    const Floats base = fnmadd(eight, scale, load_bf16(sz + g * 2 * kCols + kCols));
+    Floats scale, base;
+    scales.at(g, scale, base);
     for (int r = 0; r < R; ++r) {
       NibbleSums total = isum[r][0];
       if constexpr (S == 2) total = add(total, isum[r][1]);
@@ -190,18 +222,22 @@ void q8_pass(const uint8_t* w, const void* scales, const QuantizedRows& x, int64
   for (int r = 0; r < R; ++r) store_first(fmadd(acc[r], s, b), out + r * out_stride, cols);
 }
 
-enum class Form { kInt4, kInt8Channel, kInt8Grouped };
+enum class Form { kInt4, kInt4Blocks, kInt8Channel, kInt8Grouped };
 
 // Every row through one panel, up to eight at a time; scales: the int4 panel's scale and zero
-// (bfloat16), or the int8 panel's group scales (float16) or column scales (float32).
+// (bfloat16) or k-quant blocks, or the int8 panel's group scales (float16) or column scales
+// (float32).
 template <Form F, typename O>
 void panel_rows(int64_t rows, const uint8_t* w, const void* scales, const QuantizedRows& x,
                 int64_t k, const float* bias, O* out, int64_t out_stride, int64_t cols) {
   in_row_passes(rows, [&](int64_t r0, auto count) {
     constexpr int R = decltype(count)::value;
     O* o = out + r0 * out_stride;
+    const auto* bytes = static_cast<const uint8_t*>(scales);
     if constexpr (F == Form::kInt4) {
-      q4_pass<R>(w, static_cast<const uint16_t*>(scales), x, r0, k, bias, o, out_stride, cols);
+      q4_pass<R>(w, Bf16Groups{bytes}, x, r0, k, bias, o, out_stride, cols);
+    } else if constexpr (F == Form::kInt4Blocks) {
+      q4_pass<R>(w, KBlocks{bytes}, x, r0, k, bias, o, out_stride, cols);
     } else {
       q8_pass<R, F == Form::kInt8Grouped>(w, scales, x, r0, k, bias, o, out_stride, cols);
     }
@@ -268,8 +304,8 @@ bool int_matmul_available() {
 #endif
 }
 
-// x [M, K] (bfloat16 or float32) times the int4 panels, plus bias [N] (float32): [M, N] in x's
-// dtype.
+// x [M, K] (bfloat16 or float32) times the int4 panels with their scales (either form), plus
+// bias [N] (float32): [M, N] in x's dtype.
 at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(int_matmul_available(), "q4_matmul: this build has neither AVX512-VNNI nor AVX2");
@@ -277,16 +313,27 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
                   panels.size(3) == kCols && panels.size(4) == 4 && panels.is_contiguous(),
               "q4_matmul: panels are [P, K / 32, 4, 16, 4] uint8, contiguous");
   const int64_t count = panels.size(0), groups = panels.size(1), k = groups * kGroup;
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
-                  scales.numel() == count * groups * 2 * kCols,
-              "q4_matmul: scales are [P, K / 32, 2, 16] bf16, contiguous");
+  const bool blocks = scales.scalar_type() == at::kByte;
+  TORCH_CHECK(scales.is_contiguous() &&
+                  (blocks ? scales.numel() == count * k_block_bytes(groups)
+                          : scales.scalar_type() == at::kBFloat16 &&
+                                scales.numel() == count * bf16_group_bytes(groups) / 2),
+              "q4_matmul: scales are [P, K / 32, 2, 16] bf16 or [P, ceil(K / 256), 320] uint8, "
+              "contiguous");
   check_call("q4_matmul", x_in, k, count, out_features, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
 #if defined(LLMQ_INT_MATMUL)
-  run_panels<Form::kInt4>(x, quantized(x, k), panels.const_data_ptr<uint8_t>(),
-                          groups * 4 * kCols * 4, scales, groups * 2 * kCols * 2,
-                          bias ? bias->const_data_ptr<float>() : nullptr, out, count, k);
+  const uint8_t* w = panels.const_data_ptr<uint8_t>();
+  const int64_t panel_bytes = groups * 4 * kCols * 4;
+  const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
+  if (blocks) {
+    run_panels<Form::kInt4Blocks>(x, quantized(x, k), w, panel_bytes, scales,
+                                  k_block_bytes(groups), b, out, count, k);
+  } else {
+    run_panels<Form::kInt4>(x, quantized(x, k), w, panel_bytes, scales,
+                            bf16_group_bytes(groups), b, out, count, k);
+  }
 #endif
   return out;
 }
