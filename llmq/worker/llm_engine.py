@@ -114,8 +114,8 @@ class LLMEngine:
         eos_token_ids=frozenset(),
         tokenizer=None,
     ):
-        """``tokenizer``: the served tokenizer, for requests constrained by a grammar (without
-        one the engine refuses them)."""
+        """``tokenizer``: the served tokenizer (or a ``grammar_compiler.LazyTokenizer``), for
+        requests constrained by a grammar (without one the engine refuses them)."""
         from llmq.worker.runner.model_runner import ModelRunner
 
         config = config or EngineConfig()

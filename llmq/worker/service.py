@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -55,6 +56,7 @@ def build_backend(settings: Settings):
 
     from llmq.common.model_loader import eos_token_ids, load_causal_lm
     from llmq.worker.backends import GenerationBackend
+    from llmq.worker.grammar_compiler import LazyTokenizer
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
 
     if preloaded is not None:
@@ -63,12 +65,10 @@ def build_backend(settings: Settings):
         model = load_causal_lm(
             settings.model, settings.dtype, settings.device, settings.quantization
         )
-    engine = LLMEngine(
-        model,
-        EngineConfig.from_settings(settings),
-        eos_token_ids(model, tokenizer),
-        tokenizer=tokenizer,
-    )
+    eos = eos_token_ids(model, tokenizer)
+    if preloaded is None:  # loaded again by the first grammar, if one comes: not held till then
+        tokenizer = LazyTokenizer(functools.partial(load_tokenizer, settings.model), len(tokenizer))
+    engine = LLMEngine(model, EngineConfig.from_settings(settings), eos, tokenizer=tokenizer)
     return GenerationBackend(engine), model, engine.max_model_len
 
 

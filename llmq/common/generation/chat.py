@@ -136,7 +136,7 @@ class ChatGeneration(Generation):
                     yield item
 
     def _logprobs(self, entries: list[dict]) -> ChatLogprobs:
-        return chat_logprobs(self.tokenizer, entries)
+        return chat_logprobs(self.tokenizer, entries, self.body.return_tokens_as_token_ids)
 
     def _chunk(self, rows: list[ChatChunkChoice], **usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(

@@ -112,6 +112,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    return_tokens_as_token_ids: SkipJsonSchema[bool] = Field(
+        False, description="Logprobs' tokens as 'token_id:{id}' (vLLM's option)."
+    )
     # Tools stay out of the OpenAPI schema, as before they were served: requests generated
     # from it would mostly be 400s (random schemas and names).
     tools: SkipJsonSchema[list[FunctionTool] | None] = None  # before tool_choice: read there

@@ -18,14 +18,20 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer, entries: list[dict]) -> ChatLogprobs:
+def chat_logprobs(tokenizer, entries: list[dict], as_ids: bool = False) -> ChatLogprobs:
+    """``as_ids``: each token as ``token_id:{id}`` (vLLM's ``return_tokens_as_token_ids``), which
+    tells apart the tokens whose own text does not (a byte of a character, each U+FFFD)."""
+
+    def text_of(token_id: int) -> str:
+        return f"token_id:{token_id}" if as_ids else token_text(tokenizer, token_id)
+
     def top(token_id: int, logprob: float) -> TopLogprob:
-        text = token_text(tokenizer, token_id)
+        text = text_of(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
     content = []
     for e in entries:
-        text = token_text(tokenizer, e["token_id"])
+        text = text_of(e["token_id"])
         content.append(
             TokenLogprob(
                 token=text,
