@@ -1,4 +1,5 @@
-"""llmq's integer kernels as a git revision builds them against the working tree's, side by side.
+"""llmq's integer kernels (and bfloat16 panels) as a git revision builds them against the working
+tree's, side by side.
 
 Each side's ``kernels/*.cpp`` and headers are compiled into a library of their own (the cache key
 is the sources), and each round runs one process per side in turn, timing the 1B shape's
@@ -53,7 +54,13 @@ def time_side(sources: Path, rows_list: list[int], bits_list: list[int], shapes)
     cpu_kernels.HEADERS = sorted(sources.glob("*.h"))
     if not cpu_kernels.load():
         raise SystemExit(f"the kernels in {sources} did not build")
+    from llmq.worker.runner.packed_linear import Linear
     from llmq.worker.runner.quantized_linear import quantized_linear
+
+    def linear(weight, bits: int):  # 16: bfloat16 on the panel kernel (panel_matmul.cpp)
+        if bits == 16:
+            return Linear(weight.bfloat16(), None, "panels")
+        return quantized_linear(weight, None, bits, True)
 
     gen = torch.Generator().manual_seed(0)
     figures = {}
@@ -61,7 +68,7 @@ def time_side(sources: Path, rows_list: list[int], bits_list: list[int], shapes)
         copies = max(2, (256 << 20) // (out_f * in_f))
         weights = [torch.randn(out_f, in_f, generator=gen) * 0.02 for _ in range(copies)]
         for bits in bits_list:
-            linears = [quantized_linear(w, None, bits, True) for w in weights]
+            linears = [linear(w, bits) for w in weights]
             for rows in rows_list:
                 x = torch.randn(rows, in_f, generator=gen).bfloat16()
                 figures[f"{out_f}x{in_f} {bits} {rows}"] = us_per_call(linears, x)
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to compare against")
     p.add_argument("--rows", default="1,16,128")
-    p.add_argument("--bits", default="4,8")
+    p.add_argument("--bits", default="4,8", help="4, 8, and 16 (bfloat16 panels)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shapes", default="", help="OUTxIN,... (default: the 1B's four)")
     p.add_argument("--child", help=argparse.SUPPRESS)
