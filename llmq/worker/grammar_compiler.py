@@ -13,7 +13,6 @@ from 46 MB (``LazyTokenizer``: loaded then), and took 0.3-0.9 s and 0.2 s to bui
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -62,7 +61,7 @@ class GrammarCompiler:
         self.num_builds = 0
         self.vocab_size = max(vocab_size, len(tokenizer))
         if not isinstance(tokenizer, LazyTokenizer):
-            tokenizer = LazyTokenizer(functools.partial(_as_it_is, tokenizer), len(tokenizer))
+            tokenizer = LazyTokenizer(lambda loaded=tokenizer: loaded, len(tokenizer))
         self._source, self._eos = tokenizer, sorted(eos_token_ids)
         self._tokenizer: Future | None = None  # the llguidance view, from the first grammar on
 
@@ -94,10 +93,6 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _as_it_is(tokenizer):
-    return tokenizer
 
 
 def _ll_tokenizer(source: LazyTokenizer, vocab_size: int, eos_token_ids: list[int]):

@@ -330,10 +330,9 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
               "q4_matmul: panels are [P, K / 32, 4, 16, 4] uint8, contiguous");
   const int64_t count = panels.size(0), groups = panels.size(1), k = groups * kGroup;
   const bool blocks = scales.scalar_type() == at::kByte;
-  TORCH_CHECK(scales.is_contiguous() &&
-                  (blocks ? scales.numel() == count * k_block_bytes(groups)
-                          : scales.scalar_type() == at::kBFloat16 &&
-                                scales.numel() == count * bf16_group_bytes(groups) / 2),
+  TORCH_CHECK(scales.is_contiguous() && (blocks || scales.scalar_type() == at::kBFloat16) &&
+                  scales.nbytes() ==
+                      count * (blocks ? k_block_bytes(groups) : bf16_group_bytes(groups)),
               "q4_matmul: scales are [P, K / 32, 2, 16] bf16 or [P, ceil(K / 256), 320] uint8, "
               "contiguous");
   check_call("q4_matmul", x_in, k, count, out_features, bias);
