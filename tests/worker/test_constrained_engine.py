@@ -20,7 +20,6 @@ from llmq.common.protocol import EngineRequest
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.backends import GenerationBackend
 from llmq.worker.engine.sequence import FinishReason
-from llmq.worker.grammar_compiler import LazyTokenizer
 from llmq.worker.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.token_mask import TokenMask, apply_token_mask
@@ -248,28 +247,6 @@ def test_one_grammar_is_built_once(llama_case):
     assert engine.constrained.compiler.num_builds == 1
     for k in range(40):
         jsonschema.validate(json.loads(text_of(llama_case[1], outputs[f"r{k}"])), POINTS)
-
-
-def test_a_lazy_tokenizer_loads_with_the_first_grammar_only(llama_case):
-    """A worker holds no grammar tokenizer until a grammar comes; then it loads it once."""
-    model, tokenizer = llama_case
-    loads = []
-
-    def load():
-        loads.append(1)
-        return tokenizer
-
-    lazy = LazyTokenizer(load, len(tokenizer))
-    engine = LLMEngine(model, EngineConfig(num_blocks=64), eos_token_ids(model, tokenizer), lazy)
-    engine.add_request("free", [4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
-    run(engine)
-    assert loads == []
-    for k, schema in enumerate((POINTS, PERSON)):
-        params = SamplingParams(temperature=1.0, seed=k, max_tokens=MAX_TOKENS)
-        params.grammar = json_grammar(schema)
-        engine.add_request(f"r{k}", [4, 5, 6], params)
-        jsonschema.validate(json.loads(text_of(tokenizer, run(engine)[f"r{k}"])), schema)
-    assert loads == [1]
 
 
 def test_invalid_grammar_fails_only_its_request(llama_case):
