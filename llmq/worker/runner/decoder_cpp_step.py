@@ -15,6 +15,7 @@ import torch
 
 from llmq.worker.runner.attention import StepMetadata
 from llmq.worker.runner.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
+from llmq.worker.runner.int6_linear import Int6Linear
 from llmq.worker.runner.lora_linear import LoraLinear
 from llmq.worker.runner.lora_slots import StepAdapters
 from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout, Linear
@@ -36,10 +37,15 @@ def _projections(layer: DecoderLayer) -> tuple:
 
 def serves_model(layers: list[DecoderLayer]) -> bool:
     """Whether step_layers can run these layers (uniform scale, eps, activation, widths; each
-    projection float, or int8 or int4 on quantized_linear's kernels)."""
+    projection float, or int8, int6 or int4 on llmq's or torch's integer kernels)."""
     if not all(isinstance(layer.mlp, DenseMLP) for layer in layers):
         return False
-    kinds = (Linear, Int8Linear, Int4Linear)  # exactly: not a checkpoint's permuted kinds
+    kinds = (
+        Linear,
+        Int8Linear,
+        Int6Linear,
+        Int4Linear,
+    )  # exactly: not a checkpoint's permuted kinds
     if not all(type(p) in kinds for layer in layers for p in _projections(layer)):
         return False
     shapes = {
@@ -80,7 +86,7 @@ def layer_tensors(layers: list[DecoderLayer]) -> list[torch.Tensor]:
 def _scales(projection) -> torch.Tensor | None:
     if isinstance(projection, Int8Linear):
         return projection.scale
-    if isinstance(projection, Int4Linear):
+    if isinstance(projection, (Int4Linear, Int6Linear)):
         return projection.scales_and_zeros
     return None
 

@@ -48,6 +48,7 @@ from llmq.worker.runner.quantized_weights import (
     GROUP,
     Int4Blocks,
     Int4Weight,
+    Int6Blocks,
     Int8Weight,
     round_up,
 )
@@ -320,11 +321,18 @@ def int8_linear(weight: Int8Weight, bias: torch.Tensor | None, kernel: bool | No
 def quantized_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, bits: int, kernel: bool | None = None
 ) -> QuantizedLinear:
-    """``weight`` [N, K] (any float dtype) quantized to ``bits`` (8, or 4 where K is a multiple
-    of the group: else 8). ``kernel``: on llmq's integer kernels (None: where they are loaded)."""
-    if bits == 4 and weight.shape[1] % GROUP == 0:
+    """``weight`` [N, K] (any float dtype) quantized to ``bits`` (8; 4 where K is a multiple of
+    the group, 6 there on llmq's kernel: else 8). ``kernel``: on llmq's integer kernels (None:
+    where they are loaded)."""
+    blocks = weight.shape[1] % GROUP == 0
+    if bits == 4 and blocks:
         return Int4Linear(Int4Blocks.quantize(weight), bias, kernel)
-    if bits not in (4, 8):
+    on_kernel = int_kernel_available() if kernel is None else kernel
+    if bits == 6 and blocks and on_kernel and not weight.is_cuda:
+        from llmq.worker.runner.int6_linear import Int6Linear  # it builds on this module's panels
+
+        return Int6Linear(Int6Blocks.quantize(weight), bias)
+    if bits not in (4, 6, 8):
         raise ValueError(f"unsupported weight bits {bits}")
     if weight.is_cuda:
         return int8_linear(Int8Weight.quantize(weight, grouped=False), bias)

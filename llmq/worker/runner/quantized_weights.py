@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,7 @@ class Int4Blocks:
     m_step: torch.Tensor
     sc: torch.Tensor
     m: torch.Tensor
+    LEVELS: ClassVar[int] = 15  # the largest q
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Blocks:
@@ -145,7 +147,7 @@ class Int4Blocks:
         q computed against the stored (coded) ones."""
         n, k = weight.shape
         if k % GROUP:
-            raise ValueError(f"int4 needs input widths in multiples of {GROUP}, not {k}")
+            raise ValueError(f"k-quant blocks need input widths in multiples of {GROUP}, not {k}")
         groups = k // GROUP
         supers = -(-groups // BLOCK_GROUPS)
         dev = weight.device
@@ -160,11 +162,13 @@ class Int4Blocks:
         for rows in _row_chunks(weight):
             w = rows.to(torch.float32, copy=True).view(len(rows), groups, GROUP)
             low, high = w.amin(dim=2), w.amax(dim=2)
-            d, sc = _codes((high - low) / 15, 255)
+            d, sc = _codes((high - low) / cls.LEVELS, 255)
             m_step, m = _codes(low, 127)
             scale = _per_group(d, groups) * sc.float()
             base = _per_group(m_step, groups) * m.float()
-            w.sub_(base[..., None]).div_(scale.clamp(min=1e-30)[..., None]).round_().clamp_(0, 15)
+            w.sub_(base[..., None]).div_(scale.clamp(min=1e-30)[..., None]).round_().clamp_(
+                0, cls.LEVELS
+            )
             end = start + len(rows)
             out.q[start:end] = w.view(len(rows), k)
             out.d[start:end], out.m_step[start:end] = d, m_step
@@ -185,7 +189,7 @@ class Int4Blocks:
         return (q * scale[..., None] + base[..., None]).view(n, k)
 
     def rows(self, ids: torch.Tensor) -> Int4Blocks:
-        return Int4Blocks(*(t[ids] for t in (self.q, self.d, self.m_step, self.sc, self.m)))
+        return type(self)(*(t[ids] for t in (self.q, self.d, self.m_step, self.sc, self.m)))
 
     def as_int4_weight(self) -> Int4Weight:
         """The same weights as ``Int4Weight`` (torch's kernels): scale and zero rounded to
@@ -193,6 +197,18 @@ class Int4Blocks:
         scale, base = self.group_scales()
         zero = base + 8 * scale
         return Int4Weight(self.q, scale.to(ACTIVATIONS), zero.to(ACTIVATIONS))
+
+
+@dataclass(slots=True)
+class Int6Blocks(Int4Blocks):
+    """``Int4Blocks`` with q in 0..63: the tensors a 4-bit model keeps at more bits (as Q4_K_M
+    keeps them in Q6_K), 6.625 bits a weight against the 8.5 of ``Int8Weight`` in groups of 32
+    (``int6_linear``)."""
+
+    LEVELS: ClassVar[int] = 63
+
+    def as_int4_weight(self) -> Int4Weight:
+        raise TypeError("6-bit blocks have no int4 form")
 
 
 def _per_group(steps: torch.Tensor, groups: int) -> torch.Tensor:

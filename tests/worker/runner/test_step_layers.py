@@ -194,7 +194,7 @@ QUANT_CASES = [
 def test_quantized_layers_in_one_call_equal_the_python_loop(
     arch, dtype, scheme, case, request, monkeypatch
 ):
-    """int8 and int4 projections (the int4 plan keeps some at 8 bits) through torch's kernels,
+    """int8 and int4 projections (the int4 plan keeps some at 6 bits, or 8 off llmq's kernels),
     in one call as in the loop; Qwen2's biases added after them."""
     path = request.getfixturevalue(f"{arch}_dir")
     prompts, config = CASES[case]

@@ -60,6 +60,20 @@ constexpr bool kChainedDots = true;
 using NibbleSums = Ints;
 inline NibbleSums add_nibble_dot(NibbleSums acc, Bytes w, int32_t x) { return dot_u8(acc, w, x); }
 inline Ints widen(NibbleSums s) { return s; }
+// 6-bit values (int6_matmul.cpp): a step's low-nibble and high-nibble products, each below
+// 2 * 63 * 127 in a pair.
+inline Ints add_six_dot(Ints acc, Bytes lo, int32_t xlo, Bytes hi, int32_t xhi) {
+  return dot_u8(dot_u8(acc, lo, xlo), hi, xhi);
+}
+inline Bytes or_bytes(Bytes a, Bytes b) { return {_mm512_or_si512(a.v, b.v)}; }
+// Bits 4-5 of each byte of h shifted by Shift (left; right where negative), the rest zero.
+template <int Shift>
+inline Bytes bits_4_5(Bytes h) {
+  __m512i v = h.v;
+  if constexpr (Shift > 0) v = _mm512_slli_epi16(v, Shift);
+  if constexpr (Shift < 0) v = _mm512_srli_epi16(v, -Shift);
+  return {_mm512_and_si512(v, _mm512_set1_epi8(0x30))};
+}
 
 inline Floats floats(float v) { return {_mm512_set1_ps(v)}; }
 inline Floats to_floats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
@@ -159,6 +173,27 @@ inline Ints widen(NibbleSums s) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_madd_epi16(s.lo, ones), _mm256_madd_epi16(s.hi, ones)};
 }
+// 6-bit values (int6_matmul.cpp): a step's low-nibble and high-nibble pair sums added in int16
+// (at most 2 * 2 * 63 * 127 = 32,004: exact), widened once.
+inline Ints add_six_dot(Ints acc, Bytes lo, int32_t xlo, Bytes hi, int32_t xhi) {
+  const __m256i xl = _mm256_set1_epi32(xlo), xh = _mm256_set1_epi32(xhi);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(lo.lo, xl), _mm256_maddubs_epi16(hi.lo, xh));
+  const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(lo.hi, xl), _mm256_maddubs_epi16(hi.hi, xh));
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a, ones)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(b, ones))};
+}
+inline Bytes or_bytes(Bytes a, Bytes b) {
+  return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)};
+}
+template <int Shift>
+inline __m256i shifted_4_5(__m256i v) {
+  if constexpr (Shift > 0) v = _mm256_slli_epi16(v, Shift);
+  if constexpr (Shift < 0) v = _mm256_srli_epi16(v, -Shift);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+template <int Shift>
+inline Bytes bits_4_5(Bytes h) { return {shifted_4_5<Shift>(h.lo), shifted_4_5<Shift>(h.hi)}; }
 
 inline Floats floats(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
 inline Floats to_floats(Ints a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }

@@ -2,7 +2,8 @@
 // quantized types on CPUs: the activations quantized per row to int8 in blocks of 32 (one float
 // scale each), every weight multiplied with them by vpdpbusd on AVX512-VNNI (64 products an
 // instruction, unsigned weights by signed activations) or vpmaddubsw + vpmaddwd on AVX2
-// (int_lanes.h), and each block's integer sum scaled in float32 once.
+// (int_lanes.h), and each block's integer sum scaled in float32 once (what the integer kernels
+// share: int_common.h; 6-bit weights: int6_matmul.cpp).
 //
 // int8 (q8_matmul): weights as quantized_linear.Int8Weight holds them, w = q * scale per group of
 // 32 inputs (float16, as llama.cpp's Q8_0) or per output column (float32: a checkpoint's), q in
@@ -37,99 +38,18 @@
 // at 35-44 GB/s there): at 1 row int4 0.93-1.10x torch's (35-42 GB/s), int8 1.24-1.57x (40-53
 // GB/s); at 16 rows 1.5-2.1x; at 128 rows 2.3-3.5x.
 
-#include "vec.h"  // first: it sets the ISA ATen's headers compile for
+#include "int_common.h"  // first: vec.h sets the ISA ATen's headers compile for
 
-#include "panel_loop.h"
-
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <type_traits>
-#include <vector>
-
-#include "int_lanes.h"
 
 namespace llmq {
 namespace {
 
-constexpr int64_t kCols = 16;   // output columns per panel: one vector of int32 / float lanes
-constexpr int64_t kGroup = 32;  // inputs per weight group and per activation block
-constexpr int64_t kChunkBytes = 64 * 1024;  // weights a thread takes at a time (panel_loop.h)
-// Software prefetch of a pass's weights this far ahead (the hardware's prefetchers alone kept a
-// 2-core Sapphire Rapids Xeon at 8-10 GB/s a thread): the 1B shape's int4 projections 1.08-1.24x
-// faster at 1 row, 1.28-1.40x at 8, 1.03-1.07x at 128; int8's 1.14-1.25x at 8 rows, 1.01-1.10x at
-// 128, 0.92-1.00x at 1 row (already at the memory's pace: it prefetches from 2 rows a pass).
-// `bench/kernel_ab.py --base 7af93a4 --rows 1,8,16,128 --bits 4,8 --rounds 3`. The `lines`
-// cache lines from p + kPrefetchAhead on towards L1:
-constexpr int64_t kPrefetchAhead = 4096;
-inline void prefetch_ahead(const uint8_t* p, int lines) {
-  for (int i = 0; i < lines; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + i * 64), _MM_HINT_T0);
-  }
-}
-
-// A panel's int4 scale bytes: bfloat16 scale and zero per group, or k-quant super-blocks of 8
-// groups (320 bytes each: float16 d and m step [2][16], codes uint8 [8][16] and int8 [8][16]).
-constexpr int64_t kKBlockBytes = 320;
-constexpr int64_t bf16_group_bytes(int64_t groups) { return groups * 2 * kCols * 2; }
-constexpr int64_t k_block_bytes(int64_t groups) { return (groups + 7) / 8 * kKBlockBytes; }
-
-// Rows quantized per block of 32: xq int8 (as int32 words of 4), d, sum(xq) and d * sum(xq).
-struct QuantizedRows {
-  std::vector<int8_t> xq;
-  std::vector<float> d, dsum;
-  std::vector<int32_t> sum;
-  int64_t groups = 0;
-};
-
-// x [rows, k_in] into blocks of 32 over k columns (k_in <= k: the columns past it zero).
-template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedRows& q) {
-  q.groups = k / kGroup;
-  q.xq.resize(rows * k);
-  q.d.resize(rows * q.groups);
-  q.dsum.resize(rows * q.groups);
-  q.sum.resize(rows * q.groups);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float block[kGroup];
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t g = 0; g < q.groups; ++g) {
-        float amax = 0.0f;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          const int64_t col = g * kGroup + i;
-          block[i] = col < k_in ? static_cast<float>(x[r * k_in + col]) : 0.0f;
-          amax = std::max(amax, std::fabs(block[i]));
-        }
-        const float d = amax / 127.0f;
-        const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        int8_t* out = q.xq.data() + r * k + g * kGroup;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          const float v = std::nearbyint(block[i] * inv);  // ties to even, as torch.round
-          out[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-          sum += out[i];
-        }
-        q.d[r * q.groups + g] = d;
-        q.sum[r * q.groups + g] = sum;
-        q.dsum[r * q.groups + g] = d * static_cast<float>(sum);
-      }
-    }
-  });
-}
-
 #if defined(LLMQ_INT_MATMUL)
 using namespace lanes;  // NOLINT: the kernels below are written in its lanes
-
-// Independent integer sums a row keeps in a pass: a lone row's group is a chain of vpdpbusd (5
-// cycles' latency each), which bounded one row's pass to about 22 GB/s of weights read from
-// memory with one sum; few rows split it in two (AVX2's chains are of one-cycle adds).
-template <int R>
-constexpr int kSums = kChainedDots && R <= 4 ? 2 : 1;
 
 // An int4 panel's scales as a checkpoint's: bfloat16 scale and zero [K / 32][2][16].
 struct Bf16Groups {
@@ -139,18 +59,6 @@ struct Bf16Groups {
     const auto* sz = reinterpret_cast<const uint16_t*>(bytes) + g * 2 * kCols;
     scale = load_bf16(sz);
     base = fnmadd(floats(8.0f), scale, load_bf16(sz + kCols));
-  }
-};
-
-// An int4 panel's scales as k-quant super-blocks of 8 groups: [ceil(K / 256)][320 bytes].
-struct KBlocks {
-  const uint8_t* bytes;
-  void at(int64_t g, Floats& scale, Floats& base) const {
-    const uint8_t* block = bytes + (g / 8) * kKBlockBytes;
-    const auto* steps = reinterpret_cast<const uint16_t*>(block);  // d [16], m step [16]
-    const int64_t code = (g % 8) * kCols;
-    scale = mul(load_f16(steps), load_u8(block + 64 + code));
-    base = mul(load_f16(steps + kCols), load_i8(reinterpret_cast<const int8_t*>(block + 192 + code)));
   }
 };
 
@@ -258,55 +166,18 @@ void panel_rows(int64_t rows, const uint8_t* w, const void* scales, const Quanti
   });
 }
 
-// x (quantized into q) through every panel, handed out to the threads as they ask; a panel's
-// scales panel_scale_bytes apart.
+// x (quantized into q) through every panel in form F.
 template <Form F>
-void run_panels(const at::Tensor& x, const QuantizedRows& q, const uint8_t* w, int64_t panel_bytes,
-                const at::Tensor& scales, int64_t panel_scale_bytes, const float* bias,
-                at::Tensor& out, int64_t count, int64_t k) {
-  const int64_t rows = x.size(0), n = out.size(1);
-  const bool bf16 = out.scalar_type() == at::kBFloat16;
-  void* op = out.data_ptr();
-  const auto* scale_bytes = static_cast<const uint8_t*>(scales.const_data_ptr());
-  auto run = [&](int64_t p) {
-    const int64_t col = p * kCols, cols = std::min(kCols, n - col);
-    const uint8_t* wp = w + p * panel_bytes;
-    const void* sp = scale_bytes + p * panel_scale_bytes;
-    const float* b = bias ? bias + col : nullptr;
-    if (bf16) {
-      panel_rows<F>(rows, wp, sp, q, k, b, static_cast<at::BFloat16*>(op) + col, n, cols);
-    } else {
-      panel_rows<F>(rows, wp, sp, q, k, b, static_cast<float*>(op) + col, n, cols);
-    }
-  };
-  for_each_panel(count, run, std::max<int64_t>(1, kChunkBytes / panel_bytes));
+void run_form(const QuantizedRows& q, int64_t rows, const uint8_t* w, int64_t panel_bytes,
+              const at::Tensor& scales, int64_t panel_scale_bytes, const float* bias,
+              at::Tensor& out, int64_t count, int64_t k) {
+  run_panels(w, panel_bytes, scales, panel_scale_bytes, bias, out, count,
+             [&](const uint8_t* wp, const void* sp, const float* b, auto* o, int64_t cols) {
+               panel_rows<F>(rows, wp, sp, q, k, b, o, out.size(1), cols);
+             });
 }
 
-// x quantized per row and block (one buffer per calling thread: a step makes over a hundred
-// calls), the columns past x's zero up to k.
-const QuantizedRows& quantized(const at::Tensor& x, int64_t k) {
-  thread_local QuantizedRows q;
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.const_data_ptr<float>(), x.size(0), x.size(1), k, q);
-  } else {
-    quantize_rows(x.const_data_ptr<at::BFloat16>(), x.size(0), x.size(1), k, q);
-  }
-  return q;
-}
 #endif
-
-void check_call(const char* name, const at::Tensor& x, int64_t k, int64_t count,
-                int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              name, ": x is [M, K] bf16 or float32");
-  TORCH_CHECK(x.size(1) <= k && x.size(1) > k - kGroup, name, ": x has ", x.size(1), " columns, W ",
-              k);
-  TORCH_CHECK(out_features > (count - 1) * kCols && out_features <= count * kCols, name, ": ",
-              out_features, " outputs do not fill ", count, " panels");
-  TORCH_CHECK(!bias || (bias->numel() == out_features && bias->scalar_type() == at::kFloat &&
-                        bias->is_contiguous()),
-              name, ": the bias is [N] float32");
-}
 
 }  // namespace
 
@@ -341,10 +212,10 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   const int64_t panel_bytes = groups * 4 * kCols * 4;
   const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
   if (blocks) {
-    run_panels<Form::kInt4Blocks>(x, quantized(x, k), w, panel_bytes, scales,
+    run_form<Form::kInt4Blocks>(quantized(x, k), x.size(0), w, panel_bytes, scales,
                                   k_block_bytes(groups), b, out, count, k);
   } else {
-    run_panels<Form::kInt4>(x, quantized(x, k), w, panel_bytes, scales,
+    run_form<Form::kInt4>(quantized(x, k), x.size(0), w, panel_bytes, scales,
                             bf16_group_bytes(groups), b, out, count, k);
   }
 #endif
@@ -374,10 +245,10 @@ at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   const int64_t panel_bytes = groups * 8 * kCols * 4;
   const uint8_t* w = panels.const_data_ptr<uint8_t>();
   if (grouped) {
-    run_panels<Form::kInt8Grouped>(x, quantized(x, k), w, panel_bytes, scales, groups * kCols * 2,
+    run_form<Form::kInt8Grouped>(quantized(x, k), x.size(0), w, panel_bytes, scales, groups * kCols * 2,
                                    b, out, count, k);
   } else {
-    run_panels<Form::kInt8Channel>(x, quantized(x, k), w, panel_bytes, scales, kCols * 4, b, out,
+    run_form<Form::kInt8Channel>(quantized(x, k), x.size(0), w, panel_bytes, scales, kCols * 4, b, out,
                                    count, k);
   }
 #endif

@@ -22,6 +22,9 @@ at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels, int64_t o
                         const std::optional<at::Tensor>& bias);
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias);
+at::Tensor q6_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                     int64_t out_features, const std::optional<at::Tensor>& bias);
+bool int_matmul_available();
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias);
 // layout: packed_linear.LAYOUT_CODES' (plain, oneDNN's packed, llmq's panels) for float weights;

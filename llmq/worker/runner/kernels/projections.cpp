@@ -1,6 +1,7 @@
 // A step's projections, as packed_linear.Linear and quantized_linear's Int8Linear and Int4Linear
 // compute them (step_layers.cpp calls them for every layer): float weights in llmq's panels,
-// packed for oneDNN or plain; int8 and int4 weights on torch's weight-only kernels.
+// packed for oneDNN or plain; int8, int6 and int4 weights on llmq's integer kernels or torch's
+// weight-only ones.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -67,8 +68,9 @@ at::Tensor project_float(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // kernel, the output cut to its width (int4 pads it), back to x's dtype, then the bias.
 at::Tensor project_quantized(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                              const at::Tensor& scale, int64_t out_features) {
-  if (w.dim() == 5) {  // llmq's panels: [P, K / 32, 4 (int4) or 8 (int8), 16, 4]
+  if (w.dim() == 5) {  // llmq's panels: [P, K / 32, 4 (int4), 6 (int6) or 8 (int8), 16, 4]
     if (w.size(2) == 4) return llmq::q4_matmul(x, w, scale, out_features, bias_of(b));
+    if (w.size(2) == 6) return llmq::q6_matmul(x, w, scale, out_features, bias_of(b));
     return llmq::q8_matmul(x, w, scale, out_features, bias_of(b));
   }
   at::Tensor a = x.to(at::kBFloat16);

@@ -1,0 +1,68 @@
+"""6-bit projections (``Int6Blocks``) on llmq's integer kernel (``kernels/int6_matmul.cpp``): the
+tensors a 4-bit model keeps at more bits, as llama.cpp's Q4_K_M keeps them in Q6_K.
+
+The panels ``q6_matmul`` takes, [P, K / 32, 6, 16, 4] bytes: a group's values' low nibbles as
+``q4_panels`` lays them out (parts 0-3), then their top two bits (parts 4-5: byte i of a column
+in part j holds, from its low bits up, those of step 2j's low and high nibble, then step
+2j + 1's); the scales are ``Int4Blocks``' super-blocks (``_k_blocks``). Where the kernel is not
+loaded (no AVX2), or on CUDA, the tensors take int8 instead (``quantized_linear``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmq.worker.runner.quantized_linear import (
+    _PANEL_COLS,
+    _k_blocks,
+    _kernel_bias,
+    _on_kernel,
+    _panel_rows,
+    _q4_nibbles,
+)
+from llmq.worker.runner.quantized_weights import GROUP, Int6Blocks, round_up
+
+_NIBBLE_PARTS = 4  # a group's 64-byte parts of low nibbles; two more hold the top bits
+
+
+def q6_panels(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """q [N, K] in 0..63 (output channels padded to ``rows``) as q6_matmul's panels."""
+    n, k = q.shape
+    groups = k // GROUP
+    packed = torch.empty(rows // _PANEL_COLS, groups, 6, _PANEL_COLS, 4, dtype=torch.uint8)
+    packed[:, :, :_NIBBLE_PARTS] = _q4_nibbles(q.to(torch.uint8) & 15, rows)
+    for start, part in _panel_rows(q, rows):
+        # [panel, column, group, part j, step in part, nibble half, i]
+        top = (part.to(torch.uint8) >> 4).view(-1, _PANEL_COLS, groups, 2, 2, 2, 4)
+        fields = top[..., 0, 0, :] | top[..., 0, 1, :] << 2
+        fields |= top[..., 1, 0, :] << 4 | top[..., 1, 1, :] << 6
+        first = start // _PANEL_COLS
+        packed[first : first + len(fields), :, _NIBBLE_PARTS:] = fields.permute(0, 2, 3, 1, 4)
+    return packed
+
+
+class Int6Linear:
+    """``y = x @ dequantize(weight).T + bias`` for 2-D ``x`` through ``q6_matmul``: activations
+    quantized to int8 per block of 32, as ``Int4Linear``'s on llmq's kernel; output channels
+    padded to a multiple of 16 with zero rows."""
+
+    bits = 6
+
+    def __init__(self, weight: Int6Blocks, bias: torch.Tensor | None):
+        n, k = weight.q.shape
+        self.out_features, self.in_features = n, k
+        rows = round_up(n, _PANEL_COLS)
+        self.kernel = True
+        self.packed = q6_panels(weight.q, rows)
+        self.scales_and_zeros = _k_blocks(weight, rows)
+        self.bias = _kernel_bias(bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _on_kernel(torch.ops.llmq.q6_matmul, x, self.packed, self.scales_and_zeros, self)
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes

@@ -1,0 +1,123 @@
+// 6-bit projections (W6A8), for the tensors a 4-bit model keeps at more bits, as llama.cpp's
+// Q4_K_M keeps them in Q6_K: w = scale * q + base per group of 32 input columns, q in 0..63, the
+// scales in k-quant super-blocks as int4's (int_common.h's KBlocks: scale = d * sc, base =
+// m_step * m; quantized_weights.Int6Blocks). 6.625 bits a weight against the 8.5 of int8 in
+// groups of 32, with the activations quantized per row as int_matmul.cpp's.
+//
+// Panels of 16 output columns, [P][K / 32][6][16][4] bytes: a group's first 4 x 64 bytes hold
+// its values' low nibbles as int4's panels do (step c's byte i of a column: input 8c + i low,
+// 8c + 4 + i high), its last 2 x 64 bytes their top two bits: byte i of a column in part j holds,
+// from its low bits up, those of step 2j's low and high nibble, then step 2j + 1's. Each step's
+// values are put together in registers (an or of the nibbles with the bits shifted to 4-5) and
+// multiplied with the activations as unsigned bytes, as int4's: vpdpbusd on AVX512-VNNI,
+// vpmaddubsw + vpmaddwd on AVX2 (int_lanes.h's add_six_dot).
+
+#include "int_common.h"  // first: vec.h sets the ISA ATen's headers compile for
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace llmq {
+namespace {
+
+constexpr int64_t kSixParts = 6;  // 64-byte parts of a panel's group: 4 of nibbles, 2 of top bits
+
+#if defined(LLMQ_INT_MATMUL)
+using namespace lanes;  // NOLINT: the kernel below is written in its lanes
+
+// Step `step` of a group's 6-bit values (their nibbles v, their top bits at 4-5: lo_top, hi_top)
+// times rows [0, R) of the activations' words from `word`.
+template <int R, int S>
+inline void six_step(Ints (&isum)[R][S], Bytes v, Bytes lo_top, Bytes hi_top, const int32_t* words,
+                     int64_t row_words, int64_t word) {
+  const Bytes lo = or_bytes(low_nibbles(v), lo_top), hi = or_bytes(high_nibbles(v), hi_top);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* xr = words + r * row_words + word;
+    isum[r][word / 2 % S] = add_six_dot(isum[r][word / 2 % S], lo, xr[0], hi, xr[1]);
+  }
+}
+
+// Rows [0, R) of the quantized x (from row `row`) through one 6-bit panel; out's columns
+// [0, cols).
+template <int R, typename O>
+void q6_pass(const uint8_t* w, KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
+             const float* bias, O* out, int64_t out_stride, int64_t cols) {
+  constexpr int S = kSums<R>;
+  const auto* words = reinterpret_cast<const int32_t*>(x.xq.data() + row * k);
+  const int64_t row_words = k / 4, groups = x.groups;
+  const float* d = x.d.data() + row * groups;
+  const float* dsum = x.dsum.data() + row * groups;
+  Floats acc[R], acc_base[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc_base[r] = floats(0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gw = w + g * kSixParts * 64;
+    Ints isum[R][S];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < S; ++i) isum[r][i] = ints(0);
+    prefetch_ahead(gw, kSixParts);
+    for (int64_t j = 0; j < 2; ++j) {
+      const Bytes top = load_bytes(gw + (4 + j) * 64);
+      const int64_t word = g * 8 + j * 4;
+      six_step(isum, load_bytes(gw + 2 * j * 64), bits_4_5<4>(top), bits_4_5<2>(top), words,
+               row_words, word);
+      six_step(isum, load_bytes(gw + (2 * j + 1) * 64), bits_4_5<0>(top), bits_4_5<-2>(top),
+               words, row_words, word + 2);
+    }
+    Floats scale, base;
+    scales.at(g, scale, base);
+    for (int r = 0; r < R; ++r) {
+      Ints total = isum[r][0];
+      if constexpr (S == 2) total = add(total, isum[r][1]);
+      acc[r] = fmadd(total, mul(scale, floats(d[r * groups + g])), acc[r]);
+      acc_base[r] = fmadd(base, floats(dsum[r * groups + g]), acc_base[r]);
+    }
+  }
+  const Floats b = bias != nullptr ? load_first(bias, cols) : floats(0.0f);
+  for (int r = 0; r < R; ++r) store_first(add(add(acc[r], acc_base[r]), b), out + r * out_stride, cols);
+}
+#endif
+
+}  // namespace
+
+// x [M, K'] (bfloat16 or float32; K' within 32 of K) times the 6-bit panels with their k-quant
+// super-blocks [P, ceil(K / 256), 320] (uint8), plus bias [N] (float32): [M, N] in x's dtype.
+at::Tensor q6_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
+                     int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(int_matmul_available(), "q6_matmul: this build has neither AVX512-VNNI nor AVX2");
+  TORCH_CHECK(panels.dim() == 5 && panels.scalar_type() == at::kByte &&
+                  panels.size(2) == kSixParts && panels.size(3) == kCols && panels.size(4) == 4 &&
+                  panels.is_contiguous(),
+              "q6_matmul: panels are [P, K / 32, 6, 16, 4] uint8, contiguous");
+  const int64_t count = panels.size(0), groups = panels.size(1), k = groups * kGroup;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte &&
+                  scales.nbytes() == count * k_block_bytes(groups),
+              "q6_matmul: scales are [P, ceil(K / 256), 320] uint8, contiguous");
+  check_call("q6_matmul", x_in, k, count, out_features, bias);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+#if defined(LLMQ_INT_MATMUL)
+  const QuantizedRows& q = quantized(x, k);
+  const int64_t rows = x.size(0), n = out_features;
+  run_panels(panels.const_data_ptr<uint8_t>(), groups * kSixParts * 64, scales,
+             k_block_bytes(groups), bias ? bias->const_data_ptr<float>() : nullptr, out, count,
+             [&](const uint8_t* wp, const void* sp, const float* b, auto* o, int64_t cols) {
+               const KBlocks blocks{static_cast<const uint8_t*>(sp)};
+               in_row_passes(rows, [&](int64_t r0, auto pass) {
+                 constexpr int R = decltype(pass)::value;
+                 q6_pass<R>(wp, blocks, q, r0, k, b, o + r0 * n, n, cols);
+               });
+             });
+#endif
+  return out;
+}
+
+}  // namespace llmq
+
+TORCH_LIBRARY_FRAGMENT(llmq, m) {
+  m.def(
+      "q6_matmul(Tensor x, Tensor panels, Tensor scales, int out_features, Tensor? bias) -> "
+      "Tensor");
+  m.impl("q6_matmul", c10::DispatchKey::CPU, &llmq::q6_matmul);
+}

@@ -1,0 +1,161 @@
+// What the integer kernels share (int_matmul.cpp: int4 and int8; int6_matmul.cpp: 6-bit): the
+// panels' shape, the activations quantized per row in blocks of 32, the k-quant super-blocks of
+// scales, the software prefetch and the arguments' checks. See int_matmul.cpp for the method.
+#pragma once
+
+#include "vec.h"  // first: it sets the ISA ATen's headers compile for
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "int_lanes.h"
+#include "panel_loop.h"
+
+namespace llmq {
+namespace {
+
+constexpr int64_t kCols = 16;   // output columns per panel: one vector of int32 / float lanes
+constexpr int64_t kGroup = 32;  // inputs per weight group and per activation block
+constexpr int64_t kChunkBytes = 64 * 1024;  // weights a thread takes at a time (panel_loop.h)
+// Software prefetch of a pass's weights this far ahead (the hardware's prefetchers alone kept a
+// 2-core Sapphire Rapids Xeon at 8-10 GB/s a thread): the 1B shape's int4 projections 1.08-1.24x
+// faster at 1 row, 1.28-1.40x at 8, 1.03-1.07x at 128; int8's 1.14-1.25x at 8 rows, 1.01-1.10x at
+// 128, 0.92-1.00x at 1 row (already at the memory's pace: it prefetches from 2 rows a pass).
+// `bench/kernel_ab.py --base 7af93a4 --rows 1,8,16,128 --bits 4,8 --rounds 3`. The `lines`
+// cache lines from p + kPrefetchAhead on towards L1:
+constexpr int64_t kPrefetchAhead = 4096;
+inline void prefetch_ahead(const uint8_t* p, int lines) {
+  for (int i = 0; i < lines; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + i * 64), _MM_HINT_T0);
+  }
+}
+
+// A panel's int4 scale bytes: bfloat16 scale and zero per group, or k-quant super-blocks of 8
+// groups (320 bytes each: float16 d and m step [2][16], codes uint8 [8][16] and int8 [8][16]).
+constexpr int64_t kKBlockBytes = 320;
+constexpr int64_t bf16_group_bytes(int64_t groups) { return groups * 2 * kCols * 2; }
+constexpr int64_t k_block_bytes(int64_t groups) { return (groups + 7) / 8 * kKBlockBytes; }
+
+// Rows quantized per block of 32: xq int8 (as int32 words of 4), d, sum(xq) and d * sum(xq).
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> d, dsum;
+  std::vector<int32_t> sum;
+  int64_t groups = 0;
+};
+
+// x [rows, k_in] into blocks of 32 over k columns (k_in <= k: the columns past it zero).
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedRows& q) {
+  q.groups = k / kGroup;
+  q.xq.resize(rows * k);
+  q.d.resize(rows * q.groups);
+  q.dsum.resize(rows * q.groups);
+  q.sum.resize(rows * q.groups);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    float block[kGroup];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < q.groups; ++g) {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          const int64_t col = g * kGroup + i;
+          block[i] = col < k_in ? static_cast<float>(x[r * k_in + col]) : 0.0f;
+          amax = std::max(amax, std::fabs(block[i]));
+        }
+        const float d = amax / 127.0f;
+        const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        int8_t* out = q.xq.data() + r * k + g * kGroup;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          const float v = std::nearbyint(block[i] * inv);  // ties to even, as torch.round
+          out[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+          sum += out[i];
+        }
+        q.d[r * q.groups + g] = d;
+        q.sum[r * q.groups + g] = sum;
+        q.dsum[r * q.groups + g] = d * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+#if defined(LLMQ_INT_MATMUL)
+// An int4 or int6 panel's scales as k-quant super-blocks of 8 groups: [ceil(K / 256)][320 bytes].
+struct KBlocks {
+  using Floats = lanes::Floats;
+  const uint8_t* bytes;
+  void at(int64_t g, Floats& scale, Floats& base) const {
+    const uint8_t* block = bytes + (g / 8) * kKBlockBytes;
+    const auto* steps = reinterpret_cast<const uint16_t*>(block);  // d [16], m step [16]
+    const int64_t code = (g % 8) * kCols;
+    scale = lanes::mul(lanes::load_f16(steps), lanes::load_u8(block + 64 + code));
+    base = lanes::mul(lanes::load_f16(steps + kCols), lanes::load_i8(reinterpret_cast<const int8_t*>(block + 192 + code)));
+  }
+};
+
+// x quantized per row and block (one buffer per calling thread: a step makes over a hundred
+// calls), the columns past x's zero up to k.
+const QuantizedRows& quantized(const at::Tensor& x, int64_t k) {
+  thread_local QuantizedRows q;
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.const_data_ptr<float>(), x.size(0), x.size(1), k, q);
+  } else {
+    quantize_rows(x.const_data_ptr<at::BFloat16>(), x.size(0), x.size(1), k, q);
+  }
+  return q;
+}
+
+// Independent integer sums a row keeps in a pass: a lone row's group is a chain of vpdpbusd (5
+// cycles' latency each), which bounded one row's pass to about 22 GB/s of weights read from
+// memory with one sum; few rows split it in two (AVX2's chains are of one-cycle adds).
+template <int R>
+constexpr int kSums = lanes::kChainedDots && R <= 4 ? 2 : 1;
+
+// Every panel of a projection through through(panel's weights, its scales, its bias or null,
+// out at its first column (float or bfloat16), its columns), handed out to the threads as they
+// ask; a panel's scales panel_scale_bytes apart.
+template <typename Through>
+void run_panels(const uint8_t* w, int64_t panel_bytes, const at::Tensor& scales,
+                int64_t panel_scale_bytes, const float* bias, at::Tensor& out, int64_t count,
+                const Through& through) {
+  const int64_t n = out.size(1);
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  void* op = out.data_ptr();
+  const auto* scale_bytes = static_cast<const uint8_t*>(scales.const_data_ptr());
+  auto run = [&](int64_t p) {
+    const int64_t col = p * kCols, cols = std::min(kCols, n - col);
+    const uint8_t* wp = w + p * panel_bytes;
+    const void* sp = scale_bytes + p * panel_scale_bytes;
+    const float* b = bias ? bias + col : nullptr;
+    if (bf16) {
+      through(wp, sp, b, static_cast<at::BFloat16*>(op) + col, cols);
+    } else {
+      through(wp, sp, b, static_cast<float*>(op) + col, cols);
+    }
+  };
+  for_each_panel(count, run, std::max<int64_t>(1, kChunkBytes / panel_bytes));
+}
+
+#endif
+
+void check_call(const char* name, const at::Tensor& x, int64_t k, int64_t count,
+                int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              name, ": x is [M, K] bf16 or float32");
+  TORCH_CHECK(x.size(1) <= k && x.size(1) > k - kGroup, name, ": x has ", x.size(1), " columns, W ",
+              k);
+  TORCH_CHECK(out_features > (count - 1) * kCols && out_features <= count * kCols, name, ": ",
+              out_features, " outputs do not fill ", count, " panels");
+  TORCH_CHECK(!bias || (bias->numel() == out_features && bias->scalar_type() == at::kFloat &&
+                        bias->is_contiguous()),
+              name, ": the bias is [N] float32");
+}
+
+}  // namespace
+}  // namespace llmq
