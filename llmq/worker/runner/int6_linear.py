@@ -41,6 +41,17 @@ def q6_panels(q: torch.Tensor, rows: int) -> torch.Tensor:
     return packed
 
 
+def _panel_values(lanes: torch.Tensor) -> torch.Tensor:
+    """Columns' bytes out of the panels, [n, K / 32, 6, 4], as their q [n, K]."""
+    n, groups = lanes.shape[:2]
+    nibbles = lanes[:, :, :_NIBBLE_PARTS]
+    low = torch.stack([nibbles & 15, nibbles >> 4], dim=3)  # [n, G, step, half, i]
+    top = lanes[:, :, _NIBBLE_PARTS:]  # [n, G, j, i]
+    fields = torch.stack([top >> shift & 3 for shift in (0, 2, 4, 6)], dim=3)
+    high = fields.view(n, groups, 2, 2, 2, 4).reshape(n, groups, 4, 2, 4)
+    return (low | high << 4).reshape(n, groups * GROUP)
+
+
 class Int6Linear:
     """``y = x @ dequantize(weight).T + bias`` for 2-D ``x`` through ``q6_matmul``: activations
     quantized to int8 per block of 32, as ``Int4Linear``'s on llmq's kernel; output channels
@@ -60,6 +71,25 @@ class Int6Linear:
     @property
     def weight(self) -> torch.Tensor:
         return self.packed
+
+    def rows(self, ids: torch.Tensor) -> Int6Blocks:
+        """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
+        panel, lane = ids // _PANEL_COLS, ids % _PANEL_COLS
+        q = _panel_values(self.packed[panel, :, :, lane])
+        blocks = self.scales_and_zeros[panel]  # [n, S, 320]: d, m step [16]; sc, m [8][16]
+        n, supers = blocks.shape[:2]
+        picked = torch.arange(n)
+
+        def steps(offset: int) -> torch.Tensor:
+            halves = blocks[:, :, offset : offset + 32].contiguous().view(torch.float16)
+            return halves.view(n, supers, _PANEL_COLS)[picked, :, lane]
+
+        def codes(offset: int, dtype: torch.dtype) -> torch.Tensor:
+            part = blocks[:, :, offset : offset + 128].contiguous().view(dtype)
+            lanes = part.view(n, supers, 8, _PANEL_COLS)[picked, :, :, lane]
+            return lanes.reshape(n, -1)[:, : self.in_features // GROUP]
+
+        return Int6Blocks(q, steps(0), steps(32), codes(64, torch.uint8), codes(192, torch.int8))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _on_kernel(torch.ops.llmq.q6_matmul, x, self.packed, self.scales_and_zeros, self)

@@ -8,13 +8,11 @@ head and embedding table in 8 or 4 bits (``quantized_linear``; on CUDA int8 and 
 - ``int4``: projections 4-bit in groups of 32 (``Int4Blocks``: a group's scale and base coded
   in 8 bits per super-block of 256, 4.625 bits a weight), except the tensors kept at 6 bits
   (``Int6Blocks``, 6.625 bits a weight; int8 where llmq's kernels do not serve), as Q4_K_M
-  keeps them in Q6_K (``llama_tensor_get_type``): in the layers llama.cpp's ``use_more_bits``
-  picks (the first and last eighth, every third between) the down projection (``ffn_down``) and
-  the query/key/value projection (``attn_v``: fused here with q and k, which take the same
-  kernel call). The head (``output.weight``, Q6_K in Q4_K_M) stays at 8 bits: on the 1B shape
-  the plan's KL to bfloat16 is 0.08915 so and 0.0913 with a 6-bit head (23 MiB less), against
-  Q4_K_M's 0.08924 (``bench/quant_quality.py``). The embedding table is 4-bit in groups of 32
-  (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's 8-bit table.
+  keeps them in Q6_K (``llama_tensor_get_type``): the head (``output.weight``), and in the
+  layers llama.cpp's ``use_more_bits`` picks (the first and last eighth, every third between) the
+  down projection (``ffn_down``) and the query/key/value projection (``attn_v``: fused here
+  with q and k, which take the same kernel call). The embedding table is 4-bit in groups of 32
+  (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's table.
   ``bench/quant_quality.py --sensitivity`` measures the KL each role adds at 4 bits.
 - ``fp8``: the projections in float8 e4m3 (``Fp8Linear``), the head and embedding table kept
   float, as vLLM's fp8.
@@ -36,6 +34,7 @@ import torch
 
 from llmq.worker.runner import decoder_cpp_step, mapped_pages
 from llmq.worker.runner.dynamic_quantized import Fp8Linear, Int8DynamicLinear
+from llmq.worker.runner.int6_linear import Int6Linear
 from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.quantized_linear import (
     GROUP,
@@ -55,8 +54,8 @@ ROLES = ("qkv", "o", "gate_up", "down", "head", "embed")
 # head and embedding)
 BitsPlan = Callable[[int, int, str], int]  # 4, 6, 8 or 16
 _DENSE = ("gate_up_proj", "down_proj")
-# int8 heads whose rows a tied embedding table reads (``rows(ids)``)
-_INT8_HEADS = (Int8Linear, Int8DynamicLinear)
+# heads whose rows a tied embedding table reads (``rows(ids)``)
+_ROW_HEADS = (Int8Linear, Int8DynamicLinear, Int6Linear)
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -71,7 +70,7 @@ def int8_plan(layer: int, layers: int, role: str) -> int:
 
 def int4_plan(layer: int, layers: int, role: str) -> int:
     if role == "head":
-        return 8
+        return 6
     if role in ("qkv", "down") and more_bits(layer, layers):
         return 6
     return 4
@@ -104,7 +103,7 @@ class QuantizedEmbedding(torch.nn.Module):
         self.dtype = dtype
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
         # An Int8Weight, or a tied head's Int8Linear (its rows are the table's)
-        self.int8 = weight if isinstance(weight, (Int8Weight, *_INT8_HEADS)) else None
+        self.int8 = weight if isinstance(weight, (Int8Weight, *_ROW_HEADS)) else None
         self.int4 = None
         if isinstance(weight, Int4Blocks):
             q = weight.q.to(torch.uint8)
@@ -244,7 +243,7 @@ def _quantize_head_and_embedding(forward, quantizer) -> None:
     quantized = quantizer.linear(-1, "head", forward.lm_head)
     table = embedding.weight.detach()
     # Tied to an int8 head, one table: the head's rows are the embedding's.
-    one_table = tied and isinstance(quantized, _INT8_HEADS)
+    one_table = tied and isinstance(quantized, _ROW_HEADS)
     weight = quantized if one_table else quantizer.embedding(table)
     if quantized is not None:
         forward.lm_head = quantized

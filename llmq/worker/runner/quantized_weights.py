@@ -161,8 +161,8 @@ class Int4Blocks:
         start = 0
         for rows in _row_chunks(weight):
             w = rows.to(torch.float32, copy=True).view(len(rows), groups, GROUP)
-            low, high = w.amin(dim=2), w.amax(dim=2)
-            d, sc = _codes((high - low) / cls.LEVELS, 255)
+            step, low = _fitted_steps(w, cls.LEVELS)
+            d, sc = _codes(step, 255)
             m_step, m = _codes(low, 127)
             scale = _per_group(d, groups) * sc.float()
             base = _per_group(m_step, groups) * m.float()
@@ -209,6 +209,35 @@ class Int6Blocks(Int4Blocks):
 
     def as_int4_weight(self) -> Int4Weight:
         raise TypeError("6-bit blocks have no int4 form")
+
+
+REFITS = 2  # least-squares refits of a group's step and base (see _fitted_steps)
+
+
+def _fitted_steps(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's step and base (the value of q = 0) for w [N, G, 32]: min/max, then refitted
+    ``REFITS`` times by least squares to the values rounded against the last fit (as llama.cpp's
+    ``make_qkx2_quants`` refits its candidates). Random weights' mean squared error: 0.88x
+    min/max's at 4 bits, 0.89x at 6 (three refits: 0.87x, 0.88x)."""
+    low = w.amin(dim=2)
+    step = (w.amax(dim=2) - low) / levels
+    n, sum_w = w.shape[2], w.sum(2)
+    # One buffer for q, its sums as batched dot products: a fresh tensor a pass (page faults on
+    # new memory) took 4-5x the time of the arithmetic.
+    q = torch.empty_like(w)
+    rows, cols = q.view(-1, 1, n), w.view(-1, n, 1)
+    for _ in range(REFITS):
+        torch.sub(w, low[..., None], out=q)
+        q.div_(step.clamp(min=1e-30)[..., None]).round_().clamp_(0, levels)
+        sum_q = q.sum(2)
+        sum_qq = torch.bmm(rows, q.view(-1, n, 1)).view_as(sum_q)
+        sum_qw = torch.bmm(rows, cols).view_as(sum_q)
+        det = n * sum_qq - sum_q * sum_q
+        fit = det > 0  # not all one value
+        new_step = (n * sum_qw - sum_q * sum_w) / det.clamp(min=1e-30)
+        step = torch.where(fit, new_step.clamp(min=0), step)
+        low = torch.where(fit, (sum_w - step * sum_q) / n, low)
+    return step, low
 
 
 def _per_group(steps: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """llmq's 6-bit kernel (``q6_matmul``; AVX512-VNNI or AVX2): the product of the activations as
 they are quantized (int8 per row and block of 32) with the dequantized ``Int6Blocks``, over odd
 shapes, both dtypes and a bias; its largest integer sums exact; a row's bits independent of its
-batch; int8 where the kernel does not serve."""
+batch; a tied table's rows read back from the panels; int8 where the kernel does not serve."""
 
 from __future__ import annotations
 
@@ -116,3 +116,13 @@ def test_six_bits_hold_a_weight_far_closer_than_four():
     six = (Int6Blocks.quantize(weight).dequantize() - weight).pow(2).mean()
     four = (Int4Blocks.quantize(weight).dequantize() - weight).pow(2).mean()
     assert 0.04 < float(six / four) < 0.08, float(six / four)
+
+
+def test_the_panels_give_back_the_rows_a_tied_table_reads():
+    gen = torch.Generator().manual_seed(3)
+    weight = _blocks(1037, 288, gen)
+    linear = Int6Linear(weight, None)
+    ids = torch.tensor([0, 15, 16, 1036, 511, 15])
+    got, want = linear.rows(ids), weight.rows(ids)
+    for field in ("q", "d", "m_step", "sc", "m"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field

@@ -126,7 +126,7 @@ def test_embedding_rows_are_the_dequantized_table(four):
 def test_int4_plan_keeps_llama_cpp_sensitive_tensors_at_6_bits():
     # llama.cpp's use_more_bits for 16 layers: the first and last two, and 4, 7, 10, 13.
     assert [i for i in range(16) if more_bits(i, 16)] == [0, 1, 4, 7, 10, 13, 14, 15]
-    assert int4_plan(-1, 16, "head") == 8
+    assert int4_plan(-1, 16, "head") == 6
     assert int4_plan(-1, 16, "embed") == 4
     assert int4_plan(4, 16, "down") == int4_plan(4, 16, "qkv") == 6
     assert int4_plan(4, 16, "gate_up") == int4_plan(4, 16, "o") == 4
@@ -158,16 +158,17 @@ def test_quantized_forward_frees_float_weights_and_shares_a_tied_table(scheme, t
     assert forward.layout == scheme
     layer = forward.layers[1]  # the last layer: more bits in int4's plan (6 on llmq's kernel)
     more = 6 if scheme == "int4" and int_kernel_available() else 8
-    assert layer.mlp.down_proj.bits == more and forward.lm_head.bits == 8
+    assert layer.mlp.down_proj.bits == more and forward.lm_head.bits == more
     assert forward.layers[0].mlp.gate_up_proj.bits == (4 if scheme == "int4" else 8)
     # The model keeps no float projection, head or embedding weights: only norms.
     left = [n for n, p in model.named_parameters() if p.numel() and "norm" not in n]
     assert left == []
     embedding = model.model.embed_tokens
     assert isinstance(embedding, QuantizedEmbedding)
-    if tied:  # one 8-bit table for both
-        assert embedding.int8.q.data_ptr() == forward.lm_head.q.data_ptr()
+    if tied:  # one table for both: the head's
+        assert embedding.int8 is forward.lm_head
     ids = torch.tensor([1, 2, 199])
     err = (embedding(ids) - table[ids]).abs().max()
-    steps = 7.5 if embedding.int8 is None else 127  # half a step: the largest rounding
+    bits = 4 if embedding.int8 is None else getattr(embedding.int8, "bits", 8)
+    steps = {4: 7.5, 6: 31.5, 8: 127}[bits]  # half a step: the largest rounding
     assert float(err) <= 0.51 * float(table.abs().max()) / steps
