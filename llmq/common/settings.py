@@ -39,8 +39,8 @@ class Settings(BaseSettings):
         "none",
         description="Weights quantized at load (on llmq's fast forward: the families it "
         "serves): int8, int8 weights with a scale per group of 32 (Q8_0's form; per channel on "
-        "CUDA); int4, 4-bit in groups of 32 with the head and Q4_K_M's sensitive tensors at 8 "
-        "bits; fp8, float8 e4m3 projections with a scale per channel, the activations quantized "
+        "CUDA); int4, 4-bit in groups of 32 with the head and the tensors Q4_K_M keeps in Q6_K "
+        "at 6 bits (8 where llmq's integer kernels do not serve); fp8, float8 e4m3 projections with a scale per channel, the activations quantized "
         "to float8 per row (vLLM's fp8; a GPU of compute capability 8.9+). On a CPU with "
         "AVX512-VNNI or AVX2 the activations are quantized to int8 per block of 32 (W8A8, "
         "W4A8), else "
