@@ -16,7 +16,6 @@ lost, so ``/proc/self/pagemap`` is read first and such a range kept.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import mmap
@@ -33,20 +32,26 @@ _PRESENT = 1 << 63
 _FILE_PAGE = 1 << 61  # pagemap: a page of a file (or shared); cleared once copied on write
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """(start, end) of each private mapping of a regular file, sorted."""
-    spans = []
+def _file_mapping_of(address: int) -> tuple[int, int] | None:
+    """(start, end) of the private mapping of a regular file that holds ``address``; None where
+    another kind of memory holds it. Only the line that holds it is parsed further: parsing and
+    checking every line (785 with torch's and transformers' libraries mapped) took 5 ms a call,
+    and building the 1B shape's int4 forward makes 367."""
     with open("/proc/self/maps") as maps:
         for line in maps:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[1].endswith("p"):
+            span, _, rest = line.partition(" ")
+            low, _, high = span.partition("-")
+            start, end = int(low, 16), int(high, 16)
+            if not start <= address < end:
                 continue
-            path = parts[5].rstrip("\n")
+            parts = rest.split(maxsplit=4)  # perms, offset, device, inode, path
+            if len(parts) < 5 or not parts[0].endswith("p"):
+                return None
+            path = parts[4].rstrip("\n")
             if path.startswith("/dev/") or not os.path.isfile(path):
-                continue
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            spans.append((start, end))
-    return sorted(spans)
+                return None
+            return start, end
+    return None
 
 
 def release(tensor: torch.Tensor) -> int:
@@ -63,12 +68,11 @@ def release(tensor: torch.Tensor) -> int:
     if end <= start:
         return 0
     try:
-        spans = _file_mappings()
+        span = _file_mapping_of(first)
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:  # no /proc: nothing is released
         return 0
-    i = bisect.bisect_right([s for s, _ in spans], first) - 1
-    if i < 0 or last > spans[i][1]:
+    if span is None or last > span[1]:
         return 0
     if _written(start, end):
         log.debug("pages written since mapped: kept")
