@@ -4,7 +4,7 @@ tensors a 4-bit model keeps at more bits, as llama.cpp's Q4_K_M keeps them in Q6
 The panels ``q6_matmul`` takes, [P, K / 32, 6, 16, 4] bytes: a group's values' low nibbles as
 ``q4_panels`` lays them out (parts 0-3), then their top two bits (parts 4-5: byte i of a column
 in part j holds, from its low bits up, those of step 2j's low and high nibble, then step
-2j + 1's); the scales are ``Int4Blocks``' super-blocks (``_k_blocks``). Where the kernel is not
+2j + 1's); the scales are ``Int4Blocks``' super-blocks (``k_blocks``). Where the kernel is not
 loaded (no AVX2), or on CUDA, the tensors take int8 instead (``quantized_linear``).
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 
 from llmq.worker.runner.quantized_linear import (
-    _PANEL_COLS,
-    _k_blocks,
-    _kernel_bias,
-    _on_kernel,
-    _panel_rows,
-    _q4_nibbles,
+    PANEL_COLS,
+    k_blocks,
+    kernel_bias,
+    on_kernel,
+    panel_rows,
+    q4_nibbles,
 )
 from llmq.worker.runner.quantized_weights import GROUP, Int6Blocks, round_up
 
@@ -29,14 +29,14 @@ def q6_panels(q: torch.Tensor, rows: int) -> torch.Tensor:
     """q [N, K] in 0..63 (output channels padded to ``rows``) as q6_matmul's panels."""
     n, k = q.shape
     groups = k // GROUP
-    packed = torch.empty(rows // _PANEL_COLS, groups, 6, _PANEL_COLS, 4, dtype=torch.uint8)
-    packed[:, :, :_NIBBLE_PARTS] = _q4_nibbles(q.to(torch.uint8) & 15, rows)
-    for start, part in _panel_rows(q, rows):
+    packed = torch.empty(rows // PANEL_COLS, groups, 6, PANEL_COLS, 4, dtype=torch.uint8)
+    packed[:, :, :_NIBBLE_PARTS] = q4_nibbles(q.to(torch.uint8) & 15, rows)
+    for start, part in panel_rows(q, rows):
         # [panel, column, group, part j, step in part, nibble half, i]
-        top = (part.to(torch.uint8) >> 4).view(-1, _PANEL_COLS, groups, 2, 2, 2, 4)
+        top = (part.to(torch.uint8) >> 4).view(-1, PANEL_COLS, groups, 2, 2, 2, 4)
         fields = top[..., 0, 0, :] | top[..., 0, 1, :] << 2
         fields |= top[..., 1, 0, :] << 4 | top[..., 1, 1, :] << 6
-        first = start // _PANEL_COLS
+        first = start // PANEL_COLS
         packed[first : first + len(fields), :, _NIBBLE_PARTS:] = fields.permute(0, 2, 3, 1, 4)
     return packed
 
@@ -62,11 +62,11 @@ class Int6Linear:
     def __init__(self, weight: Int6Blocks, bias: torch.Tensor | None):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
-        rows = round_up(n, _PANEL_COLS)
+        rows = round_up(n, PANEL_COLS)
         self.kernel = True
         self.packed = q6_panels(weight.q, rows)
-        self.scales_and_zeros = _k_blocks(weight, rows)
-        self.bias = _kernel_bias(bias)
+        self.scales_and_zeros = k_blocks(weight, rows)
+        self.bias = kernel_bias(bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -74,7 +74,7 @@ class Int6Linear:
 
     def rows(self, ids: torch.Tensor) -> Int6Blocks:
         """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
-        panel, lane = ids // _PANEL_COLS, ids % _PANEL_COLS
+        panel, lane = ids // PANEL_COLS, ids % PANEL_COLS
         q = _panel_values(self.packed[panel, :, :, lane])
         blocks = self.scales_and_zeros[panel]  # [n, S, 320]: d, m step [16]; sc, m [8][16]
         n, supers = blocks.shape[:2]
@@ -82,17 +82,17 @@ class Int6Linear:
 
         def steps(offset: int) -> torch.Tensor:
             halves = blocks[:, :, offset : offset + 32].contiguous().view(torch.float16)
-            return halves.view(n, supers, _PANEL_COLS)[picked, :, lane]
+            return halves.view(n, supers, PANEL_COLS)[picked, :, lane]
 
         def codes(offset: int, dtype: torch.dtype) -> torch.Tensor:
             part = blocks[:, :, offset : offset + 128].contiguous().view(dtype)
-            lanes = part.view(n, supers, 8, _PANEL_COLS)[picked, :, :, lane]
+            lanes = part.view(n, supers, 8, PANEL_COLS)[picked, :, :, lane]
             return lanes.reshape(n, -1)[:, : self.in_features // GROUP]
 
         return Int6Blocks(q, steps(0), steps(32), codes(64, torch.uint8), codes(192, torch.int8))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _on_kernel(torch.ops.llmq.q6_matmul, x, self.packed, self.scales_and_zeros, self)
+        return on_kernel(torch.ops.llmq.q6_matmul, x, self.packed, self.scales_and_zeros, self)
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes

@@ -57,7 +57,7 @@ _INT8_K_MULTIPLE = (
     16  # _weight_int8pack_mm crashes on other widths (torch 2.13; 24, 40, 56 on AVX2)
 )
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu's requirement
-_PANEL_COLS = 16  # output columns of a panel of llmq's kernels (int_matmul.cpp's kCols)
+PANEL_COLS = 16  # output columns of a panel of llmq's kernels (int_matmul.cpp's kCols)
 
 
 _PACK_ROWS = 1024  # rows packed into a kernel's panels at a time (a multiple of 16)
@@ -86,7 +86,7 @@ class Int8Linear:
         if self.kernel:
             floats = isinstance(weight, torch.Tensor)
             self.q, self.scale = q8_panels_from_float(weight) if floats else q8_panels(weight)
-            self.bias = _kernel_bias(bias)
+            self.bias = kernel_bias(bias)
             return
         if isinstance(weight, torch.Tensor):
             weight = Int8Weight.quantize(weight, grouped=False)
@@ -103,7 +103,7 @@ class Int8Linear:
         """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
         if not self.kernel:
             return Int8Weight(self.q[ids, : self.in_features], self.scale[ids])
-        panel, lane = ids // _PANEL_COLS, ids % _PANEL_COLS
+        panel, lane = ids // PANEL_COLS, ids % PANEL_COLS
         lanes = self.q[panel, :, :, lane]  # [n, K / 32, 8, 4]
         q = lanes.reshape(len(ids), -1)[:, : self.in_features].to(torch.int16) - 128
         scale = self.scale[panel, :, lane] if self.scale.dim() == 3 else self.scale[ids]
@@ -111,7 +111,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return _on_kernel(torch.ops.llmq.q8_matmul, x, self.q, self.scale, self)
+            return on_kernel(torch.ops.llmq.q8_matmul, x, self.q, self.scale, self)
         dtype = x.dtype
         a = x.to(ACTIVATIONS)
         if self.pad:
@@ -129,18 +129,18 @@ def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     and the scales: a grouped weight's [P, K / 32, 16] float16, else the columns' [P * 16]
     float32."""
     n, k = weight.q.shape
-    rows, cols = round_up(n, _PANEL_COLS), round_up(k, GROUP)
-    panels = torch.empty(rows // _PANEL_COLS, cols // GROUP, 8, _PANEL_COLS, 4, dtype=torch.uint8)
-    for start, q in _panel_rows(weight.q, rows):
+    rows, cols = round_up(n, PANEL_COLS), round_up(k, GROUP)
+    panels = torch.empty(rows // PANEL_COLS, cols // GROUP, 8, PANEL_COLS, 4, dtype=torch.uint8)
+    for start, q in panel_rows(weight.q, rows):
         q = F.pad(q, (0, cols - k))
         biased = (q.to(torch.int16) + 128).to(torch.uint8)
-        biased = biased.view(-1, _PANEL_COLS, cols // GROUP, 8, 4)
-        first = start // _PANEL_COLS
+        biased = biased.view(-1, PANEL_COLS, cols // GROUP, 8, 4)
+        first = start // PANEL_COLS
         panels[first : first + biased.shape[0]] = biased.permute(0, 2, 3, 1, 4)
     if not weight.grouped:
         return panels, F.pad(weight.scale.float(), (0, rows - n))
     scale = F.pad(weight.scale.to(torch.float16), (0, 0, 0, rows - n))
-    return panels, scale.view(-1, _PANEL_COLS, cols // GROUP).transpose(1, 2).contiguous()
+    return panels, scale.view(-1, PANEL_COLS, cols // GROUP).transpose(1, 2).contiguous()
 
 
 def q8_panels_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,18 +148,18 @@ def q8_panels_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     whole int8 weight is never held beside its panels (the 1B shape's 49,152-row head: 0.1 GB
     less at start)."""
     n, k = weight.shape
-    panels, groups = round_up(n, _PANEL_COLS) // _PANEL_COLS, round_up(k, GROUP) // GROUP
-    packed = torch.empty(panels, groups, 8, _PANEL_COLS, 4, dtype=torch.uint8)
-    scales = torch.empty(panels, groups, _PANEL_COLS, dtype=torch.float16)
+    panels, groups = round_up(n, PANEL_COLS) // PANEL_COLS, round_up(k, GROUP) // GROUP
+    packed = torch.empty(panels, groups, 8, PANEL_COLS, 4, dtype=torch.uint8)
+    scales = torch.empty(panels, groups, PANEL_COLS, dtype=torch.float16)
     for start in range(0, n, _PACK_ROWS):
         part, scale = q8_panels(Int8Weight.quantize(weight[start : start + _PACK_ROWS]))
-        first = start // _PANEL_COLS
+        first = start // PANEL_COLS
         packed[first : first + len(part)] = part
         scales[first : first + len(part)] = scale
     return packed, scales
 
 
-def _panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
+def panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
     """(first row, rows [step or fewer, K]) of ``q`` padded with zero rows (a copy) up to
     ``rows``: a panel layout is built a slice at a time, its temporaries a few MiB (the whole
     49,152-row head at once took 0.5 GiB of RSS more at start)."""
@@ -168,13 +168,13 @@ def _panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
         yield start, F.pad(part, (0, 0, 0, min(step, rows - start) - part.shape[0]))
 
 
-def _kernel_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+def kernel_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     """The bias as llmq's kernels add it, in float32 (held so: the fused step passes it on
     as it is, no conversion a call)."""
     return bias.float() if bias is not None else None
 
 
-def _on_kernel(op, x: torch.Tensor, weight, scales, linear) -> torch.Tensor:
+def on_kernel(op, x: torch.Tensor, weight, scales, linear) -> torch.Tensor:
     """``linear`` (an Int8Linear or Int4Linear on llmq's kernels) of ``x`` through ``op``:
     float32 or bfloat16 rows as they are, the output back in x's dtype."""
     dtype = x.dtype
@@ -196,50 +196,50 @@ def q4_panels(weight: Int4Weight | Int4Blocks, rows: int) -> tuple[torch.Tensor,
     """``weight`` (its output channels padded to ``rows``, a multiple of 16) in q4_matmul's
     layout: nibbles [P, K / 32, 4, 16, 4] (a byte: inputs k + i low, k + 4 + i high, of 8), and
     the scales: an ``Int4Weight``'s scale and zero [P, K / 32, 2, 16] bfloat16 (a larger group's
-    repeated onto its 32s), or an ``Int4Blocks``' super-blocks (``_k_blocks``)."""
+    repeated onto its 32s), or an ``Int4Blocks``' super-blocks (``k_blocks``)."""
     if isinstance(weight, Int4Blocks):
-        return _q4_nibbles(weight.q, rows), _k_blocks(weight, rows)
+        return q4_nibbles(weight.q, rows), k_blocks(weight, rows)
     n, k = weight.q.shape
     scale, zero = F.pad(weight.scale, (0, 0, 0, rows - n)), F.pad(weight.zero, (0, 0, 0, rows - n))
     repeat = weight.group // GROUP
     if repeat > 1:
         scale, zero = scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)
-    panels, groups = rows // _PANEL_COLS, k // GROUP
+    panels, groups = rows // PANEL_COLS, k // GROUP
     sz = torch.stack([scale, zero], dim=1).to(ACTIVATIONS)
-    sz = sz.view(panels, _PANEL_COLS, 2, groups).permute(0, 3, 2, 1)
-    return _q4_nibbles(weight.q, rows), sz.contiguous()
+    sz = sz.view(panels, PANEL_COLS, 2, groups).permute(0, 3, 2, 1)
+    return q4_nibbles(weight.q, rows), sz.contiguous()
 
 
-def _q4_nibbles(q: torch.Tensor, rows: int) -> torch.Tensor:
+def q4_nibbles(q: torch.Tensor, rows: int) -> torch.Tensor:
     """q [N, K] in 0..15 as q4_matmul's nibbles [P, K / 32, 4, 16, 4], its padding rows
     (scale 0) q = 8."""
     n, k = q.shape
-    panels, groups = rows // _PANEL_COLS, k // GROUP
-    packed = torch.empty(panels, groups, 4, _PANEL_COLS, 4, dtype=torch.uint8)
-    for start, part in _panel_rows(q, rows):
+    panels, groups = rows // PANEL_COLS, k // GROUP
+    packed = torch.empty(panels, groups, 4, PANEL_COLS, 4, dtype=torch.uint8)
+    for start, part in panel_rows(q, rows):
         if start + part.shape[0] > n:  # its padding rows (new memory)
             part[max(n - start, 0) :] = 8
-        nibbles = part.to(torch.uint8).view(-1, _PANEL_COLS, groups, 4, 2, 4)
+        nibbles = part.to(torch.uint8).view(-1, PANEL_COLS, groups, 4, 2, 4)
         both = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
-        first = start // _PANEL_COLS
+        first = start // PANEL_COLS
         packed[first : first + both.shape[0]] = both.permute(0, 2, 3, 1, 4)
     return packed
 
 
-def _k_blocks(weight: Int4Blocks, rows: int) -> torch.Tensor:
+def k_blocks(weight: Int4Blocks, rows: int) -> torch.Tensor:
     """An ``Int4Blocks``' steps and codes as q4_matmul's super-blocks [P, ceil(K / 256), 320]
     bytes: float16 d [16] and m step [16], then the groups' sc uint8 [8][16] and m int8 [8][16]
     (padding rows: steps 0; a last super-block's missing groups: codes 0)."""
     n, groups = weight.sc.shape
     supers = weight.d.shape[1]
-    panels, pad_rows, pad_groups = rows // _PANEL_COLS, rows - n, supers * BLOCK_GROUPS - groups
+    panels, pad_rows, pad_groups = rows // PANEL_COLS, rows - n, supers * BLOCK_GROUPS - groups
 
     def steps(t: torch.Tensor) -> torch.Tensor:  # [N, S] float16 -> [P, S, 32] bytes
-        t = F.pad(t, (0, 0, 0, pad_rows)).view(panels, _PANEL_COLS, supers).permute(0, 2, 1)
+        t = F.pad(t, (0, 0, 0, pad_rows)).view(panels, PANEL_COLS, supers).permute(0, 2, 1)
         return t.contiguous().view(torch.uint8)
 
     def codes(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [P, S, 128] bytes
-        t = F.pad(t, (0, pad_groups, 0, pad_rows)).view(panels, _PANEL_COLS, supers, -1)
+        t = F.pad(t, (0, pad_groups, 0, pad_rows)).view(panels, PANEL_COLS, supers, -1)
         return t.permute(0, 2, 3, 1).reshape(panels, supers, -1).view(torch.uint8)
 
     parts = (steps(weight.d), steps(weight.m_step), codes(weight.sc), codes(weight.m))
@@ -267,7 +267,7 @@ class Int4Linear:
         if self.kernel:
             self.group = GROUP
             self.packed, self.scales_and_zeros = q4_panels(weight, rows)
-            self.bias = _kernel_bias(bias)
+            self.bias = kernel_bias(bias)
             return
         if isinstance(weight, Int4Blocks):
             weight = weight.as_int4_weight()
@@ -292,7 +292,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return _on_kernel(torch.ops.llmq.q4_matmul, x, self.packed, self.scales_and_zeros, self)
+            return on_kernel(torch.ops.llmq.q4_matmul, x, self.packed, self.scales_and_zeros, self)
         dtype = x.dtype
         a = x.to(ACTIVATIONS).contiguous()
         aten = torch.ops.aten
