@@ -7,6 +7,7 @@ weight-only kernels elsewhere.
   coded in 8 bits against its super-block of 256 inputs (``Int4Blocks``, llama.cpp's Q4_K
   form: quantization at load and GGUF files), or a checkpoint's float scale and zero per group
   of 32 to 256 (``Int4Weight``, ``w = (q - 8) * scale + zero``), q in 0..15.
+- 6 bits (``Int6Blocks``, on llmq's kernel only): ``int6_linear``, built on this module's panels.
 
 On a CPU with AVX512-VNNI or AVX2, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both
 run as llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to
