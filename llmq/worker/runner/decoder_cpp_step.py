@@ -40,12 +40,8 @@ def serves_model(layers: list[DecoderLayer]) -> bool:
     projection float, or int8, int6 or int4 on llmq's or torch's integer kernels)."""
     if not all(isinstance(layer.mlp, DenseMLP) for layer in layers):
         return False
-    kinds = (
-        Linear,
-        Int8Linear,
-        Int6Linear,
-        Int4Linear,
-    )  # exactly: not a checkpoint's permuted kinds
+    # exactly these: not a checkpoint's permuted kinds
+    kinds = (Linear, Int8Linear, Int6Linear, Int4Linear)
     if not all(type(p) in kinds for layer in layers for p in _projections(layer)):
         return False
     shapes = {

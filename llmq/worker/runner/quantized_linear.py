@@ -328,8 +328,8 @@ def quantized_linear(
     blocks = weight.shape[1] % GROUP == 0
     if bits == 4 and blocks:
         return Int4Linear(Int4Blocks.quantize(weight), bias, kernel)
-    on_kernel = int_kernel_available() if kernel is None else kernel
-    if bits == 6 and blocks and on_kernel and not weight.is_cuda:
+    kernels = int_kernel_available() if kernel is None else kernel
+    if bits == 6 and blocks and kernels and not weight.is_cuda:
         from llmq.worker.runner.int6_linear import Int6Linear  # it builds on this module's panels
 
         return Int6Linear(Int6Blocks.quantize(weight), bias)
