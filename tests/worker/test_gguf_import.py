@@ -1,7 +1,8 @@
 """GGUF import: a file holding Q8_0, Q4_K, Q5_K and Q6_K tensors (a Q4_K_M-like mix) loads
-with its tokenizer and chat template from the metadata; its Q4_K tensors become int4 weights
-equal to ``gguf``'s own ``dequantize`` (within the bfloat16 rounding of scale and zero), the
-others int8 weights of transformers' dequantized ones; and the engine serves it."""
+with its tokenizer and chat template from the metadata; its Q4_K tensors become int4 weights and
+its Q5_K ones 6-bit weights equal to ``gguf``'s own ``dequantize``, its Q8_0 ones int8 weights
+as they are, the others int8 weights of transformers' dequantized ones; and the engine serves
+it."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from llmq.worker.runner.gguf_weights import GGUFTensors, q4_k_weight, q8_0_weight
-from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear
-from tests.worker.gguf_writer import Q, write_gguf
+from llmq.worker.runner.gguf_weights import GGUFTensors, q4_k_weight, q5_k_weight, q8_0_weight
+from llmq.worker.runner.int6_linear import Int6Linear
+from llmq.worker.runner.quantize import QuantizedEmbedding
+from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear, int_kernel_available
+from tests.worker.gguf_writer import Q, random_k_blocks, write_gguf
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# Q4_K_M's pattern at two layers: Q6_K for the head, layer 1's attn_v and ffn_down; one Q5_K.
+# Q4_K_M's pattern at two layers: Q6_K for the head, layer 1's attn_v and ffn_down; Q5_K for
+# layer 0's ffn_down and (beside a Q4_K ffn_gate) ffn_up.
 TYPES = {
     "token_embd.weight": Q.Q4_K,
     "output.weight": Q.Q6_K,
@@ -34,6 +38,7 @@ TYPES = {
     "blk.1.attn_v.weight": Q.Q6_K,
     "blk.1.ffn_down.weight": Q.Q6_K,
     "blk.0.ffn_down.weight": Q.Q5_K,
+    "blk.0.ffn_up.weight": Q.Q5_K,
     "blk.0.attn_output.weight": Q.Q8_0,
     "blk.1.attn_output.weight": Q.Q4_K,
 }
@@ -75,19 +80,31 @@ def test_a_folder_or_a_file_is_found(gguf_dir, llama_dir):
     assert gguf_location(str(llama_dir)) is None
 
 
-def test_q4_k_blocks_equal_gguf_dequantize(gguf_dir):
+@pytest.mark.parametrize("kind, read", [(Q.Q4_K, q4_k_weight), (Q.Q5_K, q5_k_weight)])
+def test_k_quant_blocks_equal_gguf_dequantize(gguf_dir, kind, read):
     reader = gguf.GGUFReader(str(gguf_dir / "model-Q4_K_M.gguf"))
     checked = 0
     for tensor in reader.tensors:
-        if tensor.tensor_type != Q.Q4_K:
+        if tensor.tensor_type != kind:
             continue
         cols, rows = (int(n) for n in tensor.shape[:2])
-        ours = q4_k_weight(tensor.data, rows, cols)
-        want = torch.from_numpy(gguf.quants.dequantize(tensor.data, Q.Q4_K).astype(np.float32))
+        ours = read(tensor.data, rows, cols)
+        want = torch.from_numpy(gguf.quants.dequantize(tensor.data, kind).astype(np.float32))
         # d * sc * q and dmin * m are exact in float32: one rounding, as gguf's
         assert torch.equal(ours.dequantize(), want.view(rows, cols)), tensor.name
         checked += 1
-    assert checked == sum(t == Q.Q4_K for t in TYPES.values())
+    assert checked == sum(t == kind for t in TYPES.values())
+    # random blocks set every fifth bit somewhere: q spans 0..31 for Q5_K
+    assert int(ours.q.max()) == (31 if kind == Q.Q5_K else 15)
+
+
+def test_a_q5_k_table_reads_its_rows_exactly():
+    rows, cols = 40, 512
+    raw = random_k_blocks(Q.Q5_K, rows, cols, np.random.default_rng(1))
+    want = gguf.quants.dequantize(raw.reshape(rows, -1), Q.Q5_K).astype(np.float32)
+    table = QuantizedEmbedding(q5_k_weight(raw, rows, cols), torch.float32, None)
+    ids = torch.tensor([0, 39, 7, 7])
+    assert torch.equal(table(ids), torch.from_numpy(want)[ids])
 
 
 def test_q8_0_blocks_equal_gguf_dequantize(gguf_dir):
@@ -118,10 +135,17 @@ def test_the_model_loads_quantized_as_the_file_is(gguf_dir):
         q8 = file.int8("blk.0.attn_output.weight")
         rows = layer0.o_proj.rows(torch.arange(q8.q.shape[0]))
         assert torch.equal(rows.q, q8.q) and torch.equal(rows.dequantize(), q8.dequantize())
-    assert isinstance(layer0.mlp.down_proj, Int8Linear)  # Q5_K
+    # Q5_K, and Q5_K beside Q4_K: 6-bit blocks on llmq's kernel, as the file holds them
+    six = Int6Linear if int_kernel_available() else Int8Linear
+    assert isinstance(layer0.mlp.down_proj, six) and isinstance(layer0.mlp.gate_up_proj, six)
+    assert isinstance(layer1.mlp.gate_up_proj, Int4Linear)
+    if six is Int6Linear:
+        down = file.int6("blk.0.ffn_down.weight")
+        rows = layer0.mlp.down_proj.rows(torch.arange(down.q.shape[0]))
+        assert torch.equal(rows.q, down.q) and torch.equal(rows.dequantize(), down.dequantize())
     assert isinstance(forward.lm_head, Int8Linear)  # Q6_K
     embed = model.model.embed_tokens
-    assert embed.int8 is None  # Q4_K, as the file holds it
+    assert embed.row_reader is None  # Q4_K, as the file holds it
     ids = torch.tensor([3, 17, 900])
     table = floats["model.embed_tokens.weight"]
     assert torch.allclose(embed(ids), table[ids], atol=1e-3)

@@ -8,12 +8,15 @@ file); this reads the file's own blocks again (``gguf``'s reader) for the kernel
   exactly: the same d, dmin and q, the codes held in 8 bits (m negated); tested against
   ``gguf``'s ``dequantize``. On torch's kernels (no AVX2), scale and zero are rounded to
   bfloat16.
+- Q5_K (Q4_K's blocks with a fifth bit a value, q in 0..31) is llmq's ``Int6Blocks`` exactly,
+  on its 6-bit kernel (6.625 bits a weight where int8 takes 8.5); so is a fused group of Q4_K
+  and Q5_K members. Tested against ``gguf``'s ``dequantize``.
 - Q8_0 (32 int8 values and one float16 scale a block) is llmq's grouped int8 exactly: the same
   q and scale, tested against ``gguf``'s ``dequantize``.
-- Q5_K, Q6_K and float tensors have no kernel of their layout: their dequantized weights are
-  quantized again to int8 (group-32 scales on llmq's kernels, per channel on torch's), as are
-  groups of projections fused into one kernel call whose members differ (Q4_K_M's Q6_K
-  ``attn_v`` beside Q4_K q, k).
+- Q6_K (16-value sub-blocks, each with its own int8 scale) has no form of its layout here, nor
+  do float tensors: their dequantized weights are quantized again to int8 (group-32 scales on
+  llmq's kernels, per channel on torch's), as are fused groups whose members differ otherwise
+  (Q4_K_M's Q6_K ``attn_v`` beside Q4_K q, k), and Q5_K where the 6-bit kernel does not serve.
 
 Query and key rows come permuted in llama.cpp's files (its rotary layout); they are put back as
 transformers' loader puts them back.
@@ -27,18 +30,22 @@ import logging
 import numpy as np
 import torch
 
+from llmq.worker.runner.int6_linear import Int6Linear
 from llmq.worker.runner.quantized_linear import (
     Int4Blocks,
     Int4Linear,
+    Int6Blocks,
     Int8Linear,
     Int8Weight,
     QuantizedLinear,
+    int_kernel_available,
     quantized_linear,
 )
 
 log = logging.getLogger(__name__)
 
 Q4_K_BLOCK = 144  # bytes: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+Q5_K_BLOCK = 176  # bytes: Q4_K's, with 32 bytes of fifth bits before the nibbles
 Q8_0_BLOCK = 34  # bytes: d (fp16), 32 int8 values
 # GGUF tensor names of a llama-style layer's fused projections, per llmq role
 ROLE_TENSORS = {
@@ -61,24 +68,41 @@ def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
-def q4_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Blocks:
-    """A Q4_K tensor's bytes ([rows, cols / 256 * 144]) as ``Int4Blocks`` [rows, cols]: d and
-    dmin as they are, the 6-bit codes as 8-bit ones (m negated: w = d * sc * q + dmin * -m)."""
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q4_K_BLOCK)
-    supers = cols // 256
-    d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, supers)
-    dmin = blocks[:, 2:4].copy().view(np.float16).reshape(rows, supers)
+def _k_steps(blocks: np.ndarray, rows: int, cols: int) -> dict[str, torch.Tensor]:
+    """A k-quant tensor's d and dmin (fp16) and its 6-bit codes as 8-bit ones (m negated:
+    w = d * sc * q + dmin * -m), as ``Int4Blocks``' fields."""
+    supers, groups = cols // 256, cols // 32
     sc, m = _scales_and_mins(blocks[:, 4:16])
-    qs = blocks[:, 16:].reshape(-1, 4, 32)  # four chunks of 64 values: low nibbles, then high
-    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)
-    groups = cols // 32
-    return Int4Blocks(
-        torch.from_numpy(q.astype(np.uint8)),
-        torch.from_numpy(d),
-        torch.from_numpy(dmin),
-        torch.from_numpy(sc.reshape(rows, groups)),
-        torch.from_numpy(-m.reshape(rows, groups).astype(np.int8)),
-    )
+    return {
+        "d": torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).reshape(rows, supers)),
+        "m_step": torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(rows, supers)),
+        "sc": torch.from_numpy(sc.reshape(rows, groups)),
+        "m": torch.from_numpy(-m.reshape(rows, groups).astype(np.int8)),
+    }
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """A block's 128 bytes of nibbles as its 256 values: four chunks of 64, each 32 bytes' low
+    nibbles, then their high ones. [B, 128] -> [B, 4, 2, 32]."""
+    chunks = qs.reshape(-1, 4, 32)
+    return np.stack([chunks & 0xF, chunks >> 4], axis=2)
+
+
+def q4_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Blocks:
+    """A Q4_K tensor's bytes ([rows, cols / 256 * 144]) as ``Int4Blocks`` [rows, cols]."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q4_K_BLOCK)
+    q = _nibbles(blocks[:, 16:]).reshape(rows, cols)
+    return Int4Blocks(torch.from_numpy(q.astype(np.uint8)), **_k_steps(blocks, rows, cols))
+
+
+def q5_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int6Blocks:
+    """A Q5_K tensor's bytes ([rows, cols / 256 * 176]) as ``Int6Blocks`` [rows, cols]: Q4_K's
+    steps and nibbles, value i of a 64-value chunk j taking its fifth bit from bit 2j (first 32)
+    or 2j + 1 (last 32) of byte i % 32 of the 32 bytes of fifth bits (``dequantize_row_q5_K``)."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q5_K_BLOCK)
+    fifth = blocks[:, 16:48][:, None, None, :] >> np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+    q = (_nibbles(blocks[:, 48:]) | (fifth & 1) << 4).reshape(rows, cols)
+    return Int6Blocks(torch.from_numpy(q.astype(np.uint8)), **_k_steps(blocks, rows, cols))
 
 
 def q8_0_weight(raw: np.ndarray, rows: int, cols: int) -> Int8Weight:
@@ -105,8 +129,8 @@ class GGUFTensors:
 
         self.reader = gguf.GGUFReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self.q4_k = gguf.GGMLQuantizationType.Q4_K
-        self.q8_0 = gguf.GGMLQuantizationType.Q8_0
+        kinds = gguf.GGMLQuantizationType
+        self.q4_k, self.q5_k, self.q8_0 = kinds.Q4_K, kinds.Q5_K, kinds.Q8_0
         architecture = self.reader.fields["general.architecture"].contents()
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
         permuted = architecture == "llama"
@@ -114,15 +138,23 @@ class GGUFTensors:
 
     def int4(self, name: str) -> Int4Blocks | None:
         """The tensor as exact ``Int4Blocks`` where it is Q4_K; None otherwise."""
-        return self._read(name, self.q4_k, q4_k_weight)
+        return self._read(name, {self.q4_k: q4_k_weight})
+
+    def int6(self, name: str) -> Int6Blocks | None:
+        """The tensor as exact ``Int6Blocks`` where it is Q5_K or Q4_K; None otherwise."""
+        weight = self._read(name, {self.q5_k: q5_k_weight, self.q4_k: q4_k_weight})
+        if weight is None or isinstance(weight, Int6Blocks):
+            return weight
+        return Int6Blocks(*(getattr(weight, f) for f in _row_fields(weight)))
 
     def int8(self, name: str) -> Int8Weight | None:
         """The tensor as an exact grouped ``Int8Weight`` where it is Q8_0; None otherwise."""
-        return self._read(name, self.q8_0, q8_0_weight)
+        return self._read(name, {self.q8_0: q8_0_weight})
 
-    def _read(self, name: str, kind, reader):
+    def _read(self, name: str, readers: dict):
         tensor = self.tensors.get(name)
-        if tensor is None or tensor.tensor_type != kind:
+        reader = None if tensor is None else readers.get(tensor.tensor_type)
+        if reader is None:
             return None
         cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest dimension first
         weight = reader(tensor.data, rows, cols)
@@ -134,9 +166,13 @@ class GGUFTensors:
         )
 
     def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear:
-        """One fused projection of the tensors ``names``: int4 where all are Q4_K, int8 from the
-        file's blocks where all are Q8_0, else int8 from the (dequantized) fused float weight."""
-        for read, linear in ((self.int4, Int4Linear), (self.int8, Int8Linear)):
+        """One fused projection of the tensors ``names``: int4 where all are Q4_K, 6-bit where
+        all are Q4_K or Q5_K (on llmq's kernel), int8 from the file's blocks where all are Q8_0,
+        else int8 from the (dequantized) fused float weight."""
+        forms = [(self.int4, Int4Linear)]
+        if int_kernel_available() and not plain_weight.is_cuda:
+            forms.append((self.int6, Int6Linear))
+        for read, linear in (*forms, (self.int8, Int8Linear)):
             parts = [read(name) for name in names]
             if not parts or any(p is None for p in parts):
                 continue
@@ -182,6 +218,7 @@ class GGUFQuantizer:
             names = [f"blk.{index}.{t}.weight" for t in ROLE_TENSORS[role]]
         return self.file.linear(names, plain.weight, plain.bias)
 
-    def embedding(self, table: torch.Tensor) -> Int4Blocks | Int8Weight:
+    def embedding(self, table: torch.Tensor) -> Int4Blocks | Int6Blocks | Int8Weight:
         name = "token_embd.weight"
-        return self.file.int4(name) or self.file.int8(name) or Int8Weight.quantize(table)
+        file = self.file
+        return file.int4(name) or file.int6(name) or file.int8(name) or Int8Weight.quantize(table)

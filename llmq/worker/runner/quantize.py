@@ -39,6 +39,7 @@ from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.quantized_linear import (
     GROUP,
     Int4Blocks,
+    Int6Blocks,
     Int8Linear,
     Int8Weight,
     QuantizedLinear,
@@ -90,29 +91,31 @@ def only_role_plan(role: str, bits: int = 4) -> BitsPlan:
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """An embedding table in 8 bits (``Int8Weight``) or 4 bits (``Int4Blocks``, two values a
-    byte): the looked-up rows are dequantized to ``dtype``."""
+    """An embedding table in 8 bits (``Int8Weight``), 6 (``Int6Blocks``, a GGUF's Q5_K table: a
+    value a byte) or 4 (``Int4Blocks``, two values a byte): the looked-up rows are dequantized
+    to ``dtype``."""
 
     def __init__(
         self,
-        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int4Blocks,
+        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int6Blocks | Int4Blocks,
         dtype: torch.dtype,
         scale: torch.Tensor | None,
     ):
         super().__init__()
         self.dtype = dtype
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
-        # An Int8Weight, or a tied head's Int8Linear (its rows are the table's)
-        self.int8 = weight if isinstance(weight, (Int8Weight, *_ROW_HEADS)) else None
+        # A table that reads its rows as they are, or a tied head's (its rows are the table's)
+        rows_as_held = (Int8Weight, Int6Blocks, *_ROW_HEADS)
+        self.row_reader = weight if isinstance(weight, rows_as_held) else None
         self.int4 = None
-        if isinstance(weight, Int4Blocks):
+        if self.row_reader is None and isinstance(weight, Int4Blocks):
             q = weight.q.to(torch.uint8)
             nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
             self.int4 = dataclasses.replace(weight, q=nibbles)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None:
-            rows = self.int8.rows(ids).dequantize().to(self.dtype)
+        if self.row_reader is not None:
+            rows = self.row_reader.rows(ids).dequantize().to(self.dtype)
         else:
             packed = self.int4.rows(ids)
             q = torch.stack([packed.q & 15, packed.q >> 4], dim=-1).flatten(-2)
@@ -272,8 +275,9 @@ def quantized_bytes(forward) -> int:
     table = forward.inner.embed_tokens
     if not isinstance(table, QuantizedEmbedding):  # kept float
         return total
-    if table.int8 is not None and table.int8 is not head:
-        total += table.int8.q.nbytes + table.int8.scale.nbytes
+    if table.row_reader is not None and table.row_reader is not head:
+        fields = dataclasses.fields(table.row_reader)
+        total += sum(getattr(table.row_reader, f.name).nbytes for f in fields)
     return total + table.nbytes()
 
 

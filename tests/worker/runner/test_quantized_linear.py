@@ -166,9 +166,9 @@ def test_quantized_forward_frees_float_weights_and_shares_a_tied_table(scheme, t
     embedding = model.model.embed_tokens
     assert isinstance(embedding, QuantizedEmbedding)
     if tied:  # one table for both: the head's
-        assert embedding.int8 is forward.lm_head
+        assert embedding.row_reader is forward.lm_head
     ids = torch.tensor([1, 2, 199])
     err = (embedding(ids) - table[ids]).abs().max()
-    bits = 4 if embedding.int8 is None else getattr(embedding.int8, "bits", 8)
+    bits = 4 if embedding.row_reader is None else getattr(embedding.row_reader, "bits", 8)
     steps = {4: 7.5, 6: 31.5, 8: 127}[bits]  # half a step: the largest rounding
     assert float(err) <= 0.51 * float(table.abs().max()) / steps
