@@ -11,6 +11,9 @@ the base's time over the tree's (above 1: the tree is faster) and the tree's GOP
 children's peak RSS.
 
     .venv/bin/python bench/kernel_ab.py --base HEAD~1 --rows 1,16,128 --bits 4 --rounds 4
+
+``--march x86-64-v3`` builds both sides for AVX2 (no AVX-512) on a newer CPU: the AVX2 kernels
+measured on the same machine as its AVX-512 ones.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ def checkout_kernels(rev: str, into: Path) -> Path:
     return into
 
 
-def time_side(sources: Path, rows_list: list[int], bits_list: list[int], shapes) -> dict:
-    """In a child: us per call of each (shape, bits, rows) on the kernels built from ``sources``."""
+def time_side(
+    sources: Path, rows_list: list[int], bits_list: list[int], shapes, march: str
+) -> dict:
+    """In a child: us per call of each (shape, bits, rows) on the kernels built from ``sources``
+    for ``march`` (a -march value)."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     import torch
@@ -52,6 +58,7 @@ def time_side(sources: Path, rows_list: list[int], bits_list: list[int], shapes)
 
     cpu_kernels.SOURCES = sorted(sources.glob("*.cpp"))
     cpu_kernels.HEADERS = sorted(sources.glob("*.h"))
+    cpu_kernels.FLAGS[cpu_kernels.FLAGS.index("-march=native")] = f"-march={march}"
     if not cpu_kernels.load():
         raise SystemExit(f"the kernels in {sources} did not build")
     from llmq.worker.runner.packed_linear import Linear
@@ -92,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to compare against")
     p.add_argument("--rows", default="1,16,128")
-    p.add_argument("--bits", default="4,8", help="4, 8, and 16 (bfloat16 panels)")
+    p.add_argument("--bits", default="4,8", help="4, 6, 8, and 16 (bfloat16 panels)")
+    p.add_argument("--march", default="native", help="the ISA both sides are built for")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shapes", default="", help="OUTxIN,... (default: the 1B's four)")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     bits = [int(b) for b in args.bits.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     if args.child:
-        print(json.dumps(time_side(Path(args.child), rows, bits, shapes)))
+        print(json.dumps(time_side(Path(args.child), rows, bits, shapes, args.march)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"base": checkout_kernels(args.base, Path(tmp)), "tree": ROOT / KERNELS}
@@ -110,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
             for side, sources in sides.items():
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", str(sources), "--rows", args.rows,
-                     "--bits", args.bits, "--shapes", args.shapes],
+                     "--bits", args.bits, "--shapes", args.shapes, "--march", args.march],
                     check=True, capture_output=True, text=True,
                 ).stdout  # fmt: skip
                 for key, us in json.loads(out.strip().splitlines()[-1]).items():
                     best[side][key] = min(us, best[side].get(key, float("inf")))
             print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr, flush=True)
-    print(f"base {args.base} against the working tree, fastest of {args.rounds} alternating rounds")
+    print(
+        f"base {args.base} against the working tree (-march={args.march}), fastest of "
+        f"{args.rounds} alternating rounds"
+    )
     print(report(best))
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     print(f"peak RSS of a side's process {peak:.2f} GiB")

@@ -117,7 +117,7 @@ const QuantizedRows& quantized(const at::Tensor& x, int64_t k) {
 template <int R>
 constexpr int kSums = lanes::kChainedDots && R <= 4 ? 2 : 1;
 
-// Every panel of a projection through through(panel's weights, its scales, its bias or null,
+// Every panel of a projection through(panel's weights, its scales, its bias or null,
 // out at its first column (float or bfloat16), its columns), handed out to the threads as they
 // ask; a panel's scales panel_scale_bytes apart.
 template <typename Through>
