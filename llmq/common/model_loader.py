@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmq.common.gguf_model import load_gguf_model
+
 if TYPE_CHECKING:
     import torch
 
@@ -126,8 +128,11 @@ def load_causal_lm(
     log.info("loading %s (%s on %s)", model, torch_dtype, device)
     gguf = gguf_location(model)
     if gguf is not None:
-        # Dequantized by transformers; the forward takes the file's blocks again for its kernels.
-        lm = AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], dtype=torch_dtype)
+        # Its quantized tensors left in the file for the forward's kernels (gguf_model.py), or,
+        # where that cannot be, dequantized by transformers and read again by the forward.
+        lm = load_gguf_model(*gguf, torch_dtype) if device == "cpu" else None
+        if lm is None:
+            lm = AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], dtype=torch_dtype)
         lm.config.llmq_gguf_path = str(Path(gguf[0]) / gguf[1])
         quantization = "gguf"
     elif (quantized := quantization_config(model)) is not None:

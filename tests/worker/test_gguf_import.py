@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from llmq.common.gguf_model import _read_by_quantizer, load_gguf_model
 from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
@@ -116,11 +117,25 @@ def test_q8_0_blocks_equal_gguf_dequantize(gguf_dir):
     assert ours.grouped and torch.equal(ours.dequantize(), torch.from_numpy(want))
 
 
+def _transformers_model(gguf_dir: Path) -> torch.nn.Module:
+    """The file as transformers loads it whole (every tensor dequantized), marked for llmq's
+    GGUF quantizer as ``load_causal_lm`` marks it."""
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file="model-Q4_K_M.gguf", dtype=torch.float32
+    ).eval()
+    model.config.llmq_gguf_path = str(gguf_dir / "model-Q4_K_M.gguf")
+    model.config.llmq_quantization = "gguf"
+    return model
+
+
 def test_the_model_loads_quantized_as_the_file_is(gguf_dir):
     model = load_causal_lm(str(gguf_dir), "float32", "cpu")
     assert model.config.llmq_quantization == "gguf"
-    floats = {n: p.detach().clone() for n, p in model.named_parameters()}  # transformers' own
-    file = GGUFTensors(model.config.llmq_gguf_path, 4, 2)
+    assert model.config.llmq_gguf_lean  # its quantized tensors left in the file
+    floats = {n: p.detach() for n, p in _transformers_model(gguf_dir).named_parameters()}
+    for name in ("model.norm.weight", "model.layers.1.post_attention_layernorm.weight"):
+        assert torch.equal(model.get_parameter(name), floats[name]), name
+    file = GGUFTensors(model.config.llmq_gguf_path, 4, 2, lean=True)
     # Q4_K query rows, put back in transformers' order, equal transformers' dequantized ones.
     query = file.int4("blk.0.attn_q.weight").dequantize()
     assert torch.allclose(query, floats["model.layers.0.self_attn.q_proj.weight"], atol=1e-3)
@@ -152,6 +167,48 @@ def test_the_model_loads_quantized_as_the_file_is(gguf_dir):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = engine.generate([[5, 6, 7, 8], [9, 10]], params)
     assert [len(t) for t in out] == [12, 12]
+
+
+def _tensors(obj) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
+def test_the_lean_load_builds_what_the_whole_load_builds(gguf_dir):
+    """The forward built from the model loaded without its quantized tensors holds the same
+    projections, head and table, bit for bit, as the one built from the model transformers
+    loads whole (its Q6_K tensors quantized again from its own dequantized floats, the lean
+    load's from ``gguf``'s), and serves the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engines = [
+        LLMEngine(model, EngineConfig(num_blocks=32), eos_token_ids=set())
+        for model in (
+            load_causal_lm(str(gguf_dir), "float32", "cpu"),
+            _transformers_model(gguf_dir),
+        )
+    ]
+    lean, whole = (engine.runner.forward for engine in engines)
+    pairs = [(lean.lm_head, whole.lm_head)]
+    for a, b in zip(lean.layers, whole.layers, strict=True):
+        pairs += [(a.qkv_proj, b.qkv_proj), (a.o_proj, b.o_proj)]
+        pairs += [(a.mlp.gate_up_proj, b.mlp.gate_up_proj), (a.mlp.down_proj, b.mlp.down_proj)]
+    for a, b in pairs:
+        assert type(a) is type(b)
+        ours, theirs = _tensors(a), _tensors(b)
+        assert ours.keys() == theirs.keys() and ours
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), type(a)
+    ids = torch.arange(0, 1000, 7)
+    assert torch.equal(lean.inner.embed_tokens(ids), whole.inner.embed_tokens(ids))
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    assert engines[0].generate(prompts, params) == engines[1].generate(prompts, params)
+
+
+def test_the_lean_load_takes_only_files_the_quantizer_reads(gguf_dir):
+    """The lean load takes this file; a quantized tensor the forward's quantizer does not read
+    (a fused ``attn_qkv``, experts) would leave the model to transformers' own loading."""
+    assert load_gguf_model(str(gguf_dir), "model-Q4_K_M.gguf", torch.float32) is not None
+    assert _read_by_quantizer("blk.3.ffn_down.weight") and _read_by_quantizer("output.weight")
+    assert not _read_by_quantizer("blk.3.attn_qkv.weight")
+    assert not _read_by_quantizer("blk.3.ffn_down_exps.weight")
 
 
 def test_tokenizer_and_chat_template_come_from_the_metadata(gguf_dir, llama_dir):

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 Q4_K_BLOCK = 144  # bytes: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 Q5_K_BLOCK = 176  # bytes: Q4_K's, with 32 bytes of fifth bits before the nibbles
+FLOAT_ROWS = 1024  # rows dequantized at a time where a tensor is quantized again
 Q8_0_BLOCK = 34  # bytes: d (fp16), 32 int8 values
 # GGUF tensor names of a llama-style layer's fused projections, per llmq role
 ROLE_TENSORS = {
@@ -124,9 +125,12 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
 class GGUFTensors:
     """The file's tensors by name, read once (memory-mapped by ``gguf``'s reader)."""
 
-    def __init__(self, path: str, num_heads: int, num_kv_heads: int):
+    def __init__(self, path: str, num_heads: int, num_kv_heads: int, lean: bool = False):
+        """``lean``: the model was loaded without the file's quantized weights
+        (``common/gguf_model.py``); they are read from the file here."""
         import gguf
 
+        self.lean, self.path = lean, path
         self.reader = gguf.GGUFReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         kinds = gguf.GGMLQuantizationType
@@ -135,6 +139,16 @@ class GGUFTensors:
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
         permuted = architecture == "llama"
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if permuted else {}
+
+    def data(self, tensor) -> np.ndarray:
+        """The tensor's data read from the file, as the reader's ``tensor.data`` holds it. Not
+        through the reader's mapping: its pages stay in the process's RSS while the reader
+        lives (building the 1B shape's forward from its Q5_K_M file peaked 0.9 GiB higher)."""
+        out = np.empty(tensor.data.shape, dtype=tensor.data.dtype)
+        with open(self.path, "rb") as f:
+            f.seek(tensor.data_offset)
+            f.readinto(memoryview(out).cast("B"))
+        return out
 
     def int4(self, name: str) -> Int4Blocks | None:
         """The tensor as exact ``Int4Blocks`` where it is Q4_K; None otherwise."""
@@ -157,7 +171,7 @@ class GGUFTensors:
         if reader is None:
             return None
         cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest dimension first
-        weight = reader(tensor.data, rows, cols)
+        weight = reader(self.data(tensor), rows, cols)
         heads = self.heads.get(name.split(".")[-2])
         if heads is None:
             return weight
@@ -180,10 +194,27 @@ class GGUFTensors:
                 parts[0],
                 **{f: torch.cat([getattr(p, f) for p in parts]) for f in _row_fields(parts[0])},
             )
-            if _same_weights(fused, plain_weight):
+            if self.lean or _same_weights(fused, plain_weight):
                 return linear(fused, bias)
             log.warning("%s: the file's blocks differ from the loaded weights; int8", names[0])
+        if self.lean:  # the model holds none of the file's quantized weights
+            plain_weight = torch.cat([self.floats(name, plain_weight.dtype) for name in names])
         return quantized_linear(plain_weight, bias, 8)
+
+    def floats(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor as ``gguf``'s reader dequantizes it, in ``dtype`` (as transformers loads
+        it), rows in transformers' order; float32 for a chunk of rows at a time only."""
+        import gguf
+
+        tensor = self.tensors[name]
+        cols, rows = (int(n) for n in tensor.shape[:2])
+        raw = self.data(tensor).reshape(rows, -1)
+        out = torch.empty(rows, cols, dtype=dtype)
+        for start in range(0, rows, FLOAT_ROWS):
+            part = gguf.quants.dequantize(raw[start : start + FLOAT_ROWS], tensor.tensor_type)
+            out[start : start + FLOAT_ROWS] = torch.from_numpy(part.reshape(-1, cols))
+        heads = self.heads.get(name.split(".")[-2])
+        return out if heads is None else unpermute_rows(out, heads)
 
 
 def _row_fields(weight: Int4Blocks | Int8Weight) -> list[str]:
@@ -208,7 +239,10 @@ class GGUFQuantizer:
 
     def __init__(self, forward):
         config = forward.model.config
-        self.file = GGUFTensors(config.llmq_gguf_path, forward.num_heads, forward.num_kv_heads)
+        lean = getattr(config, "llmq_gguf_lean", False)
+        self.file = GGUFTensors(
+            config.llmq_gguf_path, forward.num_heads, forward.num_kv_heads, lean
+        )
 
     def linear(self, index: int, role: str, plain) -> QuantizedLinear:
         if index < 0:  # the head: its own tensor, or the embedding's where tied
@@ -221,4 +255,7 @@ class GGUFQuantizer:
     def embedding(self, table: torch.Tensor) -> Int4Blocks | Int6Blocks | Int8Weight:
         name = "token_embd.weight"
         file = self.file
-        return file.int4(name) or file.int6(name) or file.int8(name) or Int8Weight.quantize(table)
+        exact = file.int4(name) or file.int6(name) or file.int8(name)
+        if exact is not None:
+            return exact
+        return Int8Weight.quantize(file.floats(name, table.dtype) if file.lean else table)

@@ -1,0 +1,105 @@
+"""A GGUF file's model with its quantized tensors left in the file.
+
+transformers' own GGUF loading dequantizes every tensor into the model (the 1B shape's Q5_K_M
+file, 0.77 GB: 3.5 GiB of the worker's peak RSS, 18 s), and llmq's forward then reads the
+file's blocks again for its kernels (``worker/runner/gguf_weights.py``). Here the model is
+built from the file's config with its weights left uninitialized (memory never touched is not
+resident), and only the file's float tensors (norms, biases) are read into it, through
+transformers' own tensor processors and name map; the quantized ones are read by the forward's
+quantizer from the file (``llmq_gguf_lean`` on the config says so).
+
+Where that could go wrong, transformers loads the file whole instead: an architecture whose
+tensor processor changes more than norms and llama's query/key row order, a quantized tensor
+the quantizer does not read (a fused ``attn_qkv``, experts), or a weight the file's float
+tensors leave unset.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# The quantized tensors the forward's quantizer reads from the file (gguf_weights.ROLE_TENSORS,
+# the embedding table and the head).
+QUANTIZER_TENSORS = frozenset(
+    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
+TABLES = frozenset(("token_embd.weight", "output.weight"))
+# transformers' processors that leave quantized projections as they are but for llama's
+# query/key rows, which the quantizer puts back itself (gguf_weights.unpermute_rows).
+LEAN_PROCESSORS = frozenset(("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor"))
+
+
+def _read_by_quantizer(name: str) -> bool:
+    parts = name.split(".")
+    if name in TABLES:
+        return True
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in QUANTIZER_TENSORS
+
+
+def load_gguf_model(folder: str, file: str, dtype):
+    """The model of ``folder/file`` with its quantized tensors unread, or None where
+    transformers must load it whole (see the module's docstring)."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
+
+    reader = gguf.GGUFReader(str(Path(folder) / file))
+    architecture = reader.fields["general.architecture"].contents()
+    processor_class = gguf_utils.TENSOR_PROCESSORS.get(architecture, gguf_utils.TensorProcessor)
+    float_types = {gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "BF16")}
+    quantized = [t.name for t in reader.tensors if t.tensor_type not in float_types]
+    if processor_class.__name__ not in LEAN_PROCESSORS or not all(
+        map(_read_by_quantizer, quantized)
+    ):
+        return None
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    processor = processor_class(config=config.to_dict())
+    names = gguf_utils.get_gguf_hf_weights_map(model, processor)
+    floats = [t for t in reader.tensors if t.tensor_type in float_types]
+    filled = _fill(model, floats, processor, names)
+    deferred = {names.get(name) for name in quantized}
+    unset = [n for n, _ in model.named_parameters() if n not in filled and n not in deferred]
+    if unset:
+        log.info("%s: %s not in the file's float tensors; loading it whole", file, unset[:3])
+        return None
+    model.config.llmq_gguf_lean = True
+    return model
+
+
+def _fill(model, tensors, processor, names: dict[str, str]) -> set[str]:
+    """The model's parameters set from the file's float ``tensors`` as transformers' loader
+    sets them (its processor, its name map); returns their names."""
+    import gguf
+    import numpy as np
+    import torch
+
+    params = dict(model.named_parameters())
+    parsed = {"config": processor.config, "tensors": {}}
+    filled = set()
+    with torch.no_grad():
+        for tensor in tensors:
+            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            done = processor.process(
+                weights=weights,
+                name=tensor.name,
+                tensor_key_mapping=names,
+                parsed_parameters=parsed,
+            )
+            target = params.get(names.get(done.name, ""))
+            if target is None:
+                continue
+            values = torch.from_numpy(np.array(done.weights, dtype=np.float32))
+            target.copy_(values.reshape(target.shape))
+            filled.add(names[done.name])
+    return filled
