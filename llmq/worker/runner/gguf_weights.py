@@ -1,7 +1,8 @@
 """A GGUF file's quantized tensors as llmq's quantized projections.
 
-transformers loads a GGUF model dequantized to floats (config, weights, tokenizer from the
-file); this reads the file's own blocks again (``gguf``'s reader) for the kernels:
+The model comes without its quantized weights (``common/gguf_model.py``: ``lean``), or, where
+that cannot be, dequantized to floats by transformers; either way this reads the file's own
+blocks for the kernels:
 
 - Q4_K (llama.cpp's 4-bit k-quant: 256-value super-blocks of eight 32-value sub-blocks, each
   ``w = d * sc * q - dmin * m`` with 6-bit sc and m, q in 0..15) is llmq's ``Int4Blocks``
@@ -123,7 +124,7 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class GGUFTensors:
-    """The file's tensors by name, read once (memory-mapped by ``gguf``'s reader)."""
+    """The file's tensors by name (``gguf``'s reader), each read from the file as it is asked for."""
 
     def __init__(self, path: str, num_heads: int, num_kv_heads: int, lean: bool = False):
         """``lean``: the model was loaded without the file's quantized weights
