@@ -79,7 +79,8 @@ def load_gguf_model(folder: str, file: str, dtype):
 
 def _fill(model, tensors, processor, names: dict[str, str]) -> set[str]:
     """The model's parameters set from the file's float ``tensors`` as transformers' loader
-    sets them (its processor, its name map); returns their names."""
+    sets them (its processor, its name map); returns their names, none where a tensor does not
+    fit its parameter (transformers' own load then reports it)."""
     import gguf
     import numpy as np
     import torch
@@ -100,6 +101,9 @@ def _fill(model, tensors, processor, names: dict[str, str]) -> set[str]:
             if target is None:
                 continue
             values = torch.from_numpy(np.array(done.weights, dtype=np.float32))
+            if values.numel() != target.numel():  # the config misreads the file: its loader says
+                log.info("%s: %d values for %s", tensor.name, values.numel(), tuple(target.shape))
+                return set()
             target.copy_(values.reshape(target.shape))
             filled.add(names[done.name])
     return filled
