@@ -20,6 +20,14 @@ from safetensors.numpy import load_file
 Q = gguf.GGMLQuantizationType
 # bytes per 256-value block, and the byte offsets of the fp16 super-block scales
 _K_BLOCKS = {Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+# Gemma 3's norms beside llama's (its input and post-attention norms are llama's names)
+_GEMMA3_NORMS = {
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -33,7 +41,7 @@ _NAMES = {
 }
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -42,7 +50,8 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, index, rest = hf.split(".", 3)
     module = rest.removesuffix(".weight")
-    return f"blk.{index}.{_NAMES[module]}.weight"
+    names = {**_NAMES, **_GEMMA3_NORMS} if arch == "gemma3" else _NAMES
+    return f"blk.{index}.{names[module]}.weight"
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -61,13 +70,20 @@ def random_k_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(folder: Path, out: Path, types: dict[str, Q], seed: int = 0) -> Path:
-    """``folder``'s Llama as a GGUF file; ``types``: GGUF tensor name -> type (others F32)."""
+def write_gguf(
+    folder: Path, out: Path, types: dict[str, Q], seed: int = 0, arch: str = "llama"
+) -> Path:
+    """``folder``'s Llama (or Gemma 3 text model: ``arch="gemma3"``) as a GGUF file; ``types``:
+    GGUF tensor name -> type (others F32)."""
     config = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
     tok_config = json.loads((folder / "tokenizer_config.json").read_text())
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(out), "llama")
+    w = gguf.GGUFWriter(str(out), arch)
+    if arch == "gemma3":
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+        w.add_sliding_window(config["sliding_window"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
@@ -75,6 +91,7 @@ def write_gguf(folder: Path, out: Path, types: dict[str, Q], seed: int = 0) -> P
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
     rope = config.get("rope_parameters") or config  # transformers 5 nests it
+    rope = rope.get("full_attention", rope)  # and Gemma 3's per kind of layer
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
@@ -95,11 +112,13 @@ def write_gguf(folder: Path, out: Path, types: dict[str, Q], seed: int = 0) -> P
     w.add_chat_template(template.read_text() if template.exists() else tok_config["chat_template"])
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for hf, tensor in sorted(load_file(str(folder / "model.safetensors")).items()):
-        name = gguf_name(hf)
+        name = gguf_name(hf, arch)
         data = tensor.astype(np.float32)
-        kind = heads.get(name.split(".")[-2])
+        kind = heads.get(name.split(".")[-2]) if arch == "llama" else None
         if kind is not None:
             data = _permute(data, kind)
+        if arch == "gemma3" and "norm" in name:  # llama.cpp's converter stores 1 + w
+            data = data + 1
         wanted = types.get(name, Q.F32)
         if wanted in _K_BLOCKS:
             raw = random_k_blocks(wanted, data.shape[0], data.shape[1], rng)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
 from llmq.common.gguf_model import _read_by_quantizer, load_gguf_model
 from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
@@ -45,16 +45,15 @@ TYPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def gguf_dir(llama_dir, tmp_path_factory) -> Path:
-    """A Llama of k-quant widths (256 wide: a k-quant block) with the tiny model's tokenizer,
-    as a folder holding one GGUF file."""
+def _source(llama_dir: Path, tmp_path_factory, config_class, **shape):
+    """A folder holding the tiny model's tokenizer, and a config of k-quant widths (256 wide:
+    a k-quant block) with its vocabulary, for a model to write there."""
     folder = tmp_path_factory.mktemp("gguf-src")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (llama_dir / name).exists():
             shutil.copy(llama_dir / name, folder / name)
     tiny = LlamaConfig.from_pretrained(llama_dir)
-    config = LlamaConfig(
+    config = config_class(
         **{k: getattr(tiny, k) for k in ("vocab_size", "bos_token_id", "eos_token_id")},
         pad_token_id=tiny.pad_token_id,
         hidden_size=256,
@@ -63,12 +62,44 @@ def gguf_dir(llama_dir, tmp_path_factory) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        **shape,
     )
+    return folder, config
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(llama_dir, tmp_path_factory) -> Path:
+    """A Llama of k-quant widths (256 wide: a k-quant block) with the tiny model's tokenizer,
+    as a folder holding one GGUF file."""
+    folder, config = _source(llama_dir, tmp_path_factory, LlamaConfig, tie_word_embeddings=False)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     out = tmp_path_factory.mktemp("gguf")
     write_gguf(folder, out / "model-Q4_K_M.gguf", TYPES)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(llama_dir, tmp_path_factory) -> Path:
+    """A Gemma 3 text model of k-quant widths as a GGUF file as llama.cpp's converter writes
+    one (its norms stored as 1 + w): Q4_K and Q5_K projections, a Q6_K table."""
+    folder, config = _source(
+        llama_dir, tmp_path_factory, Gemma3TextConfig, head_dim=64, sliding_window=64
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms far from zero: a load that left them at 1 + w shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder)
+    types = {"token_embd.weight": Q.Q6_K}
+    for i in (0, 1):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):
+            types[f"blk.{i}.{t}.weight"] = Q.Q4_K
+        types[f"blk.{i}.ffn_down.weight"] = Q.Q5_K
+    out = tmp_path_factory.mktemp("gemma3-gguf")
+    write_gguf(folder, out / "model-Q4_K_M.gguf", types, arch="gemma3")
     return out
 
 
@@ -200,6 +231,24 @@ def test_the_lean_load_builds_what_the_whole_load_builds(gguf_dir):
     assert torch.equal(lean.inner.embed_tokens(ids), whole.inner.embed_tokens(ids))
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
     assert engines[0].generate(prompts, params) == engines[1].generate(prompts, params)
+
+
+def test_a_gemma3_file_loads_lean_with_its_norms_as_transformers_reads_them(gemma3_gguf):
+    """Gemma 3's tensor processor (norms stored as 1 + w) applies to the lean load's float
+    tensors: its forward equals the one built from transformers' whole load."""
+    model = load_causal_lm(str(gemma3_gguf), "float32", "cpu")
+    assert model.config.llmq_gguf_lean
+    whole = _transformers_model(gemma3_gguf)
+    norms = [n for n, _ in whole.named_parameters() if "norm" in n]
+    assert len(norms) == 2 * 6 + 1
+    for name in norms:
+        assert torch.equal(model.get_parameter(name), whole.get_parameter(name)), name
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = [
+        LLMEngine(m, EngineConfig(num_blocks=32), eos_token_ids=set()).generate([[5, 6, 7]], params)
+        for m in (model, whole)
+    ]
+    assert outputs[0] == outputs[1]
 
 
 def test_the_lean_load_takes_only_files_the_quantizer_reads(gguf_dir):
