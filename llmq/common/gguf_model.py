@@ -21,12 +21,17 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# The quantized tensors the forward's quantizer reads from the file (gguf_weights.ROLE_TENSORS,
-# the embedding table and the head).
-QUANTIZER_TENSORS = frozenset(
-    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-)
-TABLES = frozenset(("token_embd.weight", "output.weight"))
+# GGUF tensor names of a llama-style layer's fused projections, per llmq role: with the
+# embedding table and the head, the tensors the forward's quantizer reads from the file
+# (worker/runner/gguf_weights.py).
+ROLE_TENSORS = {
+    "qkv": ("attn_q", "attn_k", "attn_v"),
+    "o": ("attn_output",),
+    "gate_up": ("ffn_gate", "ffn_up"),
+    "down": ("ffn_down",),
+}
+EMBEDDING, HEAD = "token_embd.weight", "output.weight"
+QUANTIZER_TENSORS = frozenset(name for names in ROLE_TENSORS.values() for name in names)
 # transformers' processors that leave quantized projections as they are but for llama's
 # query/key rows, which the quantizer puts back itself (gguf_weights.unpermute_rows).
 LEAN_PROCESSORS = frozenset(("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor"))
@@ -34,7 +39,7 @@ LEAN_PROCESSORS = frozenset(("TensorProcessor", "LlamaTensorProcessor", "Gemma2T
 
 def _read_by_quantizer(name: str) -> bool:
     parts = name.split(".")
-    if name in TABLES:
+    if name in (EMBEDDING, HEAD):
         return True
     return len(parts) == 4 and parts[0] == "blk" and parts[2] in QUANTIZER_TENSORS
 

@@ -31,6 +31,7 @@ import logging
 import numpy as np
 import torch
 
+from llmq.common.gguf_model import EMBEDDING, HEAD, ROLE_TENSORS
 from llmq.worker.runner.int6_linear import Int6Linear
 from llmq.worker.runner.quantized_linear import (
     Int4Blocks,
@@ -49,13 +50,6 @@ Q4_K_BLOCK = 144  # bytes: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 12
 Q5_K_BLOCK = 176  # bytes: Q4_K's, with 32 bytes of fifth bits before the nibbles
 FLOAT_ROWS = 1024  # rows dequantized at a time where a tensor is quantized again
 Q8_0_BLOCK = 34  # bytes: d (fp16), 32 int8 values
-# GGUF tensor names of a llama-style layer's fused projections, per llmq role
-ROLE_TENSORS = {
-    "qkv": ("attn_q", "attn_k", "attn_v"),
-    "o": ("attn_output",),
-    "gate_up": ("ffn_gate", "ffn_up"),
-    "down": ("ffn_down",),
-}
 
 
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -141,6 +135,11 @@ class GGUFTensors:
         permuted = architecture == "llama"
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if permuted else {}
 
+    def permuted_heads(self, name: str) -> int | None:
+        """The heads whose rows the tensor ``name`` holds in llama.cpp's rotary order; None
+        where its rows are in transformers' order."""
+        return self.heads.get(name.split(".")[-2])
+
     def data(self, tensor) -> np.ndarray:
         """The tensor's data read from the file, as the reader's ``tensor.data`` holds it. Not
         through the reader's mapping: its pages stay in the process's RSS while the reader
@@ -174,7 +173,7 @@ class GGUFTensors:
             return None
         cols, rows = (int(n) for n in tensor.shape[:2])  # GGUF lists the fastest dimension first
         weight = reader(self.data(tensor), rows, cols)
-        heads = self.heads.get(name.split(".")[-2])
+        heads = self.permuted_heads(name)
         if heads is None:
             return weight
         return dataclasses.replace(
@@ -215,7 +214,7 @@ class GGUFTensors:
         for start in range(0, rows, FLOAT_ROWS):
             part = gguf.quants.dequantize(raw[start : start + FLOAT_ROWS], tensor.tensor_type)
             out[start : start + FLOAT_ROWS] = torch.from_numpy(part.reshape(-1, cols))
-        heads = self.heads.get(name.split(".")[-2])
+        heads = self.permuted_heads(name)
         return out if heads is None else unpermute_rows(out, heads)
 
 
@@ -248,16 +247,15 @@ class GGUFQuantizer:
 
     def linear(self, index: int, role: str, plain) -> QuantizedLinear:
         if index < 0:  # the head: its own tensor, or the embedding's where tied
-            name = "output.weight" if "output.weight" in self.file.tensors else "token_embd.weight"
+            name = HEAD if HEAD in self.file.tensors else EMBEDDING
             names = [name]
         else:
             names = [f"blk.{index}.{t}.weight" for t in ROLE_TENSORS[role]]
         return self.file.linear(names, plain.weight, plain.bias)
 
     def embedding(self, table: torch.Tensor) -> Int4Blocks | Int6Blocks | Int8Weight:
-        name = "token_embd.weight"
         file = self.file
-        exact = file.int4(name) or file.int6(name) or file.int8(name)
+        exact = file.int4(EMBEDDING) or file.int6(EMBEDDING) or file.int8(EMBEDDING)
         if exact is not None:
             return exact
-        return Int8Weight.quantize(file.floats(name, table.dtype) if file.lean else table)
+        return Int8Weight.quantize(file.floats(EMBEDDING, table.dtype) if file.lean else table)

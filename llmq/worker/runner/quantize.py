@@ -125,10 +125,8 @@ class QuantizedEmbedding(torch.nn.Module):
         return rows
 
     def nbytes(self) -> int:
-        """The bytes of a 4-bit table (an 8-bit one is counted with its weight)."""
-        if self.int4 is None:
-            return 0
-        return sum(getattr(self.int4, f.name).nbytes for f in dataclasses.fields(self.int4))
+        """The bytes of a 4-bit table (one read as held is counted with its weight)."""
+        return 0 if self.int4 is None else _weight_bytes(self.int4)
 
 
 def _plain_storages(linears) -> set[int]:
@@ -276,9 +274,13 @@ def quantized_bytes(forward) -> int:
     if not isinstance(table, QuantizedEmbedding):  # kept float
         return total
     if table.row_reader is not None and table.row_reader is not head:
-        fields = dataclasses.fields(table.row_reader)
-        total += sum(getattr(table.row_reader, f.name).nbytes for f in fields)
+        total += _weight_bytes(table.row_reader)
     return total + table.nbytes()
+
+
+def _weight_bytes(weight) -> int:
+    """The bytes of a quantized weight's tensors (an ``Int8Weight``, ``Int4Blocks``, ...)."""
+    return sum(getattr(weight, f.name).nbytes for f in dataclasses.fields(weight))
 
 
 def quantization_of(model: torch.nn.Module) -> Scheme | None:
