@@ -1,6 +1,7 @@
 """A worker serving int4 weights (``LLMQ_QUANTIZATION=int4``: 4-bit projections with 8-bit head
-and sensitive layers) answers, through the API, the greedy tokens of the same quantized model
-stepped on each prompt alone: concurrent requests batched together, a pool too small for them
+and sensitive layers), and one serving a GGUF file (Q4_K, Q5_K, Q6_K and Q8_0 tensors, read as
+the file holds them, no setting), answer through the API the greedy tokens of the same quantized
+model stepped on each prompt alone: concurrent requests batched together, a pool too small for them
 (preempted and recomputed), and prompts sharing a prefix (prefix cache hits).
 
 Token for token, but for a near tie after a recompute: a preempted sequence's keys and values
@@ -12,6 +13,7 @@ tokens, within ``NEAR_TIE`` of each other: a wrong token anywhere else fails."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -30,10 +32,28 @@ NEAR_TIE = 0.05  # logprob; the flips seen were 0.02 apart
 
 
 @pytest.fixture(scope="module")
-def int4_stack(llama_dir, logs):
-    settings = dict(quantization="int4", kv_blocks=KV_BLOCKS)
-    with stack(llama_dir, logs, "w-int4", settings, {}) as s:
-        yield s
+def gguf_dir(llama_dir, tmp_path_factory) -> Path:
+    pytest.importorskip("gguf")
+    from tests.worker.gguf_writer import write_mixed_llama
+
+    return write_mixed_llama(
+        llama_dir, tmp_path_factory.mktemp("gguf-src"), tmp_path_factory.mktemp("gguf")
+    )
+
+
+@pytest.fixture(scope="module", params=["int4", "gguf"])
+def quantized(request, llama_dir, logs):
+    """The stack serving one quantized source, and that source loaded in-process."""
+    if request.param == "gguf":
+        source, settings = request.getfixturevalue("gguf_dir"), {}
+        model = load_causal_lm(str(source), "float32", "cpu")
+        assert model.config.llmq_quantization == "gguf"
+    else:
+        source, settings = llama_dir, dict(quantization="int4")
+        model = load_causal_lm(str(llama_dir), "float32", "cpu", "int4")
+    name = f"w-{request.param}"
+    with stack(source, logs, name, dict(settings, kv_blocks=KV_BLOCKS), {}) as s:
+        yield s, model, source
 
 
 SYSTEM = "You answer questions about Redis streams, consumer groups and pending entries. "
@@ -72,20 +92,17 @@ def _assert_greedy(got: list[int], want: list[int], tops: list[dict]) -> None:
             return
 
 
-def test_api_greedy_equals_the_quantized_model_stepped_alone(int4_stack, llama_dir):
+def test_api_greedy_equals_the_quantized_model_stepped_alone(quantized):
+    served, model, source = quantized
     talks = _conversations()
-    tok = load_tokenizer(str(llama_dir))
+    tok = load_tokenizer(str(source))
     prompts = [
         list(
             tok.apply_chat_template(t, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
         for t in talks
     ]
-    engine = LLMEngine(
-        load_causal_lm(str(llama_dir), "float32", "cpu", "int4"),
-        EngineConfig(num_blocks=64),
-        eos_token_ids=set(),
-    )
+    engine = LLMEngine(model, EngineConfig(num_blocks=64), eos_token_ids=set())
     references = [_greedy_alone(engine, p) for p in prompts]
     expected = [tokens for tokens, _ in references]
     assert len({tuple(t) for t in expected}) == len(expected)
@@ -93,7 +110,7 @@ def test_api_greedy_equals_the_quantized_model_stepped_alone(int4_stack, llama_d
 
     async def ask(client, messages):
         return await client.chat.completions.create(
-            model=int4_stack.model,
+            model=served.model,
             messages=messages,
             max_tokens=OUTPUT_TOKENS,
             temperature=0,
@@ -103,7 +120,7 @@ def test_api_greedy_equals_the_quantized_model_stepped_alone(int4_stack, llama_d
         )
 
     async def all_at_once():
-        client = aclient(int4_stack.base, timeout=120)
+        client = aclient(served.base, timeout=120)
         together = await asyncio.gather(*(ask(client, t) for t in talks[:4]))
         return [*together, await ask(client, talks[4]), await ask(client, talks[5])]
 

@@ -11,15 +11,19 @@ llmq and by ``gguf``'s ``dequantize``."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 Q = gguf.GGMLQuantizationType
 # bytes per 256-value block, and the byte offsets of the fp16 super-block scales
 _K_BLOCKS = {Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+_MIDDLE_CODE = {Q.Q4_K: 7.5, Q.Q5_K: 15.5}  # q in 0..15, 0..31
 # Gemma 3's norms beside llama's (its input and post-attention norms are llama's names)
 _GEMMA3_NORMS = {
     "self_attn.q_norm": "attn_q_norm",
@@ -39,6 +43,52 @@ _NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+
+
+# Q4_K_M's pattern at two layers: Q6_K for the head, layer 1's attn_v and ffn_down; Q5_K for
+# layer 0's ffn_down and (beside a Q4_K ffn_gate) ffn_up; a Q8_0 attn_output.
+MIXED_TYPES = {
+    "token_embd.weight": Q.Q4_K,
+    "output.weight": Q.Q6_K,
+    **{f"blk.{i}.{t}.weight": Q.Q4_K for i in (0, 1) for t in ("attn_q", "attn_k", "attn_v")},
+    **{f"blk.{i}.{t}.weight": Q.Q4_K for i in (0, 1) for t in ("ffn_gate", "ffn_up")},
+    "blk.1.attn_v.weight": Q.Q6_K,
+    "blk.1.ffn_down.weight": Q.Q6_K,
+    "blk.0.ffn_down.weight": Q.Q5_K,
+    "blk.0.ffn_up.weight": Q.Q5_K,
+    "blk.0.attn_output.weight": Q.Q8_0,
+    "blk.1.attn_output.weight": Q.Q4_K,
+}
+
+
+def source_config(llama_dir: Path, folder: Path, config_class, **shape):
+    """``folder`` given the tiny model's tokenizer, and a config of k-quant widths (256 wide:
+    a k-quant block) with its vocabulary, for a model to be written there."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (llama_dir / name).exists():
+            shutil.copy(llama_dir / name, folder / name)
+    tiny = LlamaConfig.from_pretrained(llama_dir)
+    return config_class(
+        **{k: getattr(tiny, k) for k in ("vocab_size", "bos_token_id", "eos_token_id")},
+        pad_token_id=tiny.pad_token_id,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **shape,
+    )
+
+
+def write_mixed_llama(llama_dir: Path, source: Path, out: Path) -> Path:
+    """A random Llama of k-quant widths with the tiny model's tokenizer, written to ``source``,
+    and ``out``: a folder holding it as one GGUF file of ``MIXED_TYPES``."""
+    config = source_config(llama_dir, source, LlamaConfig, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    write_gguf(source, out / "model-Q4_K_M.gguf", MIXED_TYPES)
+    return out
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
@@ -62,11 +112,16 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def random_k_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random ``kind`` blocks of weights about the model's size (small positive fp16 scales),
+    centred on zero: Q4_K's and Q5_K's ``min`` step is the middle code's share of ``d`` (the
+    random 6-bit scales and mins are alike), or every weight would lean one way and a model of
+    them answer every prompt alike."""
     size, scale_at = _K_BLOCKS[kind]
     blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
-    for offset in scale_at:  # small positive fp16 scales: weights of about the model's size
-        d = rng.uniform(1e-4, 4e-4, size=blocks.shape[0]).astype(np.float16)
-        blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    d = rng.uniform(1e-4, 4e-4, size=blocks.shape[0])
+    steps = (d, d * _MIDDLE_CODE[kind]) if len(scale_at) == 2 else (d,)
+    for offset, step in zip(scale_at, steps, strict=True):
+        blocks[:, offset : offset + 2] = step.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 

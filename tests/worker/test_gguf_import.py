@@ -6,7 +6,6 @@ it."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from llmq.common.gguf_model import _read_by_quantizer, load_gguf_model
 from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
@@ -24,68 +23,32 @@ from llmq.worker.runner.gguf_weights import GGUFTensors, q4_k_weight, q5_k_weigh
 from llmq.worker.runner.int6_linear import Int6Linear
 from llmq.worker.runner.quantize import QuantizedEmbedding
 from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear, int_kernel_available
-from tests.worker.gguf_writer import Q, random_k_blocks, write_gguf
+from tests.worker.gguf_writer import (
+    MIXED_TYPES,
+    Q,
+    random_k_blocks,
+    source_config,
+    write_gguf,
+    write_mixed_llama,
+)
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# Q4_K_M's pattern at two layers: Q6_K for the head, layer 1's attn_v and ffn_down; Q5_K for
-# layer 0's ffn_down and (beside a Q4_K ffn_gate) ffn_up.
-TYPES = {
-    "token_embd.weight": Q.Q4_K,
-    "output.weight": Q.Q6_K,
-    **{f"blk.{i}.{t}.weight": Q.Q4_K for i in (0, 1) for t in ("attn_q", "attn_k", "attn_v")},
-    **{f"blk.{i}.{t}.weight": Q.Q4_K for i in (0, 1) for t in ("ffn_gate", "ffn_up")},
-    "blk.1.attn_v.weight": Q.Q6_K,
-    "blk.1.ffn_down.weight": Q.Q6_K,
-    "blk.0.ffn_down.weight": Q.Q5_K,
-    "blk.0.ffn_up.weight": Q.Q5_K,
-    "blk.0.attn_output.weight": Q.Q8_0,
-    "blk.1.attn_output.weight": Q.Q4_K,
-}
-
-
-def _source(llama_dir: Path, tmp_path_factory, config_class, **shape):
-    """A folder holding the tiny model's tokenizer, and a config of k-quant widths (256 wide:
-    a k-quant block) with its vocabulary, for a model to write there."""
-    folder = tmp_path_factory.mktemp("gguf-src")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (llama_dir / name).exists():
-            shutil.copy(llama_dir / name, folder / name)
-    tiny = LlamaConfig.from_pretrained(llama_dir)
-    config = config_class(
-        **{k: getattr(tiny, k) for k in ("vocab_size", "bos_token_id", "eos_token_id")},
-        pad_token_id=tiny.pad_token_id,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        **shape,
-    )
-    return folder, config
-
 
 @pytest.fixture(scope="module")
 def gguf_dir(llama_dir, tmp_path_factory) -> Path:
-    """A Llama of k-quant widths (256 wide: a k-quant block) with the tiny model's tokenizer,
-    as a folder holding one GGUF file."""
-    folder, config = _source(llama_dir, tmp_path_factory, LlamaConfig, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    out = tmp_path_factory.mktemp("gguf")
-    write_gguf(folder, out / "model-Q4_K_M.gguf", TYPES)
-    return out
+    return write_mixed_llama(
+        llama_dir, tmp_path_factory.mktemp("gguf-src"), tmp_path_factory.mktemp("gguf")
+    )
 
 
 @pytest.fixture(scope="module")
 def gemma3_gguf(llama_dir, tmp_path_factory) -> Path:
     """A Gemma 3 text model of k-quant widths as a GGUF file as llama.cpp's converter writes
     one (its norms stored as 1 + w): Q4_K and Q5_K projections, a Q6_K table."""
-    folder, config = _source(
-        llama_dir, tmp_path_factory, Gemma3TextConfig, head_dim=64, sliding_window=64
-    )
+    folder = tmp_path_factory.mktemp("gguf-src")
+    config = source_config(llama_dir, folder, Gemma3TextConfig, head_dim=64, sliding_window=64)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms far from zero: a load that left them at 1 + w shows
@@ -125,7 +88,7 @@ def test_k_quant_blocks_equal_gguf_dequantize(gguf_dir, kind, read):
         # d * sc * q and dmin * m are exact in float32: one rounding, as gguf's
         assert torch.equal(ours.dequantize(), want.view(rows, cols)), tensor.name
         checked += 1
-    assert checked == sum(t == kind for t in TYPES.values())
+    assert checked == sum(t == kind for t in MIXED_TYPES.values())
     # random blocks set every fifth bit somewhere: q spans 0..31 for Q5_K
     assert int(ours.q.max()) == (31 if kind == Q.Q5_K else 15)
 
