@@ -38,6 +38,16 @@ def qwen2_dir(model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gguf_dir(llama_dir, tmp_path_factory) -> Path:
+    """A folder holding a GGUF file of a Q4_K_M-like mix (Q4_K, Q5_K, Q6_K, Q8_0 tensors) of a
+    random Llama of k-quant widths with the test model's tokenizer (tests/worker/gguf_writer)."""
+    from tests.worker.gguf_writer import write_mixed_llama
+
+    source, out = tmp_path_factory.mktemp("gguf-src"), tmp_path_factory.mktemp("gguf")
+    return write_mixed_llama(llama_dir, source, out)
+
+
+@pytest.fixture(scope="session")
 def llama_stack(llama_dir, tmp_path_factory):
     """A Redis, a worker of the test model and an API (queue limit 50) shared by every package
     that neither changes their settings nor leaves them changed (tests/api's ``main``): a

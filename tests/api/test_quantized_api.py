@@ -13,7 +13,6 @@ tokens, within ``NEAR_TIE`` of each other: a wrong token anywhere else fails."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
@@ -29,16 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KV_BLOCKS = 8
 OUTPUT_TOKENS = 40
 NEAR_TIE = 0.05  # logprob; the flips seen were 0.02 apart
-
-
-@pytest.fixture(scope="module")
-def gguf_dir(llama_dir, tmp_path_factory) -> Path:
-    pytest.importorskip("gguf")
-    from tests.worker.gguf_writer import write_mixed_llama
-
-    return write_mixed_llama(
-        llama_dir, tmp_path_factory.mktemp("gguf-src"), tmp_path_factory.mktemp("gguf")
-    )
 
 
 @pytest.fixture(scope="module", params=["int4", "gguf"])

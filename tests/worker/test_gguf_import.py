@@ -19,8 +19,14 @@ from llmq.common.gguf_model import _read_by_quantizer, load_gguf_model
 from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
-from llmq.worker.runner.gguf_weights import GGUFTensors, q4_k_weight, q5_k_weight, q8_0_weight
-from llmq.worker.runner.int6_linear import Int6Linear
+from llmq.worker.runner.gguf_weights import (
+    GGUFTensors,
+    q4_k_weight,
+    q5_k_weight,
+    q6_k_weight,
+    q8_0_weight,
+)
+from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.quantize import QuantizedEmbedding
 from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear, int_kernel_available
 from tests.worker.gguf_writer import (
@@ -29,18 +35,10 @@ from tests.worker.gguf_writer import (
     random_k_blocks,
     source_config,
     write_gguf,
-    write_mixed_llama,
 )
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def gguf_dir(llama_dir, tmp_path_factory) -> Path:
-    return write_mixed_llama(
-        llama_dir, tmp_path_factory.mktemp("gguf-src"), tmp_path_factory.mktemp("gguf")
-    )
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +73,11 @@ def test_a_folder_or_a_file_is_found(gguf_dir, llama_dir):
     assert gguf_location(str(llama_dir)) is None
 
 
-@pytest.mark.parametrize("kind, read", [(Q.Q4_K, q4_k_weight), (Q.Q5_K, q5_k_weight)])
+K_QUANTS = [(Q.Q4_K, q4_k_weight), (Q.Q5_K, q5_k_weight), (Q.Q6_K, q6_k_weight)]
+LARGEST_Q = {Q.Q4_K: 15, Q.Q5_K: 31, Q.Q6_K: 63}
+
+
+@pytest.mark.parametrize("kind, read", K_QUANTS)
 def test_k_quant_blocks_equal_gguf_dequantize(gguf_dir, kind, read):
     reader = gguf.GGUFReader(str(gguf_dir / "model-Q4_K_M.gguf"))
     checked = 0
@@ -85,19 +87,21 @@ def test_k_quant_blocks_equal_gguf_dequantize(gguf_dir, kind, read):
         cols, rows = (int(n) for n in tensor.shape[:2])
         ours = read(tensor.data, rows, cols)
         want = torch.from_numpy(gguf.quants.dequantize(tensor.data, kind).astype(np.float32))
-        # d * sc * q and dmin * m are exact in float32: one rounding, as gguf's
+        # d * sc * q and dmin * m (Q6_K: d * sc, then times q - 32) round once, as gguf's
         assert torch.equal(ours.dequantize(), want.view(rows, cols)), tensor.name
         checked += 1
     assert checked == sum(t == kind for t in MIXED_TYPES.values())
-    # random blocks set every fifth bit somewhere: q spans 0..31 for Q5_K
-    assert int(ours.q.max()) == (31 if kind == Q.Q5_K else 15)
+    # random blocks set every top bit somewhere: q spans the kind's levels
+    assert int(ours.q.max()) == LARGEST_Q[kind]
 
 
-def test_a_q5_k_table_reads_its_rows_exactly():
+@pytest.mark.parametrize("kind, read", K_QUANTS[1:])
+def test_a_q5_k_or_q6_k_table_reads_its_rows_exactly(kind, read):
     rows, cols = 40, 512
-    raw = random_k_blocks(Q.Q5_K, rows, cols, np.random.default_rng(1))
-    want = gguf.quants.dequantize(raw.reshape(rows, -1), Q.Q5_K).astype(np.float32)
-    table = QuantizedEmbedding(q5_k_weight(raw, rows, cols), torch.float32, None)
+    raw = random_k_blocks(kind, rows, cols, np.random.default_rng(1))
+    want = gguf.quants.dequantize(raw.reshape(rows, -1), kind).astype(np.float32)
+    table = QuantizedEmbedding(read(raw, rows, cols), torch.float32, None)
+    assert table.row_reader is not None
     ids = torch.tensor([0, 39, 7, 7])
     assert torch.equal(table(ids), torch.from_numpy(want)[ids])
 
@@ -148,11 +152,16 @@ def test_the_model_loads_quantized_as_the_file_is(gguf_dir):
     six = Int6Linear if int_kernel_available() else Int8Linear
     assert isinstance(layer0.mlp.down_proj, six) and isinstance(layer0.mlp.gate_up_proj, six)
     assert isinstance(layer1.mlp.gate_up_proj, Int4Linear)
-    if six is Int6Linear:
-        down = file.int6("blk.0.ffn_down.weight")
-        rows = layer0.mlp.down_proj.rows(torch.arange(down.q.shape[0]))
-        assert torch.equal(rows.q, down.q) and torch.equal(rows.dequantize(), down.dequantize())
-    assert isinstance(forward.lm_head, Int8Linear)  # Q6_K
+    # Q6_K: its 16-value sub-blocks' scales beside the same panels
+    q6k = Q6KLinear if int_kernel_available() else Int8Linear
+    assert type(layer1.mlp.down_proj) is q6k and type(forward.lm_head) is q6k
+    held = [("blk.0.ffn_down.weight", layer0.mlp.down_proj, file.int6)]
+    held += [("blk.1.ffn_down.weight", layer1.mlp.down_proj, file.q6k)]
+    held += [("output.weight", forward.lm_head, file.q6k)]
+    for name, projection, read in held if six is Int6Linear else []:
+        weight = read(name)
+        rows = projection.rows(torch.arange(weight.q.shape[0]))
+        assert torch.equal(rows.q, weight.q) and torch.equal(rows.dequantize(), weight.dequantize())
     embed = model.model.embed_tokens
     assert embed.row_reader is None  # Q4_K, as the file holds it
     ids = torch.tensor([3, 17, 900])

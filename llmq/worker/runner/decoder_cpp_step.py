@@ -15,7 +15,7 @@ import torch
 
 from llmq.worker.runner.attention import StepMetadata
 from llmq.worker.runner.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
-from llmq.worker.runner.int6_linear import Int6Linear
+from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.lora_linear import LoraLinear
 from llmq.worker.runner.lora_slots import StepAdapters
 from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout, Linear
@@ -41,7 +41,7 @@ def serves_model(layers: list[DecoderLayer]) -> bool:
     if not all(isinstance(layer.mlp, DenseMLP) for layer in layers):
         return False
     # exactly these: not a checkpoint's permuted kinds
-    kinds = (Linear, Int8Linear, Int6Linear, Int4Linear)
+    kinds = (Linear, Int8Linear, Int6Linear, Q6KLinear, Int4Linear)
     if not all(type(p) in kinds for layer in layers for p in _projections(layer)):
         return False
     shapes = {

@@ -14,10 +14,13 @@ blocks for the kernels:
   and Q5_K members. Tested against ``gguf``'s ``dequantize``.
 - Q8_0 (32 int8 values and one float16 scale a block) is llmq's grouped int8 exactly: the same
   q and scale, tested against ``gguf``'s ``dequantize``.
-- Q6_K (16-value sub-blocks, each with its own int8 scale) has no form of its layout here, nor
-  do float tensors: their dequantized weights are quantized again to int8 (group-32 scales on
-  llmq's kernels, per channel on torch's), as are fused groups whose members differ otherwise
-  (Q4_K_M's Q6_K ``attn_v`` beside Q4_K q, k), and Q5_K where the 6-bit kernel does not serve.
+- Q6_K (``w = d * sc * (q - 32)``, q in 0..63, an int8 sc per 16 values) is llmq's
+  ``Q6KBlocks`` exactly, on the 6-bit kernel with its sub-blocks' scales (6.5625 bits a
+  weight); tested against ``gguf``'s ``dequantize``.
+- Float tensors, fused groups whose members differ otherwise (Q4_K_M's Q6_K ``attn_v`` beside
+  Q4_K q, k), and Q5_K and Q6_K where the 6-bit kernel does not serve (no AVX2, CUDA) are
+  quantized again to int8 from their dequantized weights (group-32 scales on llmq's kernels,
+  per channel on torch's).
 
 Query and key rows come permuted in llama.cpp's files (its rotary layout); they are put back as
 transformers' loader puts them back.
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 
 from llmq.common.gguf_model import EMBEDDING, HEAD, ROLE_TENSORS
-from llmq.worker.runner.int6_linear import Int6Linear
+from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.quantized_linear import (
     Int4Blocks,
     Int4Linear,
@@ -43,6 +46,7 @@ from llmq.worker.runner.quantized_linear import (
     int_kernel_available,
     quantized_linear,
 )
+from llmq.worker.runner.quantized_weights import Q6KBlocks
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ Q4_K_BLOCK = 144  # bytes: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 12
 Q5_K_BLOCK = 176  # bytes: Q4_K's, with 32 bytes of fifth bits before the nibbles
 FLOAT_ROWS = 1024  # rows dequantized at a time where a tensor is quantized again
 Q8_0_BLOCK = 34  # bytes: d (fp16), 32 int8 values
+Q6_K_BLOCK = 210  # bytes: 128 of low nibbles, 64 of top two bits, int8 sc [16], d (fp16)
 
 
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,6 +106,21 @@ def q5_k_weight(raw: np.ndarray, rows: int, cols: int) -> Int6Blocks:
     return Int6Blocks(torch.from_numpy(q.astype(np.uint8)), **_k_steps(blocks, rows, cols))
 
 
+def q6_k_weight(raw: np.ndarray, rows: int, cols: int) -> Q6KBlocks:
+    """A Q6_K tensor's bytes ([rows, cols / 256 * 210]) as ``Q6KBlocks`` [rows, cols]: a block's
+    values in two halves of 128, each 64 bytes' low nibbles then their high ones, and 32 bytes
+    of top bits, shifted by 0, 2, 4, 6 for its four runs of 32 (``dequantize_row_q6_K``)."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q6_K_BLOCK)
+    low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    top = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    q = (low & 15).reshape(-1, 256) | ((top & 3) << 4).reshape(-1, 256)
+    return Q6KBlocks(
+        torch.from_numpy(q.reshape(rows, cols)),
+        torch.from_numpy(blocks[:, 208:210].copy().view(np.float16).reshape(rows, cols // 256)),
+        torch.from_numpy(blocks[:, 192:208].copy().view(np.int8).reshape(rows, cols // 16)),
+    )
+
+
 def q8_0_weight(raw: np.ndarray, rows: int, cols: int) -> Int8Weight:
     """A Q8_0 tensor's bytes ([rows, cols / 32 * 34]) as a grouped ``Int8Weight`` [rows, cols]."""
     blocks = np.ascontiguousarray(raw).reshape(-1, Q8_0_BLOCK)
@@ -129,7 +149,7 @@ class GGUFTensors:
         self.reader = gguf.GGUFReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         kinds = gguf.GGMLQuantizationType
-        self.q4_k, self.q5_k, self.q8_0 = kinds.Q4_K, kinds.Q5_K, kinds.Q8_0
+        self.q4_k, self.q5_k, self.q6_k, self.q8_0 = kinds.Q4_K, kinds.Q5_K, kinds.Q6_K, kinds.Q8_0
         architecture = self.reader.fields["general.architecture"].contents()
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
         permuted = architecture == "llama"
@@ -162,6 +182,10 @@ class GGUFTensors:
             return weight
         return Int6Blocks(*(getattr(weight, f) for f in _row_fields(weight)))
 
+    def q6k(self, name: str) -> Q6KBlocks | None:
+        """The tensor as exact ``Q6KBlocks`` where it is Q6_K; None otherwise."""
+        return self._read(name, {self.q6_k: q6_k_weight})
+
     def int8(self, name: str) -> Int8Weight | None:
         """The tensor as an exact grouped ``Int8Weight`` where it is Q8_0; None otherwise."""
         return self._read(name, {self.q8_0: q8_0_weight})
@@ -182,11 +206,11 @@ class GGUFTensors:
 
     def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear:
         """One fused projection of the tensors ``names``: int4 where all are Q4_K, 6-bit where
-        all are Q4_K or Q5_K (on llmq's kernel), int8 from the file's blocks where all are Q8_0,
-        else int8 from the (dequantized) fused float weight."""
+        all are Q4_K or Q5_K, or all Q6_K (on llmq's kernel), int8 from the file's blocks where
+        all are Q8_0, else int8 from the (dequantized) fused float weight."""
         forms = [(self.int4, Int4Linear)]
         if int_kernel_available() and not plain_weight.is_cuda:
-            forms.append((self.int6, Int6Linear))
+            forms += [(self.int6, Int6Linear), (self.q6k, Q6KLinear)]
         for read, linear in (*forms, (self.int8, Int8Linear)):
             parts = [read(name) for name in names]
             if not parts or any(p is None for p in parts):
@@ -218,13 +242,13 @@ class GGUFTensors:
         return out if heads is None else unpermute_rows(out, heads)
 
 
-def _row_fields(weight: Int4Blocks | Int8Weight) -> list[str]:
+def _row_fields(weight: Int4Blocks | Q6KBlocks | Int8Weight) -> list[str]:
     """The weight's tensors, each a row per output channel (q, its steps and codes)."""
     fields = dataclasses.fields(weight)
     return [f.name for f in fields if isinstance(getattr(weight, f.name), torch.Tensor)]
 
 
-def _same_weights(weight: Int4Blocks | Int8Weight, loaded: torch.Tensor) -> bool:
+def _same_weights(weight: Int4Blocks | Q6KBlocks | Int8Weight, loaded: torch.Tensor) -> bool:
     """Whether the blocks read here are the weights transformers loaded (its dequantized ones,
     in its row order), exact but for a bfloat16 model's rounding: a check that the blocks map
     onto the right rows of an architecture, made once at load."""
@@ -253,9 +277,10 @@ class GGUFQuantizer:
             names = [f"blk.{index}.{t}.weight" for t in ROLE_TENSORS[role]]
         return self.file.linear(names, plain.weight, plain.bias)
 
-    def embedding(self, table: torch.Tensor) -> Int4Blocks | Int6Blocks | Int8Weight:
+    def embedding(self, table: torch.Tensor) -> Int4Blocks | Int6Blocks | Q6KBlocks | Int8Weight:
         file = self.file
-        exact = file.int4(EMBEDDING) or file.int6(EMBEDDING) or file.int8(EMBEDDING)
+        exact = file.int4(EMBEDDING) or file.int6(EMBEDDING) or file.q6k(EMBEDDING)
+        exact = exact or file.int8(EMBEDDING)
         if exact is not None:
             return exact
         return Int8Weight.quantize(file.floats(EMBEDDING, table.dtype) if file.lean else table)

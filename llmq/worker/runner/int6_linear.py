@@ -4,13 +4,15 @@ tensors a 4-bit model keeps at more bits, as llama.cpp's Q4_K_M keeps them in Q6
 The panels ``q6_matmul`` takes, [P, K / 32, 6, 16, 4] bytes: a group's values' low nibbles as
 ``q4_panels`` lays them out (parts 0-3), then their top two bits (parts 4-5: byte i of a column
 in part j holds, from its low bits up, those of step 2j's low and high nibble, then step
-2j + 1's); the scales are ``Int4Blocks``' super-blocks (``k_blocks``). Where the kernel is not
+2j + 1's); the scales are ``Int4Blocks``' super-blocks (``k_blocks``), or a GGUF's Q6_K ones
+(``Q6KLinear``: ``q6k_blocks``). Where the kernel is not
 loaded (no AVX2), or on CUDA, the tensors take int8 instead (``quantized_linear``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from llmq.worker.runner.quantized_linear import (
     PANEL_COLS,
@@ -20,7 +22,7 @@ from llmq.worker.runner.quantized_linear import (
     panel_rows,
     q4_nibbles,
 )
-from llmq.worker.runner.quantized_weights import GROUP, Int6Blocks, round_up
+from llmq.worker.runner.quantized_weights import GROUP, Int6Blocks, Q6KBlocks, round_up
 
 _NIBBLE_PARTS = 4  # a group's 64-byte parts of low nibbles; two more hold the top bits
 
@@ -96,3 +98,42 @@ class Int6Linear:
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+def q6k_blocks(weight: Q6KBlocks, rows: int) -> torch.Tensor:
+    """A ``Q6KBlocks``' scales as q6_matmul's [P, K / 256, 288] bytes: float16 d [16], then the
+    sub-blocks' sc int8 [16][16] (padding rows: d 0)."""
+    n, supers = weight.d.shape
+    panels, pad_rows = rows // PANEL_COLS, rows - n
+    d = F.pad(weight.d, (0, 0, 0, pad_rows)).view(panels, PANEL_COLS, supers).permute(0, 2, 1)
+    sc = F.pad(weight.sc, (0, 0, 0, pad_rows)).view(panels, PANEL_COLS, supers, -1)
+    sc = sc.permute(0, 2, 3, 1).reshape(panels, supers, -1).view(torch.uint8)
+    return torch.cat([d.contiguous().view(torch.uint8), sc], dim=2)
+
+
+class Q6KLinear(Int6Linear):
+    """A GGUF's Q6_K tensor as it is held (``Q6KBlocks``) on ``q6_matmul``: the panels of
+    ``Int6Linear``, its 16-value sub-blocks' scales beside them (6.5625 bits a weight, where
+    the int8 it took before holds 8.5)."""
+
+    def __init__(self, weight: Q6KBlocks, bias: torch.Tensor | None):
+        n, k = weight.q.shape
+        if k % 256:
+            raise ValueError(f"Q6_K blocks are 256 inputs wide, not a part of {k}")
+        self.out_features, self.in_features = n, k
+        rows = round_up(n, PANEL_COLS)
+        self.kernel = True
+        self.packed = q6_panels(weight.q, rows)
+        self.scales_and_zeros = q6k_blocks(weight, rows)
+        self.bias = kernel_bias(bias)
+
+    def rows(self, ids: torch.Tensor) -> Q6KBlocks:
+        """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
+        panel, lane = ids // PANEL_COLS, ids % PANEL_COLS
+        q = _panel_values(self.packed[panel, :, :, lane])
+        blocks = self.scales_and_zeros[panel]  # [n, S, 288]: d [16]; sc [16][16]
+        n, supers = blocks.shape[:2]
+        picked = torch.arange(n)
+        d = blocks[:, :, :32].contiguous().view(torch.float16)[picked, :, lane]
+        sc = blocks[:, :, 32:].contiguous().view(torch.int8).view(n, supers, -1, PANEL_COLS)
+        return Q6KBlocks(q, d, sc[picked, :, :, lane].reshape(n, -1))

@@ -45,6 +45,7 @@ from llmq.worker.runner.quantized_linear import (
     QuantizedLinear,
     quantized_linear,
 )
+from llmq.worker.runner.quantized_weights import Q6KBlocks
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +92,13 @@ def only_role_plan(role: str, bits: int = 4) -> BitsPlan:
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """An embedding table in 8 bits (``Int8Weight``), 6 (``Int6Blocks``, a GGUF's Q5_K table: a
-    value a byte) or 4 (``Int4Blocks``, two values a byte): the looked-up rows are dequantized
-    to ``dtype``."""
+    """An embedding table in 8 bits (``Int8Weight``), 6 (``Int6Blocks`` or ``Q6KBlocks``, a
+    GGUF's Q5_K or Q6_K table: a value a byte) or 4 (``Int4Blocks``, two values a byte): the
+    looked-up rows are dequantized to ``dtype``."""
 
     def __init__(
         self,
-        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int6Blocks | Int4Blocks,
+        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int6Blocks | Q6KBlocks | Int4Blocks,
         dtype: torch.dtype,
         scale: torch.Tensor | None,
     ):
@@ -105,7 +106,7 @@ class QuantizedEmbedding(torch.nn.Module):
         self.dtype = dtype
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
         # A table that reads its rows as they are, or a tied head's (its rows are the table's)
-        rows_as_held = (Int8Weight, Int6Blocks, *_ROW_HEADS)
+        rows_as_held = (Int8Weight, Int6Blocks, Q6KBlocks, *_ROW_HEADS)
         self.row_reader = weight if isinstance(weight, rows_as_held) else None
         self.int4 = None
         if self.row_reader is None and isinstance(weight, Int4Blocks):

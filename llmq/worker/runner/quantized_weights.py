@@ -211,6 +211,30 @@ class Int6Blocks(Int4Blocks):
         raise TypeError("6-bit blocks have no int4 form")
 
 
+@dataclass(slots=True)
+class Q6KBlocks:
+    """llama.cpp's Q6_K as its files hold it: ``w = d * sc * (q - 32)``, q [N, K] in 0..63 (a
+    byte each here), d float16 per super-block of 256 values [N, K / 256], sc int8 per
+    sub-block of 16 [N, K / 16]: 6.5625 bits a weight, on the 6-bit kernel (``int6_linear``).
+    Read from GGUF files only (nothing is quantized to it here)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    sc: torch.Tensor
+
+    SUB_BLOCK: ClassVar[int] = 16
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        subs = k // self.SUB_BLOCK
+        scale = self.d.float().repeat_interleave(subs // self.d.shape[1], dim=1) * self.sc.float()
+        values = self.q.float().sub_(32).view(n, subs, self.SUB_BLOCK)
+        return (values * scale[..., None]).view(n, k)
+
+    def rows(self, ids: torch.Tensor) -> Q6KBlocks:
+        return Q6KBlocks(self.q[ids], self.d[ids], self.sc[ids])
+
+
 REFITS = 2  # least-squares refits of a group's step and base (see _fitted_steps)
 
 

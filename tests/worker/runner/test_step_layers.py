@@ -185,7 +185,7 @@ QUANT_CASES = [
     for arch in ("llama", "qwen2")
     for dtype in ("bfloat16", "float32")
     for scheme in ("int8", "int4")
-]  # fmt: skip
+] + [("gguf", "bfloat16", "gguf", "chunked")]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -195,6 +195,7 @@ def test_quantized_layers_in_one_call_equal_the_python_loop(
     arch, dtype, scheme, case, request, monkeypatch
 ):
     """int8 and int4 projections (the int4 plan keeps some at 6 bits, or 8 off llmq's kernels),
+    and a GGUF's (Q4_K, Q5_K, Q6_K, Q8_0 on their kernels, layer by layer in different forms),
     in one call as in the loop; Qwen2's biases added after them."""
     path = request.getfixturevalue(f"{arch}_dir")
     prompts, config = CASES[case]

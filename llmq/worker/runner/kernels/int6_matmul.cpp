@@ -85,12 +85,53 @@ void q6_pass(const uint8_t* w, KBlocks scales, const QuantizedRows& x, int64_t r
   const Floats b = bias != nullptr ? load_first(bias, cols) : floats(0.0f);
   for (int r = 0; r < R; ++r) store_first(add(add(acc[r], acc_base[r]), b), out + r * out_stride, cols);
 }
+
+// q6_pass for Q6_K's scales (Q6KBlocks): a group's two 16-value halves (steps 0-1, 2-3) summed
+// apart, each (sum - 32 * sum(x)) times its sub-block's d * sc. No base term: the -32 is the
+// sums' own. Two chains of vpdpbusd a row, as q6_pass's kSums makes for few rows.
+template <int R, typename O>
+void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
+              const float* bias, O* out, int64_t out_stride, int64_t cols) {
+  const auto* words = reinterpret_cast<const int32_t*>(x.xq.data() + row * k);
+  const int64_t row_words = k / 4, groups = x.groups;
+  const float* d = x.d.data() + row * groups;
+  const int32_t* sum = x.sum.data() + row * groups;
+  const int32_t* first_half = x.first_half.data() + row * groups;
+  Floats acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = floats(0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gw = w + g * kSixParts * 64;
+    Ints half[2][R][1];
+    for (int r = 0; r < R; ++r) half[0][r][0] = half[1][r][0] = ints(0);
+    prefetch_ahead(gw, kSixParts);
+    for (int64_t j = 0; j < 2; ++j) {
+      const Bytes top = load_bytes(gw + (4 + j) * 64);
+      const int64_t word = g * 8 + j * 4;
+      six_step(half[j], load_bytes(gw + 2 * j * 64), bits_4_5<4>(top), bits_4_5<2>(top), words,
+               row_words, word);
+      six_step(half[j], load_bytes(gw + (2 * j + 1) * 64), bits_4_5<0>(top), bits_4_5<-2>(top),
+               words, row_words, word + 2);
+    }
+    Floats first, second;
+    scales.at(g, first, second);
+    for (int r = 0; r < R; ++r) {
+      const int32_t xs = first_half[r * groups + g], xs2 = sum[r * groups + g] - xs;
+      const Floats a = to_floats(add(half[0][r][0], ints(-32 * xs)));
+      const Floats b = to_floats(add(half[1][r][0], ints(-32 * xs2)));
+      acc[r] = fmadd(fmadd(a, first, mul(b, second)), floats(d[r * groups + g]), acc[r]);
+    }
+  }
+  const Floats b = bias != nullptr ? load_first(bias, cols) : floats(0.0f);
+  for (int r = 0; r < R; ++r) store_first(add(acc[r], b), out + r * out_stride, cols);
+}
 #endif
 
 }  // namespace
 
-// x [M, K'] (bfloat16 or float32; K' within 32 of K) times the 6-bit panels with their k-quant
-// super-blocks [P, ceil(K / 256), 320] (uint8), plus bias [N] (float32): [M, N] in x's dtype.
+// x [M, K'] (bfloat16 or float32; K' within 32 of K) times the 6-bit panels with their scales,
+// plus bias [N] (float32): [M, N] in x's dtype. The scales [P, ceil(K / 256), 320] (uint8) are
+// k-quant super-blocks (w = d * sc * q + m_step * m), [P, K / 256, 288] Q6_K's (w = d * sc *
+// (q - 32) per 16 values; K a multiple of 256).
 at::Tensor q6_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(int_matmul_available(), "q6_matmul: this build has neither AVX512-VNNI nor AVX2");
@@ -99,22 +140,29 @@ at::Tensor q6_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
                   panels.is_contiguous(),
               "q6_matmul: panels are [P, K / 32, 6, 16, 4] uint8, contiguous");
   const int64_t count = panels.size(0), groups = panels.size(1), k = groups * kGroup;
+  const bool q6k = groups % 8 == 0 && scales.nbytes() == count * groups / 8 * kQ6KBlockBytes;
+  const int64_t scale_bytes = q6k ? groups / 8 * kQ6KBlockBytes : k_block_bytes(groups);
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte &&
-                  scales.nbytes() == count * k_block_bytes(groups),
-              "q6_matmul: scales are [P, ceil(K / 256), 320] uint8, contiguous");
+                  scales.nbytes() == count * scale_bytes,
+              "q6_matmul: scales are [P, ceil(K / 256), 320] or [P, K / 256, 288] uint8, "
+              "contiguous");
   check_call("q6_matmul", x_in, k, count, out_features, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
 #if defined(LLMQ_INT_MATMUL)
   const QuantizedRows& q = quantized(x, k);
   const int64_t rows = x.size(0), n = out_features;
-  run_panels(panels.const_data_ptr<uint8_t>(), groups * kSixParts * 64, scales,
-             k_block_bytes(groups), bias ? bias->const_data_ptr<float>() : nullptr, out, count,
+  run_panels(panels.const_data_ptr<uint8_t>(), groups * kSixParts * 64, scales, scale_bytes,
+             bias ? bias->const_data_ptr<float>() : nullptr, out, count,
              [&](const uint8_t* wp, const void* sp, const float* b, auto* o, int64_t cols) {
-               const KBlocks blocks{static_cast<const uint8_t*>(sp)};
+               const auto* block_bytes = static_cast<const uint8_t*>(sp);
                in_row_passes(rows, [&](int64_t r0, auto pass) {
                  constexpr int R = decltype(pass)::value;
-                 q6_pass<R>(wp, blocks, q, r0, k, b, o + r0 * n, n, cols);
+                 if (q6k) {
+                   q6k_pass<R>(wp, Q6KBlocks{block_bytes}, q, r0, k, b, o + r0 * n, n, cols);
+                 } else {
+                   q6_pass<R>(wp, KBlocks{block_bytes}, q, r0, k, b, o + r0 * n, n, cols);
+                 }
                });
              });
 #endif

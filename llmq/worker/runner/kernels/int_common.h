@@ -41,12 +41,15 @@ inline void prefetch_ahead(const uint8_t* p, int lines) {
 constexpr int64_t kKBlockBytes = 320;
 constexpr int64_t bf16_group_bytes(int64_t groups) { return groups * 2 * kCols * 2; }
 constexpr int64_t k_block_bytes(int64_t groups) { return (groups + 7) / 8 * kKBlockBytes; }
+// Q6_K's scales (int6_matmul.cpp): a super-block's float16 d [16] and int8 sc [16][16].
+constexpr int64_t kQ6KBlockBytes = 288;
 
-// Rows quantized per block of 32: xq int8 (as int32 words of 4), d, sum(xq) and d * sum(xq).
+// Rows quantized per block of 32: xq int8 (as int32 words of 4), d, sum(xq) and d * sum(xq), and
+// the sum of a block's first 16 (Q6_K's 16-value sub-blocks, int6_matmul.cpp).
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> d, dsum;
-  std::vector<int32_t> sum;
+  std::vector<int32_t> sum, first_half;
   int64_t groups = 0;
 };
 
@@ -58,6 +61,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedR
   q.d.resize(rows * q.groups);
   q.dsum.resize(rows * q.groups);
   q.sum.resize(rows * q.groups);
+  q.first_half.resize(rows * q.groups);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     float block[kGroup];
     for (int64_t r = begin; r < end; ++r) {
@@ -76,6 +80,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedR
           const float v = std::nearbyint(block[i] * inv);  // ties to even, as torch.round
           out[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
           sum += out[i];
+          if (i == kGroup / 2 - 1) q.first_half[r * q.groups + g] = sum;
         }
         q.d[r * q.groups + g] = d;
         q.sum[r * q.groups + g] = sum;
@@ -96,6 +101,21 @@ struct KBlocks {
     const int64_t code = (g % 8) * kCols;
     scale = lanes::mul(lanes::load_f16(steps), lanes::load_u8(block + 64 + code));
     base = lanes::mul(lanes::load_f16(steps + kCols), lanes::load_i8(reinterpret_cast<const int8_t*>(block + 192 + code)));
+  }
+};
+
+// A 6-bit panel's scales as llama.cpp's Q6_K holds them, w = d * sc * (q - 32): per super-block of
+// 8 groups (16 sub-blocks of 16) [K / 256][288 bytes]: float16 d [16], int8 sc [16][16].
+struct Q6KBlocks {
+  using Floats = lanes::Floats;
+  const uint8_t* bytes;
+  // Group g's two sub-blocks' scales d * sc.
+  void at(int64_t g, Floats& first, Floats& second) const {
+    const uint8_t* block = bytes + (g / 8) * kQ6KBlockBytes;
+    const Floats d = lanes::load_f16(reinterpret_cast<const uint16_t*>(block));
+    const auto* sc = reinterpret_cast<const int8_t*>(block + 32 + (g % 8) * 2 * kCols);
+    first = lanes::mul(d, lanes::load_i8(sc));
+    second = lanes::mul(d, lanes::load_i8(sc + kCols));
   }
 };
 
