@@ -61,14 +61,18 @@ class Int6Linear:
 
     bits = 6
 
-    def __init__(self, weight: Int6Blocks, bias: torch.Tensor | None):
+    def __init__(self, weight: Int6Blocks | Q6KBlocks, bias: torch.Tensor | None):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
         rows = round_up(n, PANEL_COLS)
         self.kernel = True
         self.packed = q6_panels(weight.q, rows)
-        self.scales_and_zeros = k_blocks(weight, rows)
+        self.scales_and_zeros = self._scales(weight, rows)
         self.bias = kernel_bias(bias)
+
+    @staticmethod
+    def _scales(weight: Int6Blocks, rows: int) -> torch.Tensor:
+        return k_blocks(weight, rows)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -117,15 +121,13 @@ class Q6KLinear(Int6Linear):
     the int8 it took before holds 8.5)."""
 
     def __init__(self, weight: Q6KBlocks, bias: torch.Tensor | None):
-        n, k = weight.q.shape
-        if k % 256:
-            raise ValueError(f"Q6_K blocks are 256 inputs wide, not a part of {k}")
-        self.out_features, self.in_features = n, k
-        rows = round_up(n, PANEL_COLS)
-        self.kernel = True
-        self.packed = q6_panels(weight.q, rows)
-        self.scales_and_zeros = q6k_blocks(weight, rows)
-        self.bias = kernel_bias(bias)
+        if weight.q.shape[1] % 256:
+            raise ValueError(f"Q6_K blocks are 256 inputs wide, not a part of {weight.q.shape[1]}")
+        super().__init__(weight, bias)
+
+    @staticmethod
+    def _scales(weight: Q6KBlocks, rows: int) -> torch.Tensor:
+        return q6k_blocks(weight, rows)
 
     def rows(self, ids: torch.Tensor) -> Q6KBlocks:
         """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""

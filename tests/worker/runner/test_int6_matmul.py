@@ -1,15 +1,18 @@
 """llmq's 6-bit kernel (``q6_matmul``; AVX512-VNNI or AVX2): the product of the activations as
 they are quantized (int8 per row and block of 32) with the dequantized ``Int6Blocks``, over odd
 shapes, both dtypes and a bias; its largest integer sums exact; a row's bits independent of its
-batch; a tied table's rows read back from the panels; int8 where the kernel does not serve."""
+batch; a tied table's rows read back from the panels (both with Q6_K's scales too); int8
+where the kernel does not serve."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.int6_linear import Int6Linear
+from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.quantized_linear import (
     Int8Linear,
     int_kernel_available,
@@ -17,6 +20,7 @@ from llmq.worker.runner.quantized_linear import (
 )
 from llmq.worker.runner.quantized_weights import Int4Blocks, Int6Blocks
 from tests.worker.runner.test_int_matmul import quantized_rows
+from tests.worker.runner.test_q6k_matmul import random_q6k
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -93,10 +97,15 @@ def test_a_step_s_largest_sums_are_exact(sign):
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=0), float((y.double() - ref).abs().max())
 
 
-def test_a_row_gets_the_same_bits_in_any_batch():
+# Both scales' forms on the same panels: k-quant super-blocks, and a GGUF's Q6_K (256 wide).
+FORMS = [(Int6Linear, _blocks, 320), (Q6KLinear, random_q6k, 512)]
+
+
+@pytest.mark.parametrize("linear_class, blocks, k", FORMS)
+def test_a_row_gets_the_same_bits_in_any_batch(linear_class, blocks, k):
     gen = torch.Generator().manual_seed(7)
-    linear = Int6Linear(_blocks(70, 320, gen), torch.randn(70, generator=gen))
-    x = torch.randn(19, 320, generator=gen).bfloat16()
+    linear = linear_class(blocks(70, k, gen), torch.randn(70, generator=gen))
+    x = torch.randn(19, k, generator=gen).bfloat16()
     batch = linear(x)
     for r in (0, 7, 8, 18):
         assert torch.equal(linear(x[r : r + 1])[0], batch[r])
@@ -118,11 +127,14 @@ def test_six_bits_hold_a_weight_far_closer_than_four():
     assert 0.04 < float(six / four) < 0.08, float(six / four)
 
 
-def test_the_panels_give_back_the_rows_a_tied_table_reads():
+@pytest.mark.parametrize("linear_class, blocks, k", FORMS)
+def test_the_panels_give_back_the_rows_a_tied_table_reads(linear_class, blocks, k):
     gen = torch.Generator().manual_seed(3)
-    weight = _blocks(1037, 288, gen)
-    linear = Int6Linear(weight, None)
+    weight = blocks(1037, k, gen)
+    linear = linear_class(weight, None)
     ids = torch.tensor([0, 15, 16, 1036, 511, 15])
     got, want = linear.rows(ids), weight.rows(ids)
-    for field in ("q", "d", "m_step", "sc", "m"):
-        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert type(got) is type(want)
+    for field in dataclasses.fields(want):
+        name = field.name
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

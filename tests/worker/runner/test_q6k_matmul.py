@@ -1,7 +1,7 @@
 """A GGUF's Q6_K tensors on the 6-bit kernel (``q6_matmul`` with Q6_K's scales: ``Q6KLinear``):
 the product of the activations as they are quantized (int8 per row and block of 32) with the
-dequantized ``Q6KBlocks``, over odd shapes, both dtypes and a bias; its largest sums exact; a
-row's bits independent of its batch; a tied table's rows read back from the panels."""
+dequantized ``Q6KBlocks``, over odd shapes, both dtypes and a bias; its largest sums exact
+(a row's bits in any batch and a tied table's rows: ``test_int6_matmul.py``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def kernel():
         pytest.skip("this CPU has neither AVX512-VNNI nor AVX2: Q6_K tensors take int8")
 
 
-def _blocks(n: int, k: int, gen: torch.Generator) -> Q6KBlocks:
+def random_q6k(n: int, k: int, gen: torch.Generator) -> Q6KBlocks:
     """Random values 0..63, steps of very different sizes, sub-block scales of either sign."""
     return Q6KBlocks(
         torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8),
@@ -49,7 +49,7 @@ def _sub_block_scales(weight: Q6KBlocks) -> torch.Tensor:
 def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dtype, with_bias):
     rows, n, k = shape
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
-    weight = _blocks(n, k, gen)
+    weight = random_q6k(n, k, gen)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
     x[0, :32] = 0  # an all-zero block (d = 0)
@@ -79,25 +79,6 @@ def test_a_step_s_largest_sums_are_exact(value):
     y = Q6KLinear(weight, None)(x)
     ref = quantized_rows(x) @ weight.dequantize().double().T
     assert torch.allclose(y.double(), ref, rtol=1e-6, atol=0), float((y.double() - ref).abs().max())
-
-
-def test_a_row_gets_the_same_bits_in_any_batch():
-    gen = torch.Generator().manual_seed(7)
-    linear = Q6KLinear(_blocks(70, 512, gen), torch.randn(70, generator=gen))
-    x = torch.randn(19, 512, generator=gen).bfloat16()
-    batch = linear(x)
-    for r in (0, 7, 8, 18):
-        assert torch.equal(linear(x[r : r + 1])[0], batch[r])
-
-
-def test_the_panels_give_back_the_rows_a_tied_table_reads():
-    gen = torch.Generator().manual_seed(3)
-    weight = _blocks(1037, 512, gen)
-    linear = Q6KLinear(weight, None)
-    ids = torch.tensor([0, 15, 16, 1036, 511, 15])
-    got, want = linear.rows(ids), weight.rows(ids)
-    for field in ("q", "d", "sc"):
-        assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
 def test_a_width_not_of_whole_blocks_is_refused():
