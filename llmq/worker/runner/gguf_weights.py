@@ -149,7 +149,13 @@ class GGUFTensors:
         self.reader = gguf.GGUFReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         kinds = gguf.GGMLQuantizationType
-        self.q4_k, self.q5_k, self.q6_k, self.q8_0 = kinds.Q4_K, kinds.Q5_K, kinds.Q6_K, kinds.Q8_0
+        # Each exact form's readers by the file's tensor type.
+        self.readers = {
+            "int4": {kinds.Q4_K: q4_k_weight},
+            "int6": {kinds.Q5_K: q5_k_weight, kinds.Q4_K: q4_k_weight},
+            "q6k": {kinds.Q6_K: q6_k_weight},
+            "int8": {kinds.Q8_0: q8_0_weight},
+        }
         architecture = self.reader.fields["general.architecture"].contents()
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
         permuted = architecture == "llama"
@@ -173,22 +179,22 @@ class GGUFTensors:
 
     def int4(self, name: str) -> Int4Blocks | None:
         """The tensor as exact ``Int4Blocks`` where it is Q4_K; None otherwise."""
-        return self._read(name, {self.q4_k: q4_k_weight})
+        return self._read(name, self.readers["int4"])
 
     def int6(self, name: str) -> Int6Blocks | None:
         """The tensor as exact ``Int6Blocks`` where it is Q5_K or Q4_K; None otherwise."""
-        weight = self._read(name, {self.q5_k: q5_k_weight, self.q4_k: q4_k_weight})
+        weight = self._read(name, self.readers["int6"])
         if weight is None or isinstance(weight, Int6Blocks):
             return weight
         return Int6Blocks(*(getattr(weight, f) for f in _row_fields(weight)))
 
     def q6k(self, name: str) -> Q6KBlocks | None:
         """The tensor as exact ``Q6KBlocks`` where it is Q6_K; None otherwise."""
-        return self._read(name, {self.q6_k: q6_k_weight})
+        return self._read(name, self.readers["q6k"])
 
     def int8(self, name: str) -> Int8Weight | None:
         """The tensor as an exact grouped ``Int8Weight`` where it is Q8_0; None otherwise."""
-        return self._read(name, {self.q8_0: q8_0_weight})
+        return self._read(name, self.readers["int8"])
 
     def _read(self, name: str, readers: dict):
         tensor = self.tensors.get(name)
@@ -208,13 +214,15 @@ class GGUFTensors:
         """One fused projection of the tensors ``names``: int4 where all are Q4_K, 6-bit where
         all are Q4_K or Q5_K, or all Q6_K (on llmq's kernel), int8 from the file's blocks where
         all are Q8_0, else int8 from the (dequantized) fused float weight."""
-        forms = [(self.int4, Int4Linear)]
+        forms = [("int4", self.int4, Int4Linear)]
         if int_kernel_available() and not plain_weight.is_cuda:
-            forms += [(self.int6, Int6Linear), (self.q6k, Q6KLinear)]
-        for read, linear in (*forms, (self.int8, Int8Linear)):
-            parts = [read(name) for name in names]
-            if not parts or any(p is None for p in parts):
+            forms += [("int6", self.int6, Int6Linear), ("q6k", self.q6k, Q6KLinear)]
+        types = [getattr(self.tensors.get(name), "tensor_type", None) for name in names]
+        for form, read, linear in (*forms, ("int8", self.int8, Int8Linear)):
+            # by the types first: a group's tensors are read only for a form that takes them all
+            if not names or any(t not in self.readers[form] for t in types):
                 continue
+            parts = [read(name) for name in names]
             fused = dataclasses.replace(
                 parts[0],
                 **{f: torch.cat([getattr(p, f) for p in parts]) for f in _row_fields(parts[0])},

@@ -78,13 +78,17 @@ class Int6Linear:
     def weight(self) -> torch.Tensor:
         return self.packed
 
-    def rows(self, ids: torch.Tensor) -> Int6Blocks:
-        """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
+    def _panel_rows(self, ids: torch.Tensor) -> tuple:
+        """The rows ``ids``' values (q [n, K]), their panels' scales [n, S, bytes], and each
+        row's index into those and lane in its panel."""
         panel, lane = ids // PANEL_COLS, ids % PANEL_COLS
         q = _panel_values(self.packed[panel, :, :, lane])
-        blocks = self.scales_and_zeros[panel]  # [n, S, 320]: d, m step [16]; sc, m [8][16]
+        return q, self.scales_and_zeros[panel], torch.arange(len(ids)), lane
+
+    def rows(self, ids: torch.Tensor) -> Int6Blocks:
+        """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
+        q, blocks, picked, lane = self._panel_rows(ids)  # d, m step [16]; sc, m [8][16]
         n, supers = blocks.shape[:2]
-        picked = torch.arange(n)
 
         def steps(offset: int) -> torch.Tensor:
             halves = blocks[:, :, offset : offset + 32].contiguous().view(torch.float16)
@@ -131,11 +135,8 @@ class Q6KLinear(Int6Linear):
 
     def rows(self, ids: torch.Tensor) -> Q6KBlocks:
         """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
-        panel, lane = ids // PANEL_COLS, ids % PANEL_COLS
-        q = _panel_values(self.packed[panel, :, :, lane])
-        blocks = self.scales_and_zeros[panel]  # [n, S, 288]: d [16]; sc [16][16]
+        q, blocks, picked, lane = self._panel_rows(ids)  # d [16]; sc [16][16]
         n, supers = blocks.shape[:2]
-        picked = torch.arange(n)
         d = blocks[:, :, :32].contiguous().view(torch.float16)[picked, :, lane]
         sc = blocks[:, :, 32:].contiguous().view(torch.int8).view(n, supers, -1, PANEL_COLS)
         return Q6KBlocks(q, d, sc[picked, :, :, lane].reshape(n, -1))
