@@ -3,8 +3,9 @@ tree's, side by side.
 
 Each side's ``kernels/*.cpp`` and headers are compiled into a library of their own (the cache key
 is the sources), and each round runs one process per side in turn, timing the 1B shape's
-projections in int4 and int8 (``quantized_linear`` on llmq's kernels, weights cycled through 256
-MB so that they come from memory). A side's figure is its fastest round: on a shared 2-core VM a
+projections in int4 and int8 (``quantized_linear`` on llmq's kernels; ``--bits`` also 6, 16:
+bfloat16 panels, q6k: GGUF's Q6_K blocks), weights cycled through 256 MB so that they come from
+memory. A side's figure is its fastest round: on a shared 2-core VM a
 build's own rounds of one shape differed by up to 1.4x, so compare the minimums of several
 alternating rounds, not one run each. Prints, per projection, bits and rows, both sides' us,
 the base's time over the tree's (above 1: the tree is faster) and the tree's GOPS, then the
@@ -44,8 +45,21 @@ def checkout_kernels(rev: str, into: Path) -> Path:
     return into
 
 
+def random_q6k(n: int, k: int, gen):
+    """Q6_K blocks of random codes, steps and sub-block scales ([N, K] weights)."""
+    import torch
+
+    from llmq.worker.runner.quantized_weights import Q6KBlocks
+
+    return Q6KBlocks(
+        torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8),
+        (torch.rand(n, k // 256, generator=gen) * 1e-3).half(),
+        torch.randint(-128, 128, (n, k // 16), generator=gen, dtype=torch.int8),
+    )
+
+
 def time_side(
-    sources: Path, rows_list: list[int], bits_list: list[int], shapes, march: str
+    sources: Path, rows_list: list[int], bits_list: list[str], shapes, march: str
 ) -> dict:
     """In a child: us per call of each (shape, bits, rows) on the kernels built from ``sources``
     for ``march`` (a -march value)."""
@@ -61,13 +75,16 @@ def time_side(
     cpu_kernels.FLAGS[cpu_kernels.FLAGS.index("-march=native")] = f"-march={march}"
     if not cpu_kernels.load():
         raise SystemExit(f"the kernels in {sources} did not build")
+    from llmq.worker.runner.int6_linear import Q6KLinear
     from llmq.worker.runner.packed_linear import Linear
     from llmq.worker.runner.quantized_linear import quantized_linear
 
-    def linear(weight, bits: int):  # 16: bfloat16 on the panel kernel (panel_matmul.cpp)
-        if bits == 16:
+    def linear(weight, bits: str):  # 16: bfloat16 on the panel kernel (panel_matmul.cpp)
+        if bits == "16":
             return Linear(weight.bfloat16(), None, "panels")
-        return quantized_linear(weight, None, bits, True)
+        if bits == "q6k":  # Q6_K's blocks (GGUF), random codes: the time is the bytes' and sums'
+            return Q6KLinear(random_q6k(*weight.shape, gen), None)
+        return quantized_linear(weight, None, int(bits), True)
 
     gen = torch.Generator().manual_seed(0)
     figures = {}
@@ -99,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to compare against")
     p.add_argument("--rows", default="1,16,128")
-    p.add_argument("--bits", default="4,8", help="4, 6, 8, and 16 (bfloat16 panels)")
+    p.add_argument("--bits", default="4,8", help="4, 6, 8, q6k (GGUF's Q6_K), 16 (bfloat16)")
     p.add_argument("--march", default="native", help="the ISA both sides are built for")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shapes", default="", help="OUTxIN,... (default: the 1B's four)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
-    bits = [int(b) for b in args.bits.split(",")]
+    bits = args.bits.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     if args.child:
         print(json.dumps(time_side(Path(args.child), rows, bits, shapes, args.march)))

@@ -102,10 +102,12 @@ FORMS = [(Int6Linear, _blocks, 320), (Q6KLinear, random_q6k, 512)]
 
 
 @pytest.mark.parametrize("linear_class, blocks, k", FORMS)
-def test_a_row_gets_the_same_bits_in_any_batch(linear_class, blocks, k):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_in_any_batch(linear_class, blocks, k, dtype):
+    """Rows 0-7 and 8-15 in passes of 8 rows, 16-18 in one of 3, each alone in one of 1."""
     gen = torch.Generator().manual_seed(7)
     linear = linear_class(blocks(70, k, gen), torch.randn(70, generator=gen))
-    x = torch.randn(19, k, generator=gen).bfloat16()
+    x = torch.randn(19, k, generator=gen).to(dtype)
     batch = linear(x)
     for r in (0, 7, 8, 18):
         assert torch.equal(linear(x[r : r + 1])[0], batch[r])

@@ -34,13 +34,14 @@ using namespace lanes;  // NOLINT: the kernel below is written in its lanes
 
 // Step `step` of a group's 6-bit values (their nibbles v, their top bits at 4-5: lo_top, hi_top)
 // times rows [0, R) of the activations' words from `word`.
-template <int R, int S>
+// `scale`: the sub-block's scales AVX2's q6k_pass widens the products against, or none.
+template <int R, int S, typename... Scale>
 inline void six_step(Ints (&isum)[R][S], Bytes v, Bytes lo_top, Bytes hi_top, const int32_t* words,
-                     int64_t row_words, int64_t word) {
+                     int64_t row_words, int64_t word, Scale... scale) {
   const Bytes lo = or_bytes(low_nibbles(v), lo_top), hi = or_bytes(high_nibbles(v), hi_top);
   for (int r = 0; r < R; ++r) {
     const int32_t* xr = words + r * row_words + word;
-    isum[r][word / 2 % S] = add_six_dot(isum[r][word / 2 % S], lo, xr[0], hi, xr[1]);
+    isum[r][word / 2 % S] = add_six_dot(isum[r][word / 2 % S], lo, xr[0], hi, xr[1], scale...);
   }
 }
 
@@ -86,6 +87,18 @@ void q6_pass(const uint8_t* w, KBlocks scales, const QuantizedRows& x, int64_t r
   for (int r = 0; r < R; ++r) store_first(add(add(acc[r], acc_base[r]), b), out + r * out_stride, cols);
 }
 
+// A pass's rows of the quantized x from `row`: their words, block scales and sums of values.
+struct Q6KRows {
+  const int32_t* words;
+  int64_t row_words;
+  const float* d;
+  const int32_t *sum, *first_half;
+  Q6KRows(const QuantizedRows& x, int64_t row, int64_t k)
+      : words(reinterpret_cast<const int32_t*>(x.xq.data() + row * k)), row_words(k / 4),
+        d(x.d.data() + row * x.groups), sum(x.sum.data() + row * x.groups),
+        first_half(x.first_half.data() + row * x.groups) {}
+};
+
 // q6_pass for Q6_K's scales (Q6KBlocks): a group's two 16-value halves (steps 0-1, 2-3) summed
 // apart, each (sum - 32 * sum(x)) times its sub-block's d * sc. No base term: the -32 is the
 // sums' own. Two chains of vpdpbusd a row, as q6_pass's kSums makes for few rows. On a 2-core
@@ -95,14 +108,12 @@ void q6_pass(const uint8_t* w, KBlocks scales, const QuantizedRows& x, int64_t r
 // rows 0.77-0.94x int8's speed, at 128 rows 0.67-0.70x (0.75x q6_pass's): a row's group ends in
 // ten vector operations where q6_pass's take five, and at many rows those, not the bytes, are
 // the time (an ad-hoc timing with bench/cpu_kernels.py's us_per_call, best of 3).
+#if defined(LLMQ_INT_LANES_AVX512)
 template <int R, typename O>
 void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
               const float* bias, O* out, int64_t out_stride, int64_t cols) {
-  const auto* words = reinterpret_cast<const int32_t*>(x.xq.data() + row * k);
-  const int64_t row_words = k / 4, groups = x.groups;
-  const float* d = x.d.data() + row * groups;
-  const int32_t* sum = x.sum.data() + row * groups;
-  const int32_t* first_half = x.first_half.data() + row * groups;
+  const Q6KRows rows(x, row, k);
+  const int64_t groups = x.groups;
   Floats acc[R];
   for (int r = 0; r < R; ++r) acc[r] = floats(0.0f);
   for (int64_t g = 0; g < groups; ++g) {
@@ -113,23 +124,71 @@ void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_
     for (int64_t j = 0; j < 2; ++j) {
       const Bytes top = load_bytes(gw + (4 + j) * 64);
       const int64_t word = g * 8 + j * 4;
-      six_step(half[j], load_bytes(gw + 2 * j * 64), bits_4_5<4>(top), bits_4_5<2>(top), words,
-               row_words, word);
+      six_step(half[j], load_bytes(gw + 2 * j * 64), bits_4_5<4>(top), bits_4_5<2>(top), rows.words,
+               rows.row_words, word);
       six_step(half[j], load_bytes(gw + (2 * j + 1) * 64), bits_4_5<0>(top), bits_4_5<-2>(top),
-               words, row_words, word + 2);
+               rows.words, rows.row_words, word + 2);
     }
     Floats first, second;
     scales.at(g, first, second);
     for (int r = 0; r < R; ++r) {
-      const int32_t xs = first_half[r * groups + g], xs2 = sum[r * groups + g] - xs;
+      const int32_t xs = rows.first_half[r * groups + g], xs2 = rows.sum[r * groups + g] - xs;
       const Floats a = to_floats(add(half[0][r][0], ints(-32 * xs)));
       const Floats b = to_floats(add(half[1][r][0], ints(-32 * xs2)));
-      acc[r] = fmadd(fmadd(a, first, mul(b, second)), floats(d[r * groups + g]), acc[r]);
+      acc[r] = fmadd(fmadd(a, first, mul(b, second)), floats(rows.d[r * groups + g]), acc[r]);
     }
   }
   const Floats b = bias != nullptr ? load_first(bias, cols) : floats(0.0f);
   for (int r = 0; r < R; ++r) store_first(add(acc[r], b), out + r * out_stride, cols);
 }
+#else
+// q6k_pass on AVX2: a step's int16 pair sums widened by vpmaddwd against its sub-block's sc
+// instead of ones (the widening scales them), so a group's two halves make one int32 sum a row
+// (exact: at most 4 * 2 * 32,004 * 128), the -32 taken once a group: (32 sc, 32 sc') against
+// the halves' sums of x. A row's group ends in four operations of two registers. On a 2-core
+// Zen 3 EPYC (AVX2 only), the 1B shape's down (2,048 x 8,192) and tied head (49,152 x 2,048),
+// weights from memory, against AVX-512's form of the pass (two sums a row, scaled in float): at
+// 4 rows 1.14-1.20x, at 16 rows 1.18-1.49x, at 128 1.00-1.35x (int8's unchanged kernel in the
+// same runs 0.99-1.10x), now 0.96-1.18x int8's speed where it was 0.80-1.04x; at 1 and 2 rows
+// 0.91-1.02x (int8's 1.00-1.16x), the scales' set-up a group costing what the rows' cheaper
+// group ends save. One form for every pass: a row's bits do not depend on the rows beside it
+// (`bench/kernel_ab.py --bits q6k,8 --rows 1,2,4,16,128 --shapes 2048x8192,49152x2048`).
+template <int R, typename O>
+void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
+              const float* bias, O* out, int64_t out_stride, int64_t cols) {
+  const Q6KRows rows(x, row, k);
+  const int64_t groups = x.groups;
+  Floats acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = floats(0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gw = w + g * kSixParts * 64;
+    const int8_t* sc = scales.sc(g);
+    Ints isum[R][1];
+    for (int r = 0; r < R; ++r) isum[r][0] = ints(0);
+    prefetch_ahead(gw, kSixParts);
+    for (int64_t j = 0; j < 2; ++j) {
+      const Pairs scale = pairs(sc + j * kCols, sc + j * kCols, 0);
+      const Bytes top = load_bytes(gw + (4 + j) * 64);
+      const int64_t word = g * 8 + j * 4;
+      six_step(isum, load_bytes(gw + 2 * j * 64), bits_4_5<4>(top), bits_4_5<2>(top), rows.words,
+               rows.row_words, word, scale);
+      six_step(isum, load_bytes(gw + (2 * j + 1) * 64), bits_4_5<0>(top), bits_4_5<-2>(top),
+               rows.words, rows.row_words, word + 2, scale);
+    }
+    const Pairs offsets = pairs(sc, sc + kCols, 5);
+    const Floats step = scales.d(g);
+    for (int r = 0; r < R; ++r) {
+      const int32_t xs = rows.first_half[r * groups + g], xs2 = rows.sum[r * groups + g] - xs;
+      const uint32_t both = (static_cast<uint32_t>(xs) & 0xFFFF) | (static_cast<uint32_t>(xs2) << 16);
+      const Ints total = sub_pair_dot(isum[r][0], offsets, static_cast<int32_t>(both));
+      acc[r] = fmadd(total, mul(step, floats(rows.d[r * groups + g])), acc[r]);
+    }
+  }
+  const Floats b = bias != nullptr ? load_first(bias, cols) : floats(0.0f);
+  for (int r = 0; r < R; ++r) store_first(add(acc[r], b), out + r * out_stride, cols);
+}
+#endif
+
 #endif
 
 }  // namespace

@@ -109,13 +109,18 @@ struct KBlocks {
 struct Q6KBlocks {
   using Floats = lanes::Floats;
   const uint8_t* bytes;
+  // Group g's super-block step d, and its two sub-blocks' sc [2][16].
+  Floats d(int64_t g) const {
+    return lanes::load_f16(reinterpret_cast<const uint16_t*>(bytes + (g / 8) * kQ6KBlockBytes));
+  }
+  const int8_t* sc(int64_t g) const {
+    return reinterpret_cast<const int8_t*>(bytes + (g / 8) * kQ6KBlockBytes + 32 + (g % 8) * 2 * kCols);
+  }
   // Group g's two sub-blocks' scales d * sc.
   void at(int64_t g, Floats& first, Floats& second) const {
-    const uint8_t* block = bytes + (g / 8) * kQ6KBlockBytes;
-    const Floats d = lanes::load_f16(reinterpret_cast<const uint16_t*>(block));
-    const auto* sc = reinterpret_cast<const int8_t*>(block + 32 + (g % 8) * 2 * kCols);
-    first = lanes::mul(d, lanes::load_i8(sc));
-    second = lanes::mul(d, lanes::load_i8(sc + kCols));
+    const Floats step = d(g);
+    first = lanes::mul(step, lanes::load_i8(sc(g)));
+    second = lanes::mul(step, lanes::load_i8(sc(g) + kCols));
   }
 };
 

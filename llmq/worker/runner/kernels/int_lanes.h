@@ -183,6 +183,35 @@ inline Ints add_six_dot(Ints acc, Bytes lo, int32_t xlo, Bytes hi, int32_t xhi) 
   return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a, ones)),
           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(b, ones))};
 }
+inline __m128i eight_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+// Q6_K's sub-blocks (int6_matmul.cpp's q6k_pass): int16 pairs, one a column's lane, against
+// which vpmaddwd widens a step's pair sums: with a sub-block's scale in both halves it widens
+// and scales them at once, so a group's two sub-blocks share one int32 sum a row.
+struct Pairs { __m256i lo, hi; };
+// Each of 16 columns' int8 scale (s[c] << shift) in the low half of its lane, t[c] << shift in
+// the high half.
+inline __m256i pairs8(const int8_t* s, const int8_t* t, int shift) {
+  const __m256i a = _mm256_cvtepi8_epi32(eight_bytes(s)), b = _mm256_cvtepi8_epi32(eight_bytes(t));
+  const __m256i low = _mm256_and_si256(_mm256_sll_epi32(a, _mm_cvtsi32_si128(shift)),
+                                       _mm256_set1_epi32(0xFFFF));
+  return _mm256_or_si256(low, _mm256_sll_epi32(b, _mm_cvtsi32_si128(shift + 16)));
+}
+inline Pairs pairs(const int8_t* s, const int8_t* t, int shift) {
+  return {pairs8(s, t, shift), pairs8(s + 8, t + 8, shift)};
+}
+inline Ints add_six_dot(Ints acc, Bytes lo, int32_t xlo, Bytes hi, int32_t xhi, Pairs scale) {
+  const __m256i xl = _mm256_set1_epi32(xlo), xh = _mm256_set1_epi32(xhi);
+  const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(lo.lo, xl), _mm256_maddubs_epi16(hi.lo, xh));
+  const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(lo.hi, xl), _mm256_maddubs_epi16(hi.hi, xh));
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a, scale.lo)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(b, scale.hi))};
+}
+// acc - (each column's pair times the int16 pair `both`, low and high halves, summed).
+inline Ints sub_pair_dot(Ints acc, Pairs p, int32_t both) {
+  const __m256i v = _mm256_set1_epi32(both);
+  return {_mm256_sub_epi32(acc.lo, _mm256_madd_epi16(p.lo, v)),
+          _mm256_sub_epi32(acc.hi, _mm256_madd_epi16(p.hi, v))};
+}
 inline Bytes or_bytes(Bytes a, Bytes b) {
   return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)};
 }
@@ -214,7 +243,6 @@ inline Floats load_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
-inline __m128i eight_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 inline Floats load_u8(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(p))),
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(p + 8)))};
