@@ -19,7 +19,7 @@ from llmq.worker.runner.quantized_linear import (
     quantized_linear,
 )
 from llmq.worker.runner.quantized_weights import Int4Blocks, Int6Blocks
-from tests.worker.runner.test_int_matmul import quantized_rows
+from tests.worker.runner.test_int_matmul import assert_near_reference, quantized_rows
 from tests.worker.runner.test_q6k_matmul import random_q6k
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -67,16 +67,9 @@ def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dt
     x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
     x[0, :32] = 0  # an all-zero block (d = 0)
     y = Int6Linear(weight, bias)(x)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    xd = quantized_rows(x)
-    ref = xd @ weight.dequantize().double().T + (bias.double() if bias is not None else 0)
     # float32 sums of the group terms: scale * sum(xq * q) and base * sum(xq)
     step, base = (t.double().repeat_interleave(32, 1) for t in weight.group_scales())
-    bound = 1e-5 * (xd.abs() @ (63 * step + base.abs()).T) + 1e-6
-    if dtype == torch.bfloat16:
-        bound = bound + 2**-8 * ref.abs()
-    err = (y.double() - ref).abs()
-    assert bool((err <= bound).all()), float((err / bound).max())
+    assert_near_reference(y, x, weight.dequantize(), bias, 63 * step + base.abs())
 
 
 @pytest.mark.parametrize("sign", [1, -1])

@@ -59,6 +59,22 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (xq.double() * d.double()[..., None]).view(rows, -1)[:, :k]
 
 
+def assert_near_reference(y, x, deq, bias, magnitude) -> None:
+    """y (a kernel's output, in x's dtype) against the float64 product of x as the kernels
+    quantize it with the dequantized weight ``deq`` [N, K] (plus bias): within 1e-5 of the sum
+    of the terms' sizes (``magnitude`` [N, K]: per weight, the largest of the float32 terms it
+    enters) plus 1e-6, and 2**-8 of the output's size more in bfloat16."""
+    rows, n = x.shape[0], deq.shape[0]
+    assert y.dtype == x.dtype and y.shape == (rows, n)
+    xd = quantized_rows(x)
+    ref = xd @ deq.double().T + (bias.double() if bias is not None else 0)
+    bound = 1e-5 * (xd.abs() @ magnitude.T) + 1e-6
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
 def _weight(n: int, k: int, group: int, gen: torch.Generator, blocks: bool):
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     if blocks:  # steps of very different sizes across the super-blocks, codes of either sign
@@ -99,19 +115,10 @@ def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
     x[0, :32] = 0  # an all-zero block (d = 0)
-    linear = Int4Linear(weight, bias, kernel=True)
-    y = linear(x)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    deq = weight.dequantize().double()
-    xd = quantized_rows(x)
-    ref = xd @ deq.T + (bias.double() if bias is not None else 0)
+    y = Int4Linear(weight, bias, kernel=True)(x)
     # float32 sums of the group terms: scale * sum(xq * q) and base * sum(xq)
     step, base = _scale_and_base(weight)
-    bound = 1e-5 * (xd.abs() @ (15 * step + base.abs()).T) + 1e-6
-    if dtype == torch.bfloat16:
-        bound = bound + 2**-8 * ref.abs()
-    err = (y.double() - ref).abs()
-    assert bool((err <= bound).all()), float((err / bound).max())
+    assert_near_reference(y, x, weight.dequantize(), bias, 15 * step + base.abs())
 
 
 @pytest.mark.parametrize("sign", [1, -1])
@@ -157,15 +164,9 @@ def test_int8_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
     x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
     x[0, : min(k, 32)] = 0
     y = Int8Linear(weight, bias, kernel=True)(x)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    xd, deq = quantized_rows(x), weight.dequantize().double()
-    ref = xd @ deq.T + (bias.double() if bias is not None else 0)
     # float32 sums of the blocks' exact integer sums, each scaled by d
-    bound = 1e-5 * (xd.abs() @ deq.abs().T) + 1e-6
-    if dtype == torch.bfloat16:
-        bound = bound + 2**-8 * ref.abs()
-    err = (y.double() - ref).abs()
-    assert bool((err <= bound).all()), float((err / bound).max())
+    deq = weight.dequantize().double()
+    assert_near_reference(y, x, deq, bias, deq.abs())
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -12,7 +12,7 @@ from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.int6_linear import Q6KLinear
 from llmq.worker.runner.quantized_linear import int_kernel_available
 from llmq.worker.runner.quantized_weights import Q6KBlocks
-from tests.worker.runner.test_int_matmul import quantized_rows
+from tests.worker.runner.test_int_matmul import assert_near_reference, quantized_rows
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -54,15 +54,8 @@ def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(shape, dt
     x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
     x[0, :32] = 0  # an all-zero block (d = 0)
     y = Q6KLinear(weight, bias)(x)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    xd = quantized_rows(x)
-    ref = xd @ weight.dequantize().double().T + (bias.double() if bias is not None else 0)
     # float32 products of each half's exact integer sum with its d * sc
-    bound = 1e-5 * (xd.abs() @ (32 * _sub_block_scales(weight)).T) + 1e-6
-    if dtype == torch.bfloat16:
-        bound = bound + 2**-8 * ref.abs()
-    err = (y.double() - ref).abs()
-    assert bool((err <= bound).all()), float((err / bound).max())
+    assert_near_reference(y, x, weight.dequantize(), bias, 32 * _sub_block_scales(weight))
 
 
 @pytest.mark.parametrize("value", [0, 63])
