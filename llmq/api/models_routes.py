@@ -1,15 +1,20 @@
-"""GET /v1/models and /v1/models/{id}: the models live workers serve."""
+"""GET /v1/models and /v1/models/{id}: the models live workers serve, and those workers are
+loading."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+
+from llmq.common.generation.model_cards import with_loading
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    return (await request.app.state.service.models()).model_dump()
+    service = request.app.state.service
+    loading = await service.registry.loading()
+    return with_loading(await service.models(), loading).model_dump()
 
 
 @router.get("/v1/models/{model_id:path}")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -15,7 +17,8 @@ from fastapi.responses import StreamingResponse
 from llmq.api.errors import register_error_shape
 from llmq.api.streaming import SHUTDOWN_DRAIN_S, whole_answer
 from llmq.common.errors import LLMQError, ServerShuttingDown
-from llmq.common.generation.ollama_api.models import OLLAMA_VERSION
+from llmq.common.generation.ollama_api.models import OLLAMA_VERSION, ModelDetails, TagModel
+from llmq.common.generation.ollama_api.objects import rfc3339
 from llmq.common.generation.ollama_api.request import (
     ChatBody,
     EmbedBody,
@@ -104,7 +107,35 @@ async def embeddings(body: LegacyEmbeddingsBody, request: Request) -> dict:
 
 @router.get("/api/tags")
 async def tags(request: Request) -> dict:
-    return (await _ollama(request).tags()).model_dump()
+    """The served models, then those workers are loading (details not known yet): Ollama lists
+    what it has, loaded or not, and a client that lists once at its start finds its model."""
+    listed = await _ollama(request).tags()
+    names = {m.name for m in listed.models}
+    for record in await request.app.state.registry.loading():
+        if record["model"] not in names:
+            listed.models.append(loading_tag(record))
+    listed.models.sort(key=lambda m: m.name)
+    return listed.model_dump()
+
+
+def loading_tag(record: dict) -> TagModel:
+    """/api/tags' entry of a model a worker is loading (``ModelRegistry.loading``)."""
+    source = Path(record["source"])
+    digest = hashlib.sha256(f"{record['model']}\n{record['source']}".encode()).hexdigest()
+    return TagModel(
+        name=record["model"],
+        model=record["model"],
+        modified_at=rfc3339(record["since"]),
+        size=source.stat().st_size if source.is_file() else 0,
+        digest=digest,
+        details=ModelDetails(
+            format="gguf" if source.suffix == ".gguf" else "safetensors",
+            family="",
+            families=[],
+            parameter_size="",
+            quantization_level="",
+        ),
+    )
 
 
 @router.get("/api/ps")

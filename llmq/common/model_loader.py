@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,7 +76,11 @@ def load_tokenizer(model: str):
     default model's preload and a first request for another model) made one of them fail
     with "cannot import name 'PreTrainedTokenizerFast'"."""
     with _TOKENIZER_LOAD:
-        return _load_tokenizer(model)
+        started = time.monotonic()
+        tokenizer = _load_tokenizer(model)
+    if gguf_location(model) is None:  # a GGUF's tokenizer reports its own (cached or not)
+        log.info("load phase: tokenizer of %s in %.2f s", model, time.monotonic() - started)
+    return tokenizer
 
 
 def gguf_location(model: str) -> tuple[str, str] | None:
@@ -120,21 +125,39 @@ def load_causal_lm(
     (``gguf_location``), and a quantized checkpoint whose layout a kernel here takes, are served
     as the file is: ``quantization`` does not apply. A quantized checkpoint served as float (an
     FP8 one on a CPU, say) is quantized by ``quantization`` as a float checkpoint would be."""
-    from transformers import AutoModelForCausalLM
-
     _quiet_transformers()
+    started = time.monotonic()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     log.info("loading %s (%s on %s)", model, torch_dtype, device)
+    lm, quantization = _causal_lm(model, torch_dtype, device, quantization, dtype == "auto")
+    lm.to(device).eval()
+    lm.requires_grad_(False)
+    if quantization != "none":
+        lm.config.llmq_quantization = quantization
+    log.info("load phase: weights of %s in %.2f s", model, time.monotonic() - started)
+    return lm
+
+
+def _causal_lm(
+    model: str, torch_dtype: torch.dtype, device: str, quantization: str, auto: bool = False
+):
+    """The model as its source holds it, and the quantization its forward is to apply
+    (``auto``: the dtype was not set)."""
+    from transformers import AutoModelForCausalLM
+
     gguf = gguf_location(model)
     if gguf is not None:
         # Its quantized tensors left in the file for the forward's kernels (gguf_model.py), or,
-        # where that cannot be, dequantized by transformers and read again by the forward.
-        lm = load_gguf_model(*gguf, torch_dtype) if device == "cpu" else None
+        # where that cannot be, dequantized by transformers and read again by the forward; a
+        # file of float weights in its own dtype where none was set.
+        native = auto and cpu_has_native_bfloat16()
+        lm = load_gguf_model(*gguf, torch_dtype, auto, native) if device == "cpu" else None
         if lm is None:
             lm = AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], dtype=torch_dtype)
         lm.config.llmq_gguf_path = str(Path(gguf[0]) / gguf[1])
-        quantization = "gguf"
+        # a file of float weights is served as a float folder is
+        quantization = quantization if getattr(lm.config, "llmq_gguf_float", False) else "gguf"
     elif (quantized := quantization_config(model)) is not None:
         lm = load_quantized_checkpoint(model, quantized, torch_dtype, device)
         if hasattr(lm.config, "llmq_checkpoint_files"):
@@ -150,11 +173,7 @@ def load_causal_lm(
         # quantizes the dequantized weights, as it would a float checkpoint's.
     else:
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
-    lm.to(device).eval()
-    lm.requires_grad_(False)
-    if quantization != "none":
-        lm.config.llmq_quantization = quantization
-    return lm
+    return lm, quantization
 
 
 def quantization_config(model: str) -> dict | None:

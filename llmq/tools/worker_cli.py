@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import logging
 import os
 import signal
 import socket
+import threading
+import time
+from typing import TYPE_CHECKING
 
 from llmq.tools.settings_flags import override_settings
+
+if TYPE_CHECKING:
+    from llmq.common.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +59,13 @@ def run(args: argparse.Namespace) -> int:
     from llmq.common.settings import get_settings
 
     index, children = _fork_workers(args.fork) if args.fork > 1 else (0, [])
+    name = get_settings().worker_name or f"llmq-{os.getpid()}@%h"
+    if args.fork > 1 and get_settings().worker_name:
+        name = f"{name}-{index}"  # one name per forked worker
+    name = name.replace("%h", socket.gethostname())  # Celery's host placeholder
+    override_settings(worker_name=name)
+    # Forked workers loaded before the fork, where a thread's locks must not be held.
+    announced = LoadingAnnouncement(get_settings(), name) if args.fork == 1 else None
     from llmq.worker.celery_app import BATCH_QUEUE, app, engine_died
 
     if children:
@@ -56,24 +73,23 @@ def run(args: argparse.Namespace) -> int:
 
         worker_shutting_down.connect(lambda **_: _signal(children, signal.SIGTERM), weak=False)
 
-    name = get_settings().worker_name or f"llmq-{os.getpid()}@%h"
-    if args.fork > 1 and get_settings().worker_name:
-        name = f"{name}-{index}"  # one name per forked worker
-    name = name.replace("%h", socket.gethostname())  # Celery's host placeholder
-    override_settings(worker_name=name)
-    app.worker_main(
-        [
-            "worker",
-            "--pool=threads",
-            f"--concurrency={args.concurrency}",
-            f"--queues={BATCH_QUEUE}",
-            f"--hostname={name}",
-            f"--loglevel={args.log_level}",
-            "--without-gossip",
-            "--without-mingle",
-            "--task-events",
-        ]
-    )
+    try:
+        app.worker_main(
+            [
+                "worker",
+                "--pool=threads",
+                f"--concurrency={args.concurrency}",
+                f"--queues={BATCH_QUEUE}",
+                f"--hostname={name}",
+                f"--loglevel={args.log_level}",
+                "--without-gossip",
+                "--without-mingle",
+                "--task-events",
+            ]
+        )
+    finally:
+        if announced is not None:
+            announced.withdraw()
     for pid in children:
         os.waitpid(pid, 0)
     return 1 if engine_died.is_set() else 0  # restart me: the engine loop is gone
@@ -92,3 +108,58 @@ def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+class LoadingAnnouncement:
+    """The worker's model listed as loading (``Keys.loading``) from its start until an engine
+    of it serves: an app that lists /v1/models once at its start sees the model it will get,
+    not nothing. Renewed every ``RENEW`` seconds and valid for ``VALID``: a worker that dies
+    loading leaves a record the API ignores seconds later. Best effort: a Redis not there
+    yet costs only the listing."""
+
+    RENEW, VALID = 2.0, 10.0
+
+    def __init__(self, settings: Settings, worker: str):
+        from llmq.common.redis_clients import keys_for, tool_client
+
+        self.worker, self.keys = worker, keys_for(settings)
+        self.model, self.source = settings.served_name, settings.model
+        self.client = tool_client(settings.redis_url_or_default(), settings.redis_sentinel_master)
+        self.since, self.stop, self.lock = time.time(), threading.Event(), threading.Lock()
+        threading.Thread(target=self._run, name="loading-announcement", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set() and not self._served():
+                record = {"model": self.model, "source": self.source, "since": self.since}
+                record["until"] = time.time() + self.VALID
+                with self.lock:  # never renewed after its withdrawal
+                    if not self.stop.is_set():
+                        self.client.hset(self.keys.loading, self.worker, json.dumps(record))
+                self.stop.wait(self.RENEW)
+            if not self.stop.is_set():
+                log.info(
+                    "load phase: %s serving, %.2f s after the worker started",
+                    self.model,
+                    time.time() - self.since,
+                )
+            self.withdraw()
+        except Exception as exc:  # Redis away: the engine's own start reports it
+            log.debug("loading announcement stopped: %s", exc)
+
+    def _served(self) -> bool:
+        """Whether an engine of this model has started since this worker did."""
+        from llmq.common.transport.keys import as_text
+
+        for worker in self.client.zrange(self.keys.engines_index, 0, -1):
+            model, started = self.client.hmget(
+                self.keys.engine(as_text(worker)), "model", "started"
+            )
+            if model and as_text(model) == self.model and float(started or 0) >= self.since:
+                return True
+        return False
+
+    def withdraw(self) -> None:
+        with self.lock, contextlib.suppress(Exception):
+            self.stop.set()
+            self.client.hdel(self.keys.loading, self.worker)

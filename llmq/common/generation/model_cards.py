@@ -1,5 +1,6 @@
 """The models of /v1/models: what live workers serve, one card per model, and one per LoRA
-adapter of a served model (``parent``: its base)."""
+adapter of a served model (``parent``: its base); then those workers are still loading
+(``state: "loading"``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import ModelNotFound
 from llmq.common.generation.responses import ModelCard, ModelList
 from llmq.common.lora_adapters import AdapterRecord
+from llmq.common.model_ids import resolve_alias
 
 
 def model_card(e: EngineStatus) -> ModelCard:
@@ -53,10 +55,26 @@ def model_list(
     return ModelList(data=sorted(models.values(), key=lambda m: m.id))
 
 
+def loading_card(record: dict) -> ModelCard:
+    """A model a worker is loading (a ``ModelRegistry.loading`` record)."""
+    return ModelCard(
+        id=record["model"], created=int(record["since"]), root=record["source"], state="loading"
+    )
+
+
+def with_loading(listed: ModelList, loading: list[dict]) -> ModelList:
+    """``listed`` and a card for each loading model it does not list."""
+    served = {m.id for m in listed.data}
+    cards = [loading_card(r) for r in loading if r["model"] not in served]
+    return ModelList(data=sorted([*listed.data, *cards], key=lambda m: m.id))
+
+
 def find_model(
     engines: list[EngineStatus], model_id: str, adapters: dict[str, AdapterRecord] | None = None
 ) -> ModelCard:
     models = live_models(engines, adapters)
+    known = {card.id: {"source": card.root} for card in models.values() if card.parent is None}
+    model_id = model_id if model_id in models else resolve_alias(model_id, known) or model_id
     if model_id not in models:
         raise ModelNotFound(f"the model {model_id!r} is not served right now", "model")
     return models[model_id]

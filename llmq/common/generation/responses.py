@@ -219,15 +219,16 @@ class EmbeddingList(WireModel):
 
 # ---- models ----------------------------------------------------------------------------------
 class ModelCard(WireModel):
-    omit_if_none = frozenset({"random_weights", "parent"})
+    omit_if_none = frozenset({"random_weights", "parent", "max_model_len", "kind"})
 
     id: str
     object: str = "model"
     created: int
     owned_by: str = "llmq"
     root: str
-    max_model_len: int
-    kind: str
+    state: str = "ready"  # or "loading": a worker loads it; its limits are not known yet
+    max_model_len: int | None = None
+    kind: str | None = None
     random_weights: bool | None = None  # only for a demo model's random weights
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 

@@ -33,6 +33,8 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
                                    the API reads live engines from, instead of a SCAN)
 - ``{p}:dead``                     stream: requests delivered too often, with the reason
 - ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
+- ``{p}:loading``                  hash: worker -> JSON model, source, since, until: a worker
+                                   loading its model (renewed until it serves or dies)
 - ``{p}:loras``                    hash: every LoRA adapter offered -> JSON base model, folder,
                                    owner (``common/lora_adapters.AdapterRecord``)
 - ``{p}:files:{id}``, ``{p}:files:{id}:content``, ``{p}:files:expiry``
@@ -203,6 +205,12 @@ class Keys:
     def models(self) -> str:
         """Hash: every model a worker has served -> JSON {source, kind, max_model_len}."""
         return f"{self._g}:models"
+
+    @property
+    def loading(self) -> str:
+        """Hash: worker -> JSON {model, source, since, until} while it loads its model (until:
+        when the announcement runs out unless renewed)."""
+        return f"{self._g}:loading"
 
 
 # ARGV[12]: the worker placement chose for it ('' none: whichever reads it first).
