@@ -31,10 +31,29 @@ ROLE_TENSORS = {
     "down": ("ffn_down",),
 }
 EMBEDDING, HEAD = "token_embd.weight", "output.weight"
+# The GGUF tensor types llmq serves (worker/runner/gguf_weights.py: what each becomes); a file
+# holding any other is refused, naming it.
+FLOAT_TYPES = frozenset(("F32", "F16", "BF16"))
+SERVED_TYPES = (
+    FLOAT_TYPES
+    | frozenset(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+    | frozenset(("IQ4_NL", "IQ4_XS"))
+)
 QUANTIZER_TENSORS = frozenset(name for names in ROLE_TENSORS.values() for name in names)
 # transformers' processors that leave quantized projections as they are but for llama's
 # query/key rows, which the quantizer puts back itself (gguf_weights.unpermute_rows).
 LEAN_PROCESSORS = frozenset(("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor"))
+
+
+def float_dtype(reader, native_bfloat16: bool) -> str | None:
+    """The dtype a file of float weights is served in: its own ("float32" for F32, and for
+    F16, whose CPU matmuls are slow: float32 holds it exactly; "bfloat16" for BF16 where the
+    CPU has it, float32 holding it exactly elsewhere); None where the file holds a quantized
+    weight (served as its blocks, ``worker/runner/gguf_weights.py``)."""
+    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    if not types <= FLOAT_TYPES:
+        return None
+    return "bfloat16" if types == {"BF16"} and native_bfloat16 else "float32"
 
 
 def _read_by_quantizer(name: str) -> bool:
@@ -44,10 +63,15 @@ def _read_by_quantizer(name: str) -> bool:
     return len(parts) == 4 and parts[0] == "blk" and parts[2] in QUANTIZER_TENSORS
 
 
-def load_gguf_model(folder: str, file: str, dtype):
+def load_gguf_model(
+    folder: str, file: str, dtype, auto: bool = False, native_bfloat16: bool = False
+):
     """The model of ``folder/file`` with its quantized tensors unread, or None where
-    transformers must load it whole (see the module's docstring)."""
+    transformers must load it whole (see the module's docstring). A file of float weights
+    (``llmq_gguf_float`` on the config) is served as a float folder: in its own dtype
+    (``float_dtype``) where ``auto``."""
     import gguf
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
@@ -65,6 +89,10 @@ def load_gguf_model(folder: str, file: str, dtype):
         map(_read_by_quantizer, quantized)
     ):
         return None
+    own_dtype = float_dtype(reader, native_bfloat16)
+    if own_dtype is not None and auto:
+        dtype = getattr(torch, own_dtype)
+        log.info("%s holds float weights: served in %s", file, own_dtype)
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -79,6 +107,7 @@ def load_gguf_model(folder: str, file: str, dtype):
         log.info("%s: %s not in the file's float tensors; loading it whole", file, unset[:3])
         return None
     model.config.llmq_gguf_lean = True
+    model.config.llmq_gguf_float = own_dtype is not None
     return model
 
 

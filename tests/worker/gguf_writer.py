@@ -3,10 +3,11 @@ transformers Llama folder: the metadata llama.cpp's converter writes (hyperparam
 style BPE tokenizer, the chat template), the query and key rows permuted as it permutes them,
 and each tensor in the type asked for.
 
-``gguf.quants`` quantizes Q8_0 (so those tensors are the model's); it has no k-quant encoder,
-so Q4_K, Q5_K and Q6_K tensors are random blocks (valid by construction: any bits are a block,
-given finite scales), which is what the importer's exactness needs: the same file read by
-llmq and by ``gguf``'s ``dequantize``."""
+``gguf.quants`` quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (so those tensors are the model's)
+and writes F16 and BF16; it has no k-quant or IQ4 encoder, so Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL and IQ4_XS tensors (and a type llmq refuses, IQ2_XXS) are random blocks (valid by
+construction: any bits are a block, given finite scales), which is what the importer's
+exactness needs: the same file read by llmq and by ``gguf``'s ``dequantize``."""
 
 from __future__ import annotations
 
@@ -21,9 +22,20 @@ from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 Q = gguf.GGMLQuantizationType
-# bytes per 256-value block, and the byte offsets of the fp16 super-block scales
-_K_BLOCKS = {Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
-_MIDDLE_CODE = {Q.Q4_K: 7.5, Q.Q5_K: 15.5}  # q in 0..15, 0..31
+# the byte offsets of a random block's fp16 scales (d, then a min's step)
+_K_BLOCKS = {
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.Q3_K: (108,),
+    Q.Q2_K: (80, 82),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.IQ2_XXS: (0,),
+}
+_MIDDLE_CODE = {Q.Q4_K: 7.5, Q.Q5_K: 15.5, Q.Q2_K: 1.5}  # q in 0..15, 0..31, 0..3
+# the types gguf's own quantizer writes from the model's weights
+_QUANTIZED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.BF16)
 # Gemma 3's norms beside llama's (its input and post-attention norms are llama's names)
 _GEMMA3_NORMS = {
     "self_attn.q_norm": "attn_q_norm",
@@ -113,11 +125,12 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def random_k_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random ``kind`` blocks of weights about the model's size (small positive fp16 scales),
-    centred on zero: Q4_K's and Q5_K's ``min`` step is the middle code's share of ``d`` (the
-    random 6-bit scales and mins are alike), or every weight would lean one way and a model of
+    centred on zero: Q4_K's, Q5_K's and Q2_K's ``min`` step is the middle code's share of ``d``
+    (the random scales and mins are alike), or every weight would lean one way and a model of
     them answer every prompt alike."""
-    size, scale_at = _K_BLOCKS[kind]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    scale_at = _K_BLOCKS[kind]
+    values, size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, size=(rows * cols // values, size), dtype=np.uint8)
     d = rng.uniform(1e-4, 4e-4, size=blocks.shape[0])
     steps = (d, d * _MIDDLE_CODE[kind]) if len(scale_at) == 2 else (d,)
     for offset, step in zip(scale_at, steps, strict=True):
@@ -178,8 +191,10 @@ def write_gguf(
         if wanted in _K_BLOCKS:
             raw = random_k_blocks(wanted, data.shape[0], data.shape[1], rng)
             w.add_tensor(name, raw, raw_dtype=wanted)
-        elif wanted == Q.Q8_0:
-            w.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+        elif wanted == Q.F16:
+            w.add_tensor(name, data.astype(np.float16))
+        elif wanted in _QUANTIZED:
+            w.add_tensor(name, gguf.quants.quantize(data, wanted), raw_dtype=wanted)
         else:
             w.add_tensor(name, data)
     w.write_header_to_file()

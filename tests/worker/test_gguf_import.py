@@ -2,7 +2,9 @@
 with its tokenizer and chat template from the metadata; its Q4_K tensors become int4 weights and
 its Q5_K ones 6-bit weights equal to ``gguf``'s own ``dequantize``, its Q8_0 ones int8 weights
 as they are, the others int8 weights of transformers' dequantized ones; and the engine serves
-it."""
+it. Every other type a download carries is read as its blocks (each held against ``gguf``'s
+``dequantize``), a file of float weights is served as a float folder, and a type llmq does not
+read refuses the model by name."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-from llmq.common.gguf_model import _read_by_quantizer, load_gguf_model
+from llmq.common.gguf_model import _read_by_quantizer, float_dtype, load_gguf_model
 from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.runner import gguf_blocks
 from llmq.worker.runner.gguf_weights import (
     GGUFTensors,
     q4_k_weight,
@@ -27,6 +30,7 @@ from llmq.worker.runner.gguf_weights import (
     q8_0_weight,
 )
 from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
+from llmq.worker.runner.model_support import UnsupportedModel
 from llmq.worker.runner.quantize import QuantizedEmbedding
 from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear, int_kernel_available
 from tests.worker.gguf_writer import (
@@ -35,6 +39,7 @@ from tests.worker.gguf_writer import (
     random_k_blocks,
     source_config,
     write_gguf,
+    write_mixed_llama,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -251,3 +256,159 @@ def test_the_api_reads_the_tokenizer_without_torch(gguf_dir):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# Each type's reader, and whether it is exact (else: the error bound of gguf_blocks' coding)
+BLOCK_READERS = {
+    Q.Q4_0: gguf_blocks.q4_0_weight,
+    Q.Q5_0: gguf_blocks.q5_0_weight,
+    Q.IQ4_NL: gguf_blocks.iq4_nl_weight,
+    Q.Q3_K: gguf_blocks.q3_k_weight,
+    Q.IQ4_XS: gguf_blocks.iq4_xs_weight,
+    Q.Q4_1: gguf_blocks.q4_1_weight,
+    Q.Q5_1: gguf_blocks.q5_1_weight,
+}
+
+
+def _blocks_of(kind, rows: int, cols: int, rng) -> np.ndarray:
+    """``kind`` blocks: gguf's own quantizer's of random weights where it has one, else random
+    blocks (every bit pattern a block)."""
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        weights = rng.normal(0, 0.02, size=(rows, cols)).astype(np.float32)
+        weights[:, :32] += 0.03  # a group off zero: Q4_1's and Q5_1's mins far from -d * 8
+        return gguf.quants.quantize(weights, kind)
+    return random_k_blocks(kind, rows, cols, rng)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", list(BLOCK_READERS), ids=lambda k: k.name)
+def test_block_readers_equal_gguf_dequantize(kind):
+    """Q4_0, Q5_0, IQ4_NL (int8) and Q3_K (Q6_K's blocks) exactly; IQ4_XS with its group scales
+    rounded to float16; Q4_1 and Q5_1 with their q exact and d, m coded in 8 bits."""
+    rows, cols = 48, 768
+    raw = _blocks_of(kind, rows, cols, np.random.default_rng(int(kind)))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32))
+    weight = BLOCK_READERS[kind](raw, rows, cols)
+    ours = weight.dequantize()
+    if kind in (Q.Q4_0, Q.Q5_0, Q.IQ4_NL, Q.Q3_K):
+        assert torch.equal(ours, want)
+        return
+    if kind == Q.IQ4_XS:  # |error| <= 2**-11 of the group scale, times |level| <= 127
+        step = weight.scale.float().repeat_interleave(32, dim=1).abs()
+        assert ((ours - want).abs() <= 2**-11 * 127 * step).all()
+        assert not torch.equal(ours, want)  # the float16 rounding shows somewhere
+        return
+    # Q4_1, Q5_1: q as the file holds it; the coded d and m within 2% of the blocks' own error
+    levels = 15 if kind == Q.Q4_1 else 31
+    blocks = raw.reshape(-1, 20 if kind == Q.Q4_1 else 24)
+    d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))
+    m = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
+    q = (want.view(-1, 32) - m) / d  # the file's codes
+    assert torch.equal(weight.q.view(-1, 32).float(), q.round())
+    assert int(weight.q.max()) == levels
+    own = d.square().mean() / 12  # the blocks' mean squared rounding error (step d, uniform)
+    assert (ours - want).square().mean() < 0.05 * own
+
+
+@pytest.fixture(scope="module")
+def typed_files(llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """Folders each holding one GGUF of a random Llama of k-quant widths: every type llmq reads
+    beside its others ("mixed"), all F32, all BF16 projections, and one IQ2_XXS tensor."""
+    source = tmp_path_factory.mktemp("gguf-typed-src")
+    write_mixed_llama(llama_dir, source, tmp_path_factory.mktemp("unused"))
+    layer = {
+        0: {"attn_q": Q.Q4_0, "attn_k": Q.Q5_0, "attn_v": Q.IQ4_NL, "attn_output": Q.IQ4_XS},
+        1: {"attn_q": Q.Q5_1, "attn_k": Q.Q5_1, "attn_v": Q.Q5_1, "attn_output": Q.Q2_K},
+    }
+    layer[0].update(ffn_gate=Q.Q4_1, ffn_up=Q.Q4_1, ffn_down=Q.Q3_K)
+    layer[1].update(ffn_gate=Q.F16, ffn_up=Q.F16, ffn_down=Q.BF16)
+    mixed = {f"blk.{i}.{t}.weight": kind for i, types in layer.items() for t, kind in types.items()}
+    mixed.update({"token_embd.weight": Q.Q5_0, "output.weight": Q.IQ4_NL})
+    projections = [name for name in mixed if name.startswith("blk.")]
+    files = {
+        "mixed": mixed,
+        "f32": {},
+        "bf16": {name: Q.BF16 for name in [*projections, "token_embd.weight", "output.weight"]},
+        "iq2": {**mixed, "blk.1.attn_output.weight": Q.IQ2_XXS},
+    }
+    out = {}
+    for name, types in files.items():
+        out[name] = tmp_path_factory.mktemp(f"gguf-{name}")
+        write_gguf(source, out[name] / f"model-{name}.gguf", types)
+    out["source"] = source
+    return out
+
+
+def test_every_served_type_becomes_its_form(typed_files):
+    """Each type of a file becomes the form gguf_blocks.py names for it, holding the weights
+    ``gguf`` dequantizes (exactly where the form is exact), float tensors kept float; the
+    engine serves the file."""
+    folder = typed_files["mixed"]
+    model = load_causal_lm(str(folder), "float32", "cpu")
+    assert model.config.llmq_quantization == "gguf" and model.config.llmq_gguf_lean
+    engine = LLMEngine(model, EngineConfig(num_blocks=32), eos_token_ids=set())
+    forward = engine.runner.forward
+    kernel = int_kernel_available()
+    layer0, layer1 = forward.layers
+    qkv = ["attn_q", "attn_k", "attn_v"]
+    forms = {  # projection, its form (on llmq's kernels, else torch's), its tensors, exact
+        "qkv0": (layer0.qkv_proj, Int8Linear, qkv, True),
+        "o0": (layer0.o_proj, Int8Linear, ["attn_output"], False),
+        "gate_up0": (layer0.mlp.gate_up_proj, Int4Linear, ["ffn_gate", "ffn_up"], False),
+        "down0": (layer0.mlp.down_proj, Q6KLinear if kernel else Int8Linear, ["ffn_down"], True),
+        "qkv1": (layer1.qkv_proj, Int6Linear if kernel else Int4Linear, qkv, False),
+        "o1": (layer1.o_proj, Int8Linear, ["attn_output"], False),  # Q2_K: int8 of its floats
+    }
+    file = GGUFTensors(str(folder / "model-mixed.gguf"), 4, 2, lean=True)
+    for key, (projection, form, tensors, exact) in forms.items():
+        assert type(projection) is form, key
+        index = int(key[-1])
+        want = torch.cat([file.floats(f"blk.{index}.{t}.weight", torch.float32) for t in tensors])
+        if not kernel:
+            continue  # torch's kernels hold their own forms (per-channel int8, bfloat16 steps)
+        if hasattr(projection, "rows"):  # the rows the kernel's panels hold
+            ours = projection.rows(torch.arange(want.shape[0])).dequantize()
+        else:  # int4's panels are not read back: the blocks they were built from
+            ours = torch.cat([file.int4(f"blk.{index}.{t}.weight").dequantize() for t in tensors])
+        error = (ours - want).square().mean().sqrt() / want.square().mean().sqrt()
+        assert torch.equal(ours, want) if exact else error < 0.02, (key, float(error))
+    # F16 and BF16 tensors: the model's float weights, as the file holds them
+    for projection, tensors in [(layer1.mlp.gate_up_proj, ["ffn_gate", "ffn_up"])] + [
+        (layer1.mlp.down_proj, ["ffn_down"])
+    ]:
+        assert not hasattr(projection, "bits")
+        want = torch.cat([file.floats(f"blk.1.{t}.weight", torch.float32) for t in tensors])
+        assert torch.equal(projection.weight.float(), want)
+    embed = model.model.embed_tokens  # Q5_0: int8 as the file holds it
+    ids = torch.tensor([3, 17, 900])
+    assert torch.equal(embed(ids), file.floats("token_embd.weight", torch.float32)[ids])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = engine.generate([[5, 6, 7, 8], [9, 10]], params)
+    assert [len(t) for t in out] == [8, 8]
+
+
+def test_a_file_of_float_weights_is_served_as_its_float_folder(typed_files, llama_dir):
+    """An F32 file is not quantized again: served in float32 as the folder it was written from
+    is, the same greedy tokens; a BF16 file is served in bfloat16 where the CPU has it."""
+    model = load_causal_lm(str(typed_files["f32"]), "auto", "cpu")
+    assert model.config.llmq_gguf_float and not hasattr(model.config, "llmq_quantization")
+    assert model.dtype == torch.float32
+    folder = load_causal_lm(str(typed_files["source"]), "float32", "cpu")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    outputs = [
+        LLMEngine(m, EngineConfig(num_blocks=32), eos_token_ids=set()).generate(prompts, params)
+        for m in (model, folder)
+    ]
+    assert outputs[0] == outputs[1]
+    bf16 = gguf.GGUFReader(str(typed_files["bf16"] / "model-bf16.gguf"))
+    assert float_dtype(bf16, native_bfloat16=True) == "bfloat16"
+    assert float_dtype(bf16, native_bfloat16=False) == "float32"  # exact, and fast there
+    mixed = gguf.GGUFReader(str(typed_files["mixed"] / "model-mixed.gguf"))
+    assert float_dtype(mixed, native_bfloat16=True) is None
+
+
+def test_a_type_llmq_does_not_read_refuses_the_model_by_name(typed_files):
+    model = load_causal_lm(str(typed_files["iq2"]), "float32", "cpu")
+    with pytest.raises(UnsupportedModel, match="IQ2_XXS"):
+        LLMEngine(model, EngineConfig(num_blocks=32), eos_token_ids=set())

@@ -34,8 +34,18 @@ import logging
 import numpy as np
 import torch
 
-from llmq.common.gguf_model import EMBEDDING, HEAD, ROLE_TENSORS
+from llmq.common.gguf_model import EMBEDDING, FLOAT_TYPES, HEAD, ROLE_TENSORS, SERVED_TYPES
+from llmq.worker.runner.gguf_blocks import (
+    iq4_nl_weight,
+    iq4_xs_weight,
+    q3_k_weight,
+    q4_0_weight,
+    q4_1_weight,
+    q5_0_weight,
+    q5_1_weight,
+)
 from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
+from llmq.worker.runner.model_support import UnsupportedModel
 from llmq.worker.runner.quantized_linear import (
     Int4Blocks,
     Int4Linear,
@@ -149,13 +159,29 @@ class GGUFTensors:
         self.reader = gguf.GGUFReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         kinds = gguf.GGMLQuantizationType
-        # Each exact form's readers by the file's tensor type.
+        refused = sorted({t.tensor_type.name for t in self.reader.tensors} - SERVED_TYPES)
+        if refused:
+            raise UnsupportedGGUFType(path, refused)
+        # Each form's readers by the file's tensor type (gguf_blocks.py: which are exact).
         self.readers = {
-            "int4": {kinds.Q4_K: q4_k_weight},
-            "int6": {kinds.Q5_K: q5_k_weight, kinds.Q4_K: q4_k_weight},
-            "q6k": {kinds.Q6_K: q6_k_weight},
-            "int8": {kinds.Q8_0: q8_0_weight},
+            "int4": {kinds.Q4_K: q4_k_weight, kinds.Q4_1: q4_1_weight},
+            "int6": {
+                kinds.Q5_K: q5_k_weight,
+                kinds.Q4_K: q4_k_weight,
+                kinds.Q5_1: q5_1_weight,
+                kinds.Q4_1: q4_1_weight,
+            },
+            "q6k": {kinds.Q6_K: q6_k_weight, kinds.Q3_K: q3_k_weight},
+            "int8": {
+                kinds.Q8_0: q8_0_weight,
+                kinds.Q4_0: q4_0_weight,
+                kinds.Q5_0: q5_0_weight,
+                kinds.IQ4_NL: iq4_nl_weight,
+                kinds.IQ4_XS: iq4_xs_weight,
+            },
         }
+        self.inexact = {kinds.Q4_1, kinds.Q5_1, kinds.IQ4_XS}  # coded again (gguf_blocks.py)
+        self.floats_types = {kinds[name] for name in FLOAT_TYPES}
         architecture = self.reader.fields["general.architecture"].contents()
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
         permuted = architecture == "llama"
@@ -178,22 +204,24 @@ class GGUFTensors:
         return out
 
     def int4(self, name: str) -> Int4Blocks | None:
-        """The tensor as exact ``Int4Blocks`` where it is Q4_K; None otherwise."""
+        """The tensor as ``Int4Blocks`` where it is Q4_K (exact) or Q4_1; None otherwise."""
         return self._read(name, self.readers["int4"])
 
     def int6(self, name: str) -> Int6Blocks | None:
-        """The tensor as exact ``Int6Blocks`` where it is Q5_K or Q4_K; None otherwise."""
+        """The tensor as ``Int6Blocks`` where it is Q5_K, Q4_K (exact), Q5_1 or Q4_1; None
+        otherwise."""
         weight = self._read(name, self.readers["int6"])
         if weight is None or isinstance(weight, Int6Blocks):
             return weight
         return Int6Blocks(*(getattr(weight, f) for f in _row_fields(weight)))
 
     def q6k(self, name: str) -> Q6KBlocks | None:
-        """The tensor as exact ``Q6KBlocks`` where it is Q6_K; None otherwise."""
+        """The tensor as exact ``Q6KBlocks`` where it is Q6_K or Q3_K; None otherwise."""
         return self._read(name, self.readers["q6k"])
 
     def int8(self, name: str) -> Int8Weight | None:
-        """The tensor as an exact grouped ``Int8Weight`` where it is Q8_0; None otherwise."""
+        """The tensor as a grouped ``Int8Weight`` where it is Q8_0, Q4_0, Q5_0, IQ4_NL (exact)
+        or IQ4_XS; None otherwise."""
         return self._read(name, self.readers["int8"])
 
     def _read(self, name: str, readers: dict):
@@ -210,14 +238,17 @@ class GGUFTensors:
             weight, **{f: unpermute_rows(getattr(weight, f), heads) for f in _row_fields(weight)}
         )
 
-    def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear:
-        """One fused projection of the tensors ``names``: int4 where all are Q4_K, 6-bit where
-        all are Q4_K or Q5_K, or all Q6_K (on llmq's kernel), int8 from the file's blocks where
-        all are Q8_0, else int8 from the (dequantized) fused float weight."""
+    def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear | None:
+        """One fused projection of the tensors ``names``: None (kept float) where all are float
+        tensors; int4 where all are Q4_K or Q4_1, 6-bit where all are Q4_K, Q5_K, Q4_1 or Q5_1,
+        or all Q6_K or Q3_K (on llmq's kernel), int8 from the file's blocks where all are Q8_0,
+        Q4_0, Q5_0, IQ4_NL or IQ4_XS, else int8 from the (dequantized) fused float weight."""
+        types = [getattr(self.tensors.get(name), "tensor_type", None) for name in names]
+        if names and all(t in self.floats_types for t in types):
+            return None  # served in the model's float dtype (the file's, gguf_model.file_dtype)
         forms = [("int4", self.int4, Int4Linear)]
         if int_kernel_available() and not plain_weight.is_cuda:
             forms += [("int6", self.int6, Int6Linear), ("q6k", self.q6k, Q6KLinear)]
-        types = [getattr(self.tensors.get(name), "tensor_type", None) for name in names]
         for form, read, linear in (*forms, ("int8", self.int8, Int8Linear)):
             # by the types first: a group's tensors are read only for a form that takes them all
             if not names or any(t not in self.readers[form] for t in types):
@@ -227,9 +258,12 @@ class GGUFTensors:
                 parts[0],
                 **{f: torch.cat([getattr(p, f) for p in parts]) for f in _row_fields(parts[0])},
             )
-            if self.lean or _same_weights(fused, plain_weight):
+            exact = not self.inexact.intersection(types)
+            if self.lean or _same_weights(fused, plain_weight, exact):
                 return linear(fused, bias)
             log.warning("%s: the file's blocks differ from the loaded weights; int8", names[0])
+        if set(types) & self.floats_types:
+            log.warning("%s: float and quantized tensors fused (%s); int8", names[0], types)
         if self.lean:  # the model holds none of the file's quantized weights
             plain_weight = torch.cat([self.floats(name, plain_weight.dtype) for name in names])
         return quantized_linear(plain_weight, bias, 8)
@@ -256,14 +290,32 @@ def _row_fields(weight: Int4Blocks | Q6KBlocks | Int8Weight) -> list[str]:
     return [f.name for f in fields if isinstance(getattr(weight, f.name), torch.Tensor)]
 
 
-def _same_weights(weight: Int4Blocks | Q6KBlocks | Int8Weight, loaded: torch.Tensor) -> bool:
+def _same_weights(
+    weight: Int4Blocks | Q6KBlocks | Int8Weight, loaded: torch.Tensor, exact: bool = True
+) -> bool:
     """Whether the blocks read here are the weights transformers loaded (its dequantized ones,
-    in its row order), exact but for a bfloat16 model's rounding: a check that the blocks map
-    onto the right rows of an architecture, made once at load."""
+    in its row order), exact but for a bfloat16 model's rounding (``exact``; else within a
+    tenth of their root mean square, a conversion's error being a hundredth of it): a check
+    that the blocks map onto the right rows of an architecture, made once at load."""
     ours = weight.dequantize()
     if ours.shape != loaded.shape:
         return False
+    if not exact:
+        error = (ours - loaded.float()).square().mean().sqrt()
+        return bool(error <= 0.1 * loaded.float().square().mean().sqrt())
     return bool(((ours - loaded.float()).abs() <= 2**-8 * ours.abs() + 1e-7).all())
+
+
+class UnsupportedGGUFType(UnsupportedModel):
+    """The file holds tensors of a type llmq does not read: the model is refused, by name."""
+
+    def __init__(self, path: str, types: list[str]):
+        super().__init__("GGUF", [f"tensors of type {', '.join(types)}"])
+        served = ", ".join(sorted(SERVED_TYPES))
+        self.args = (
+            f"{path}: llmq does not serve GGUF tensors of type {', '.join(types)} "
+            f"(it serves {served})",
+        )
 
 
 class GGUFQuantizer:
@@ -285,8 +337,12 @@ class GGUFQuantizer:
             names = [f"blk.{index}.{t}.weight" for t in ROLE_TENSORS[role]]
         return self.file.linear(names, plain.weight, plain.bias)
 
-    def embedding(self, table: torch.Tensor) -> Int4Blocks | Int6Blocks | Q6KBlocks | Int8Weight:
+    def embedding(
+        self, table: torch.Tensor
+    ) -> Int4Blocks | Int6Blocks | Q6KBlocks | Int8Weight | None:
         file = self.file
+        if file.tensors[EMBEDDING].tensor_type in file.floats_types:
+            return None  # the model's float table, as the file holds it
         exact = file.int4(EMBEDDING) or file.int6(EMBEDDING) or file.q6k(EMBEDDING)
         exact = exact or file.int8(EMBEDDING)
         if exact is not None:
