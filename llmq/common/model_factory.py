@@ -20,12 +20,38 @@ Size = Literal["tiny", "smollm2-135m", "moe-1b", "llama-1b", "llama-8b"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML, and tools as real templates render them (Hermes style, as Qwen2.5's): the schemas
+# in a system turn, calls in <tool_call> tags, results as <tool_response>; without tools the
+# prompt is plain ChatML.
+CHAT_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+{% if messages and messages[0].role == "system" %}{{ messages[0].content }}
+
+{% endif %}You may call these functions:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if tools and loop.first and message.role == "system" %}
+{%- elif message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content or "" }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 SHAPES: dict[Size, dict] = {
     "tiny": dict(
@@ -200,12 +226,19 @@ def _config(arch: str, size: Size, shape: dict, ids: dict):
 
 
 def make_model(
-    path: str | Path, arch: Arch = "llama", size: Size = "tiny", seed: int = 0, device: str = "cpu"
+    path: str | Path,
+    arch: Arch = "llama",
+    size: Size = "tiny",
+    seed: int = 0,
+    device: str = "cpu",
+    context: int | None = None,
 ) -> Path:
     """Write a random-weight model and its tokenizer to ``path``; return the path. ``arch``:
     llama, qwen2, qwen3 or gemma3 at either size, or any architecture of ``model_archs.ARCHS``
     (gemma3 is gemma3_text) at the tiny size. ``device``: where the random weights are drawn
-    (a GPU draws the 8B shape's in seconds; other weights than the CPU's)."""
+    (a GPU draws the 8B shape's in seconds; other weights than the CPU's). ``context``: the
+    model's longest sequence in tokens (its ``max_position_embeddings``), instead of the size's
+    own; the weights drawn are the same."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -222,6 +255,8 @@ def make_model(
         "pad_token_id": tokenizer.pad_token_id,
     }
     config = _config(arch, size, shape, ids)
+    if context is not None:
+        config.max_position_embeddings = context
     # Marks the folder as a demo: /v1/models and the playground label it "random weights".
     config.llmq_random_weights = True
     torch.manual_seed(seed)

@@ -24,12 +24,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--size", choices=list(get_args(Size)), default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="the model's longest sequence (max_position_embeddings), e.g. 131072 for agent "
+        "apps whose first prompts run to 9k tokens; default: the size's own (2048 for tiny)",
+    )
     p.set_defaults(func=run, parser=p)
 
 
 def run(args: argparse.Namespace) -> int:
     from llmq.common.model_factory import make_model
 
-    path = make_model(args.path, arch=args.arch, size=args.size, seed=args.seed)
-    print(f"wrote a {args.size} {args.arch} model with random weights to {path}")
+    path = make_model(
+        args.path, arch=args.arch, size=args.size, seed=args.seed, context=args.context
+    )
+    context = f" ({args.context}-token context)" if args.context else ""
+    print(f"wrote a {args.size} {args.arch} model{context} with random weights to {path}")
     return 0
