@@ -9,6 +9,7 @@ import hmac
 import logging
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmq.api.errors import error_response, install_error_handlers
@@ -78,6 +79,34 @@ class OllamaJsonBodies:
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+class HeadAsGet:
+    """``HEAD`` on every route that answers ``GET`` (HTTP's rule; clients probe a server with
+    ``HEAD /`` before they use it): the ``GET`` is run and its status and headers sent, without
+    its body. A route of its own for ``HEAD`` answers it; a path with no ``GET`` answers 405."""
+
+    def __init__(self, app: ASGIApp, router: Router):
+        self.app = app
+        self.router = router
+
+    def _own_route(self, scope: Scope) -> bool:
+        return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "HEAD" or self._own_route(scope):
+            return await self.app(scope, receive, send)
+        ended = False
+
+        async def headers_only(message: dict) -> None:
+            nonlocal ended
+            if message["type"] == "http.response.start":
+                await send(message)
+            elif not ended and not message.get("more_body", False):  # the body's last part
+                ended = True
+                await send({"type": "http.response.body", "body": b""})
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 async def require_api_key(request: Request) -> None:
@@ -178,6 +207,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # its rest read and dropped so that the client sees the answer; only a body far past the
     # limit has its connection cut with a 413.
     app.add_middleware(OllamaJsonBodies)
+    app.add_middleware(HeadAsGet, router=app.router)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,

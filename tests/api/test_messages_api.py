@@ -294,10 +294,11 @@ def test_errors_come_in_anthropics_shape_and_statuses(served):
         c.messages.create(
             model=served.model, max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )
-    with pytest.raises(anthropic.BadRequestError, match="output_config.effort"):
-        c.messages.create(  # the template has no reasoning_effort knob
-            model=served.model, max_tokens=4, messages=user, output_config={"effort": "high"}
-        )
+    # The template has no reasoning_effort: the effort is accepted, not applied, and named.
+    raw = c.messages.with_raw_response.create(
+        model=served.model, max_tokens=1, messages=user, output_config={"effort": "high"}
+    )
+    assert raw.headers["llmq-effort-ignored"] == "high" and raw.parse().usage.output_tokens == 1
     with pytest.raises(anthropic.AuthenticationError) as denied:
         sdk(served, api_key="sk-wrong").messages.count_tokens(model=served.model, messages=user)
     assert denied.value.body == {

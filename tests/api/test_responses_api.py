@@ -211,10 +211,19 @@ def test_stored_response_is_its_tenants_until_deleted(served):
 
 
 @pytest.mark.parametrize("tool", ["web_search", "file_search", "code_interpreter"])
-def test_built_in_tools_are_refused_by_name(served, tool):
+def test_hosted_tools_are_dropped_and_refused_by_name_when_forced(served, tool):
+    client = served.client()
+    r = client.responses.create(
+        model=served.model, input=QUESTION, tools=[{"type": tool}], max_output_tokens=1
+    )
+    assert r.status == "incomplete" and r.usage.output_tokens == 1  # answered without it
     with pytest.raises(openai.BadRequestError) as exc:
-        served.client().responses.create(
-            model=served.model, input=QUESTION, tools=[{"type": tool}], max_output_tokens=1
+        client.responses.create(
+            model=served.model,
+            input=QUESTION,
+            tools=[{"type": tool}],
+            tool_choice={"type": tool},
+            max_output_tokens=1,
         )
     assert tool in exc.value.message and exc.value.code == "invalid_value"
-    assert exc.value.body["param"] == "tools"
+    assert exc.value.body["param"] == "tool_choice"

@@ -16,7 +16,7 @@ from llmq.common.generation.messages_api.errors import error_body
 from llmq.common.generation.messages_api.events import MessageEvents
 from llmq.common.generation.messages_api.objects import MessageObject, MessageUsage
 from llmq.common.generation.messages_api.request import MessagesPrompt, MessagesRequest
-from llmq.common.generation.messages_api.translate import chat_request
+from llmq.common.generation.messages_api.translate import Template, chat_request
 from llmq.common.generation.responses import (
     AssistantMessage,
     ChatChunkChoice,
@@ -31,6 +31,7 @@ from llmq.common.generation.responses import (
 )
 
 pytestmark = pytest.mark.unit
+TAKES_EFFORT = Template(effort=True)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"name": "get_weather", "description": "Weather.", "input_schema": SCHEMA}
 
@@ -57,7 +58,7 @@ def test_a_tool_loop_becomes_chat_messages_calls_and_results():
             ]},
         ],
         tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": True},
-    ))  # fmt: skip
+    ), TAKES_EFFORT)  # fmt: skip
     call = {
         "id": "toolu_1",
         "type": "function",
@@ -80,7 +81,7 @@ def test_an_error_result_says_so_to_the_model():
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": True}]},
-    ], tools=[TOOL]))  # fmt: skip
+    ], tools=[TOOL]), TAKES_EFFORT)  # fmt: skip
     assert chat.template_messages()[-1] == {
         "role": "tool",
         "content": "Error: boom",
@@ -94,7 +95,7 @@ def test_an_error_result_says_so_to_the_model():
      ({"type": "none"}, "none", True), ({"type": "auto"}, "auto", True)],
 )  # fmt: skip
 def test_tool_choice_maps_onto_chats(choice, mode, parallel):
-    chat = chat_request(body(tools=[TOOL], tool_choice=choice))
+    chat = chat_request(body(tools=[TOOL], tool_choice=choice), TAKES_EFFORT)
     assert chat.tool_mode() == mode and chat.parallel_tool_calls is parallel
 
 
@@ -105,7 +106,7 @@ def test_sampling_format_thinking_and_prefill_fields():
         metadata={"user_id": "u1"}, output_config=fmt, thinking={"type": "enabled", "budget_tokens": 1024},
         messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}],
         service_tier="auto", cache_control={"type": "ephemeral"},
-    ))  # fmt: skip
+    ), TAKES_EFFORT)  # fmt: skip
     assert (chat.temperature, chat.top_p, chat.top_k, chat.stop, chat.user) == (
         0,
         0.5,
@@ -119,16 +120,18 @@ def test_sampling_format_thinking_and_prefill_fields():
         "enable_thinking": True
     }
     assert chat.continue_final_message and not chat.add_generation_prompt
-    off = chat_request(body(thinking={"type": "disabled"}))
+    off = chat_request(body(thinking={"type": "disabled"}), TAKES_EFFORT)
     assert off.chat_template_kwargs == {"enable_thinking": False} and not off.include_reasoning
-    forced = chat_request(body(tools=[TOOL], tool_choice={"type": "any"}, output_config=fmt))
+    forced = chat_request(
+        body(tools=[TOOL], tool_choice={"type": "any"}, output_config=fmt), TAKES_EFFORT
+    )
     assert forced.response_format is None  # the forced call is the constrained output
 
 
 def test_count_tokens_body_renders_the_same_prompt():
     fields = {"messages": [{"role": "user", "content": "q"}], "system": "s", "tools": [TOOL]}
-    prompt = chat_request(MessagesPrompt.model_validate(fields))
-    whole = chat_request(body(**fields))
+    prompt = chat_request(MessagesPrompt.model_validate(fields), TAKES_EFFORT)
+    whole = chat_request(body(**fields), TAKES_EFFORT)
     assert prompt.template_messages() == whole.template_messages()
     assert prompt.template_tools() == whole.template_tools()
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
@@ -314,3 +317,121 @@ def test_errors_take_anthropics_shape(error, status, kind):
         and shaped["error"]["type"] == kind
         and set(shaped["error"]) == {"type", "message"}
     )
+
+
+# ---- what Claude Code sends ----------------------------------------------------------------
+class TemplateTokenizer:
+    """The tokenizer's one seam used here: its template, rendered by jinja2."""
+
+    def __init__(self, source: str):
+        import jinja2
+
+        def raise_exception(message):
+            raise jinja2.TemplateError(message)
+
+        self.chat_template = source
+        env = jinja2.Environment()
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(source)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+SYSTEM_FIRST_ONLY = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System role only first') }}{% endif %}"
+    "[{{ m.role }}]{{ m.content }}{% endfor %}"
+)
+
+
+def test_a_system_turn_stands_where_sent_or_joins_the_system_prompt():
+    from llmq.common.model_factory import CHAT_TEMPLATE
+
+    sent = body(
+        system=[{"type": "text", "text": "S"}],
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "system", "content": [{"type": "text", "text": "env"}]},
+            {"role": "assistant", "content": "a"},
+            {"role": "system", "content": "late", "output_config": {"effort": "low"}},
+            {"role": "user", "content": "r"},
+        ],
+    )
+    chatml = Template.of(TemplateTokenizer(CHAT_TEMPLATE))
+    assert chatml.mid_system and not chatml.effort
+    roles = [(m.role, m.content) for m in chat_request(sent, chatml).messages]
+    assert roles == [
+        ("system", "S"),
+        ("user", "q"),
+        ("system", "env"),
+        ("assistant", "a"),
+        ("system", "late"),
+        ("user", "r"),
+    ]
+    first_only = Template.of(TemplateTokenizer(SYSTEM_FIRST_ONLY))
+    assert not first_only.mid_system
+    roles = [(m.role, m.content) for m in chat_request(sent, first_only).messages]
+    assert roles == [
+        ("system", "S\n\nenv\n\nlate"),
+        ("user", "q"),
+        ("assistant", "a"),
+        ("user", "r"),
+    ]
+    with pytest.raises(ValidationError, match="text blocks only"):
+        body(
+            messages=[
+                {
+                    "role": "system",
+                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+                }
+            ]
+        )
+
+
+def test_effort_is_honoured_where_the_template_has_it_else_named_as_ignored():
+    from llmq.common.generation.messages_api.translate import ignored_effort
+
+    sent = body(
+        output_config={"effort": "max"},
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "system", "content": "turn", "output_config": {"effort": "low"}},
+        ],
+    )
+    assert chat_request(sent, TAKES_EFFORT).reasoning_effort == "low"  # the last turn's
+    assert ignored_effort(sent, TAKES_EFFORT) is None
+    plain = Template(effort=False)
+    assert chat_request(sent, plain).reasoning_effort is None
+    assert ignored_effort(sent, plain) == "low"
+    assert (
+        chat_request(body(output_config={"effort": "max"}), TAKES_EFFORT).reasoning_effort == "high"
+    )
+
+
+def _tool_loop(n: int) -> list[dict]:
+    turns = [{"role": "user", "content": "go"}]
+    for i in range(n):
+        use = {"type": "tool_use", "id": f"toolu_{i}", "name": "Read", "input": {"p": str(i)}}
+        result = {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"result {i}"}
+        turns += [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    return turns
+
+
+def test_context_management_edits_are_taken_and_tool_uses_cleared_oldest_first():
+    from llmq.common.generation.messages_api.context_edits import CLEARED, cleared, tool_clearing
+
+    thinking = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    assert tool_clearing(body(context_management=thinking)) is None  # nothing to clear here
+    edit = {"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 1}}
+    edit["clear_tool_inputs"] = True
+    sent = body(messages=_tool_loop(3), context_management={"edits": [edit]})
+    after, count = cleared(sent, tool_clearing(sent))
+    assert count == 2
+    chat = chat_request(after, TAKES_EFFORT)
+    results = [m.content for m in chat.messages if m.role == "tool"]
+    assert results == [CLEARED, CLEARED, "result 2"]
+    inputs = [c.function.arguments for m in chat.messages for c in m.tool_calls or []]
+    assert inputs == ["{}", "{}", '{"p": "2"}']
+    with pytest.raises(ValidationError, match="clear_everything_1"):
+        body(context_management={"edits": [{"type": "clear_everything_1"}]})

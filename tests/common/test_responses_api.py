@@ -4,6 +4,7 @@ a chat request, chat chunks to typed events."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from pydantic import ValidationError
@@ -84,9 +85,50 @@ def test_request_becomes_the_chat_request_of_the_same_answer():
 
 
 @pytest.mark.parametrize("tool", ["web_search", "file_search", "mcp"])
-def test_built_in_tools_are_refused_by_name(tool):
-    with pytest.raises(ValidationError, match=tool):
-        ResponsesRequest.model_validate({"input": "q", "tools": [TOOL, {"type": tool}]})
+def test_hosted_tools_are_dropped_unless_forced(tool, caplog):
+    caplog.set_level(logging.INFO)
+    hosted = {"type": tool, "external_web_access": False}
+    body = ResponsesRequest.model_validate({"input": "q", "tools": [TOOL, hosted]})
+    assert [t.name for t in body.functions()] == ["f"]
+    assert [t.function.name for t in chat_request(body, []).tools] == ["f"]
+    assert tool in caplog.text  # the log line names what was dropped
+    with pytest.raises(ValidationError, match=f"forces the hosted tool '{tool}'"):
+        ResponsesRequest.model_validate(
+            {"input": "q", "tools": [TOOL, hosted], "tool_choice": {"type": tool}}
+        )
+    with pytest.raises(ValidationError, match="'required' needs a function tool"):
+        ResponsesRequest.model_validate(
+            {"input": "q", "tools": [hosted], "tool_choice": "required"}
+        )
+
+
+def test_tool_types_neither_served_nor_hosted_are_refused_by_name():
+    custom = {"type": "custom", "name": "apply_patch"}
+    with pytest.raises(ValidationError, match="tools of type custom are not served"):
+        ResponsesRequest.model_validate({"input": "q", "tools": [TOOL, custom]})
+
+
+def test_namespace_tools_are_offered_as_their_functions_and_calls_name_them():
+    inner = [{**TOOL, "name": "spawn_agent"}, {**TOOL, "name": "wait_agent"}]
+    space = {"type": "namespace", "name": "multi_agent_v1", "description": "d", "tools": inner}
+    body = ResponsesRequest.model_validate(
+        {
+            "input": "q",
+            "tools": [TOOL, space],
+            "tool_choice": {"type": "function", "name": "wait_agent"},
+        }
+    )
+    chat = chat_request(body, [])
+    assert [t.function.name for t in chat.tools] == ["f", "spawn_agent", "wait_agent"]
+    assert chat.tool_mode() == "named"
+    assert body.namespaces() == {"spawn_agent": "multi_agent_v1", "wait_agent": "multi_agent_v1"}
+    assert echoed_fields(body)["tools"][1]["type"] == "namespace"
+    # A call item sent back names its namespace: accepted, the call is the function's.
+    call = {"type": "function_call", "call_id": "c1", "name": "wait_agent", "arguments": "{}"}
+    history = chat_messages([{**call, "namespace": "multi_agent_v1"}])
+    assert history == chat_messages([call])
+    with pytest.raises(ValidationError, match="distinct names"):
+        ResponsesRequest.model_validate({"input": "q", "tools": [inner[0], space]})
 
 
 def test_response_ids_are_checked_before_a_key_is_built():

@@ -22,9 +22,14 @@ from llmq.common.generation.messages_api.objects import TokenCount
 from llmq.common.generation.messages_api.request import MessagesPrompt, MessagesRequest
 from llmq.common.generation.messages_api.run import MessagesRun
 from llmq.common.generation.messages_api.translate import (
+    Template,
+    edited,
+    ignored_effort,
+    prompt_tokens,
+)
+from llmq.common.generation.messages_api.translate import (
     chat_request as messages_chat_request,
 )
-from llmq.common.generation.messages_api.translate import effort_named, prompt_tokens
 from llmq.common.generation.metrics import ChoiceRecorder, GenerationMetrics
 from llmq.common.generation.model_cards import find_model, model_list
 from llmq.common.generation.request_bodies import (
@@ -96,18 +101,24 @@ class GenerationService:
         as the chat request it translates to."""
         generation = await self.chat(chat_request(body, history))
         response = new_response(generation.model, echoed_fields(body))
-        return ResponsesRun(generation, response, history + input_items(body.input))
+        items = history + input_items(body.input)
+        return ResponsesRun(generation, response, items, body.namespaces())
 
     async def messages(
         self, body: MessagesRequest, options: SubmitOptions = _INTERACTIVE
     ) -> MessagesRun:
         """A Messages request (Anthropic's), run as the chat request it translates to."""
-        with effort_named():
-            generation = await self.chat(messages_chat_request(body), options)
-        return MessagesRun(generation, body)
+        pipeline, _ = await self.registry.get(body.model)
+        template = Template.of(pipeline.tokenizer)
+        body = await edited(pipeline, body)  # type: ignore[assignment]
+        if (effort := ignored_effort(body, template)) is not None:
+            log.debug("output_config.effort %r not applied: the template has no effort", effort)
+        generation = await self.chat(messages_chat_request(body, template), options)
+        return MessagesRun(generation, body, ignored_effort(body, template))
 
     async def count_message_tokens(self, body: MessagesPrompt) -> TokenCount:
         pipeline, _ = await self.registry.get(body.model)
+        body = await edited(pipeline, body)
         return TokenCount(input_tokens=await prompt_tokens(pipeline, body))
 
     async def completions(

@@ -1,7 +1,8 @@
 """The content blocks of a Messages request's turns: text, tool_use (an assistant's call),
 tool_result (a user's answer to it), thinking and redacted_thinking (an earlier turn's, kept by
 clients: accepted, not shown to the model). Images and documents are refused with a 400 that
-says so; so is any other block type. Unknown fields of a block (``cache_control``,
+says so; so is any other block type. A ``system`` turn inside ``messages`` (a mid-conversation
+system message) holds text alone. Unknown fields of a block (``cache_control``,
 ``citations``, ``caller``, ...) are accepted and ignored: clients send back the blocks they got."""
 
 from __future__ import annotations
@@ -91,11 +92,22 @@ ContentBlock = Annotated[
 ]
 
 
+Effort = Literal["low", "medium", "high", "xhigh", "max"]
+
+
+class TurnConfig(BaseModel):
+    """A turn's own ``output_config`` (per-turn control): the effort from that turn on."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: Effort | None = None
+
+
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+    output_config: TurnConfig | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -111,7 +123,15 @@ class InputMessage(BaseModel):
                 raise ValueError(f"a user turn cannot hold {block.type} blocks")
             if role == "assistant" and block.type == "tool_result":
                 raise ValueError("an assistant turn cannot hold tool_result blocks")
+            if role == "system" and block.type != "text":
+                raise ValueError(f"a system turn holds text blocks only, not {block.type}")
         return v
+
+    def text(self) -> str:
+        """The turn's text blocks joined (a system turn's whole content)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(b.text for b in self.content if isinstance(b, TextBlock))
 
 
 class SystemTextBlock(Block):

@@ -2,7 +2,9 @@
 turn's text is its content and its tool_use blocks its tool calls (their ``input`` as the JSON
 text chat takes); a user turn's tool_result blocks are tool messages answering those calls,
 its text a user message, in the order they stand. Thinking blocks of earlier turns are not
-shown to the model (as chat templates drop earlier reasoning)."""
+shown to the model (as chat templates drop earlier reasoning). A system turn inside ``messages``
+stands where it is sent when the model's chat template renders a system message there
+(``mid_system``), else its text is joined to the system prompt, after what was there."""
 
 from __future__ import annotations
 
@@ -51,16 +53,21 @@ def _user(message: InputMessage) -> list[dict[str, Any]]:
     return out or [{"role": "user", "content": ""}]
 
 
-def chat_messages(body: MessagesPrompt) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    if (system := body.system_text()) is not None:
-        messages.append({"role": "system", "content": system})
+def chat_messages(body: MessagesPrompt, mid_system: bool = True) -> list[dict[str, Any]]:
+    system = [body.system_text()] if body.system_text() is not None else []
+    turns: list[dict[str, Any]] = []
     for message in body.messages:
         if message.role == "assistant":
-            messages.append(_assistant(message))
+            turns.append(_assistant(message))
+        elif message.role == "user":
+            turns.extend(_user(message))
+        elif mid_system:
+            turns.append({"role": "system", "content": message.text()})
         else:
-            messages.extend(_user(message))
-    return messages
+            system.append(message.text())
+    if not system:
+        return turns
+    return [{"role": "system", "content": "\n\n".join(system)}, *turns]
 
 
 def is_prefill(body: MessagesPrompt) -> bool:

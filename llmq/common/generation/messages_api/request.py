@@ -2,16 +2,28 @@
 unknown top-level field is a 400 ("Extra inputs are not permitted"); fields that ask for what
 llmq does not serve (a container, MCP servers, server tools, images) are refused with a 400
 naming them, and the ones that change nothing here (``cache_control``: the prefix cache needs
-no marks; ``service_tier``, ``speed``, ``inference_geo``, ...) are accepted and ignored."""
+no marks; ``service_tier``, ``speed``, ``inference_geo``, ...) are accepted and ignored.
+``output_config.effort`` is passed to a chat template that has ``reasoning_effort`` and accepted
+otherwise (the answer says it was not applied: translate.py); ``context_management`` edits
+are validated and applied where they change llmq's prompt (context_edits.py)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from llmq.common.generation.messages_api.content import (
+    Effort,
     InputMessage,
     SystemTextBlock,
     check_block_types,
@@ -66,7 +78,61 @@ class JsonOutputFormat(BaseModel):
 class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: JsonOutputFormat | None = None
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    effort: Effort | None = None
+
+
+class ClearThinkingEdit(BaseModel):
+    """Which earlier turns keep their thinking: llmq never shows an earlier turn's thinking to
+    the model (as chat templates drop it), so every setting leaves the prompt as it is."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Annotated[str, Field(pattern=r"^clear_thinking_\d{8}$")]
+    keep: Any = None
+
+
+class ClearToolUsesEdit(BaseModel):
+    """Tool results cleared, oldest first, once the prompt passes ``trigger`` input tokens
+    (Anthropic's default 100,000), all but the last ``keep`` tool uses (default 3)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Annotated[str, Field(pattern=r"^clear_tool_uses_\d{8}$")]
+    trigger: dict[str, Any] | None = None
+    keep: dict[str, Any] | None = None
+    clear_at_least: dict[str, Any] | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] | None = None
+
+
+def _edit_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if isinstance(kind, str) and kind.startswith("clear_thinking_"):
+        return "thinking"
+    if isinstance(kind, str) and kind.startswith("clear_tool_uses_"):
+        return "tool_uses"
+    return None
+
+
+ContextEdit = Annotated[
+    Annotated[ClearThinkingEdit, Tag("thinking")] | Annotated[ClearToolUsesEdit, Tag("tool_uses")],
+    Discriminator(_edit_type),
+]
+
+
+class ContextManagement(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    edits: list[ContextEdit] = []
+
+    @field_validator("edits", mode="before")
+    @classmethod
+    def _served_edits(cls, v):
+        for edit in v if isinstance(v, list) else []:
+            if _edit_type(edit) is None:
+                kind = edit.get("type") if isinstance(edit, dict) else None
+                raise ValueError(
+                    f"context_management edits of type {kind!r} are not supported (served: "
+                    "clear_thinking_*, clear_tool_uses_*)"
+                )
+        return v
 
 
 class MessagesPrompt(BaseModel):
@@ -83,6 +149,7 @@ class MessagesPrompt(BaseModel):
     tool_choice: SkipJsonSchema[ToolChoice | None] = None
     thinking: SkipJsonSchema[Thinking | None] = None
     output_config: SkipJsonSchema[OutputConfig | None] = None
+    context_management: SkipJsonSchema[ContextManagement | None] = None
     mcp_servers: SkipJsonSchema[list[Any] | None] = None
     cache_control: SkipJsonSchema[dict[str, Any] | None] = None  # accepted, ignored
     speed: SkipJsonSchema[Literal["standard", "fast"] | None] = None  # accepted, ignored
@@ -128,6 +195,13 @@ class MessagesPrompt(BaseModel):
         if self.system is None or isinstance(self.system, str):
             return self.system or None
         return "".join(b.text for b in self.system) or None
+
+    def effort(self) -> str | None:
+        """The effort asked for: the last turn's own (per-turn control), else the request's."""
+        for message in reversed(self.messages):
+            if message.output_config is not None and message.output_config.effort is not None:
+                return message.output_config.effort
+        return self.output_config.effort if self.output_config is not None else None
 
     def forced_call(self) -> bool:
         return bool(self.tools) and forces_a_call(self.tool_choice)

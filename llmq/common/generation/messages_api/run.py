@@ -20,8 +20,11 @@ from llmq.common.generation.responses import ChatCompletion
 
 
 class MessagesRun:
-    def __init__(self, generation: ChatGeneration, body: MessagesRequest):
+    def __init__(
+        self, generation: ChatGeneration, body: MessagesRequest, ignored_effort: str | None = None
+    ):
         self.generation = generation
+        self.ignored_effort = ignored_effort  # output_config.effort, not applied
         self.stops = body.stop_sequences
         self.text_allowed = not body.forced_call()
         self.message = MessageObject(

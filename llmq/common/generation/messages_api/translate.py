@@ -1,16 +1,25 @@
 """A Messages request as the chat request that generates its answer, and the prompt's token
-count (count_tokens) rendered exactly as that chat request renders it."""
+count (count_tokens) rendered exactly as that chat request renders it. What the model's chat
+template can take decides two things: ``output_config.effort`` becomes ``reasoning_effort``
+where the template has that variable and is otherwise accepted and not applied (Claude Code
+sends it for every model; the answer's EFFORT_HEADER says so), and a system turn inside
+``messages`` stands where it was sent where the template renders it there (else it joins the
+system prompt)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from llmq.common.errors import InvalidRequest
 from llmq.common.generation.chat_request import ChatCompletionRequest
+from llmq.common.generation.messages_api.context_edits import (
+    cleared,
+    tool_clearing,
+    trigger_tokens,
+)
 from llmq.common.generation.messages_api.conversation import chat_messages, is_prefill
 from llmq.common.generation.messages_api.request import (
     EFFORTS,
@@ -21,13 +30,61 @@ from llmq.common.generation.messages_api.request import (
 )
 from llmq.common.generation.messages_api.tools import chat_tool_choice
 from llmq.common.generation.reasoning import reasoning_template_kwargs
+from llmq.common.generation.reasoning.template import KNOB
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.validation import validation_error
 
+log = logging.getLogger(__name__)
 
-def _prompt_fields(body: MessagesPrompt) -> dict[str, Any]:
+# The answer's header naming a requested effort the model's template cannot take.
+EFFORT_HEADER = "llmq-effort-ignored"
+_MID_SYSTEM_PROBE = "llmq-mid-system-probe"
+_ANSWER_PROBE = "llmq-answer-probe"
+_mid_system: dict[str, bool] = {}  # template source -> renders a system turn mid-conversation
+
+
+@dataclass(frozen=True)
+class Template:
+    """What the model's chat template takes: a reasoning effort, a system turn anywhere."""
+
+    effort: bool = False
+    mid_system: bool = True
+
+    @classmethod
+    def of(cls, tokenizer) -> Template:
+        source = getattr(tokenizer, "chat_template", None)
+        if not isinstance(source, str):
+            return cls()
+        if source not in _mid_system:
+            _mid_system[source] = _renders_mid_system(tokenizer)
+        return cls(effort=KNOB in source, mid_system=_mid_system[source])
+
+
+def _renders_mid_system(tokenizer) -> bool:
+    """Whether the template renders a system message after other turns, where it stands
+    (templates that take one only first raise, or move it)."""
+    probe = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": _ANSWER_PROBE},
+        {"role": "system", "content": _MID_SYSTEM_PROBE},
+        {"role": "user", "content": "v"},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that refuses it (raise_exception)
+        return False
+    return isinstance(text, str) and -1 < text.find(_ANSWER_PROBE) < text.find(_MID_SYSTEM_PROBE)
+
+
+def ignored_effort(body: MessagesPrompt, template: Template) -> str | None:
+    """The requested effort the template cannot take (then not applied), or None."""
+    return None if template.effort else body.effort()
+
+
+def _prompt_fields(body: MessagesPrompt, template: Template) -> dict[str, Any]:
     """The chat fields that render the prompt (messages, tools, template variables)."""
-    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    messages = chat_messages(body, template.mid_system)
+    fields: dict[str, Any] = {"model": body.model, "messages": messages}
     if is_prefill(body):  # the answer continues the last assistant turn, as Anthropic's
         fields |= {"add_generation_prompt": False, "continue_final_message": True}
     if body.tools:
@@ -44,9 +101,8 @@ def _prompt_fields(body: MessagesPrompt) -> dict[str, Any]:
         fields["include_reasoning"] = thinks and display != "omitted"
         if isinstance(body.thinking, ThinkingEnabled):
             fields["thinking_budget"] = body.thinking.budget_tokens
-    config = body.output_config
-    if config is not None and config.effort is not None:
-        fields["reasoning_effort"] = EFFORTS[config.effort]
+    if (effort := body.effort()) is not None and template.effort:
+        fields["reasoning_effort"] = EFFORTS[effort]
     return fields
 
 
@@ -71,9 +127,9 @@ def _answer_fields(body: MessagesRequest) -> dict[str, Any]:
     return fields
 
 
-def chat_request(body: MessagesPrompt) -> ChatCompletionRequest:
+def chat_request(body: MessagesPrompt, template: Template) -> ChatCompletionRequest:
     """The chat request of ``body`` (a count_tokens body: its prompt alone)."""
-    fields = _prompt_fields(body)
+    fields = _prompt_fields(body, template)
     if isinstance(body, MessagesRequest):
         fields |= _answer_fields(body)
     try:
@@ -82,31 +138,25 @@ def chat_request(body: MessagesPrompt) -> ChatCompletionRequest:
         raise validation_error(list(exc.errors())) from None
 
 
-@contextlib.contextmanager
-def effort_named() -> Iterator[None]:
-    """chat's 400 for a reasoning_effort the model's template lacks, naming the Messages
-    field that asked for it."""
-    try:
-        yield
-    except InvalidRequest as exc:
-        if exc.param != "reasoning_effort":
-            raise
-        raise InvalidRequest(
-            "output_config.effort is not supported by this model: its chat template has no "
-            "reasoning_effort variable",
-            "output_config.effort",
-        ) from None
-
-
 async def prompt_tokens(pipeline: TokenGeneratorPipeline, body: MessagesPrompt) -> int:
     """The prompt's token count, rendered as the chat generation of ``body`` renders it."""
-    chat = chat_request(body)
+    chat = chat_request(body, Template.of(pipeline.tokenizer))
     template = getattr(pipeline.tokenizer, "chat_template", None)
-    with effort_named():
-        effort = reasoning_template_kwargs(chat.reasoning_effort, template)
+    effort = reasoning_template_kwargs(chat.reasoning_effort, template)
     ids = await pipeline.encode_chat(
         chat.template_messages(),
         tools=chat.template_tools(),
         **{**chat.template_kwargs(), **effort},
     )
     return len(ids)
+
+
+async def edited(pipeline: TokenGeneratorPipeline, body: MessagesPrompt) -> MessagesPrompt:
+    """``body`` with its context_management edits applied: tool results cleared once the
+    prompt, rendered whole, passes the edit's trigger."""
+    edit = tool_clearing(body)
+    if edit is None or await prompt_tokens(pipeline, body) <= trigger_tokens(edit):
+        return body
+    body, count = cleared(body, edit)
+    log.info("context_management: cleared %d tool uses", count)
+    return body

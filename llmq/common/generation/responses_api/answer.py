@@ -26,12 +26,12 @@ from llmq.common.validation import validation_error
 
 
 def _tool_fields(body: ResponsesRequest) -> dict[str, Any]:
-    if not body.tools:
+    if not body.functions():
         return {}
     choice = body.tool_choice
     if not isinstance(choice, str):
         choice = {"type": "function", "function": {"name": choice.name}}
-    tools = [t.chat_tool() for t in body.tools]
+    tools = [t.chat_tool() for t in body.functions()]
     return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls}
 
 
@@ -54,7 +54,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
     fields |= _tool_fields(body)
     # A forced call is the constrained output of its turn: text.format is for text, which a
     # forced turn does not give (OpenAI takes both; chat refuses response_format beside it).
-    forced = body.tools and body.tool_choice != "auto" and body.tool_choice != "none"
+    forced = body.functions() and body.tool_choice != "auto" and body.tool_choice != "none"
     if body.text is not None and body.text.format.type != "text" and not forced:
         try:
             fields["response_format"] = body.text.format.response_format()
@@ -113,11 +113,14 @@ def finish(response: ResponseObject, finish_reason: str | None, usage: Usage | N
     response.usage = response_usage(usage) if usage is not None else None
 
 
-def fill(response: ResponseObject, completion: ChatCompletion) -> ResponseObject:
+def fill(
+    response: ResponseObject, completion: ChatCompletion, namespaces: dict[str, str]
+) -> ResponseObject:
     """``response`` answered by the chat ``completion`` of its one choice, item for item as its
     events answer it: the text's message (an empty one when there is neither text nor a
     call), then each call; every item completed but the last, which is incomplete when
-    max_output_tokens cut it (a call then with its arguments as far as they got)."""
+    max_output_tokens cut it (a call then with its arguments as far as they got). A call of
+    a namespaced function names its namespace (``namespaces``, by function name)."""
     choice = completion.choices[0]
     message = choice.message
     output: list[OutputItem] = []
@@ -131,6 +134,7 @@ def fill(response: ResponseObject, completion: ChatCompletion) -> ResponseObject
                 id=new_item_id("fc"),
                 call_id=call.id,
                 name=fn.name,
+                namespace=namespaces.get(fn.name),
                 arguments=fn.arguments,
                 status="completed",
             )

@@ -32,8 +32,9 @@ _FINAL_EVENTS = {
 class ResponseEvents:
     """Turns chunks into events; ``response`` is filled in as they come."""
 
-    def __init__(self, response: ResponseObject):
+    def __init__(self, response: ResponseObject, namespaces: dict[str, str] | None = None):
         self.response = response
+        self.namespaces = namespaces or {}  # each namespaced function's namespace
         self.sequence = 0
         self.item: OutputItem | None = None  # the item being streamed
         self.text = ""  # the open message's text so far
@@ -131,6 +132,7 @@ class ResponseEvents:
             id=new_item_id("fc"),
             call_id=call_id,
             name=name or "",
+            namespace=self.namespaces.get(name or ""),
             arguments="",
             status="in_progress",
         )

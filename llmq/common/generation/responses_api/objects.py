@@ -34,10 +34,13 @@ class OutputMessage(WireModel):
 
 
 class FunctionCallItem(WireModel):
+    omit_if_none = frozenset({"namespace"})
+
     id: str
     type: str = "function_call"
     call_id: str
     name: str
+    namespace: str | None = None  # the namespace tool the function belongs to
     arguments: str
     status: Status
 

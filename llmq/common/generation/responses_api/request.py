@@ -1,16 +1,38 @@
-"""The body of POST /v1/responses: what llmq serves of it, and the 400 for what it does not
-(built-in tools, tool choices other than a function)."""
+"""The body of POST /v1/responses: what llmq serves of it, and the 400 for what it does not.
+Function tools are served, and so are ``namespace`` tools, as their inner functions (a call of
+one names its namespace). Hosted tools, which run on OpenAI's side (``web_search``,
+``file_search``, ``code_interpreter``, ...), are dropped from the request with a log line (the
+model is not offered them) unless ``tool_choice`` forces one: then a 400 names it. Other tool
+types, and tool choices other than a function, are a 400."""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from llmq.common.generation.tool_request import FunctionName
 
 MAX_METADATA_KEYS = 16
+# Tools that run on OpenAI's side, which llmq cannot run: dropped unless forced.
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "computer_use",
+        "computer_use_preview",
+        "image_generation",
+        "mcp",
+        "tool_search",
+    }
+)
+log = logging.getLogger(__name__)
 
 
 class ResponsesFunctionTool(BaseModel):
@@ -30,6 +52,37 @@ class ResponsesFunctionTool(BaseModel):
             "type": "function",
             "function": {k: v for k, v in function.items() if v is not None},
         }
+
+
+class ResponsesNamespaceTool(BaseModel):
+    """A group of function tools under one name (Codex's ``multi_agent_v1``): the model is
+    offered the inner functions; a call of one answers with their ``namespace``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[ResponsesFunctionTool]
+
+
+ResponsesTool = Annotated[
+    ResponsesFunctionTool | ResponsesNamespaceTool, Field(discriminator="type")
+]
+
+
+def _served_tools(value: list) -> list:
+    """The tools without the hosted ones (logged); a 400 for any other type not served."""
+    hosted = sorted({_tool_type(t) for t in value if _tool_type(t) in HOSTED_TOOLS})
+    if hosted:
+        log.info("tools: hosted tools dropped (this server cannot run them): %s", hosted)
+    served = [t for t in value if _tool_type(t) not in HOSTED_TOOLS]
+    other = sorted({_tool_type(t) for t in served} - {"function", "namespace"})
+    if other:
+        raise ValueError(
+            f"tools of type {', '.join(other)} are not served: only function and namespace "
+            "tools (hosted tools such as web_search are dropped unless tool_choice forces one)"
+        )
+    return served
 
 
 class NamedFunctionChoice(BaseModel):
@@ -66,6 +119,10 @@ def _tool_type(tool: Any) -> str:
     return str(tool.get("type")) if isinstance(tool, dict) else type(tool).__name__
 
 
+def _functions(tool: ResponsesFunctionTool | ResponsesNamespaceTool) -> list[ResponsesFunctionTool]:
+    return tool.tools if isinstance(tool, ResponsesNamespaceTool) else [tool]
+
+
 class ResponsesRequest(BaseModel):
     """Unknown fields are accepted and ignored (clients send extras), except the ones that
     would change the answer (see the validators)."""
@@ -85,7 +142,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     # Tools, as on chat, stay out of the OpenAPI schema (a generated request's random schemas
     # and names would mostly be 400s); text.format with them (structured output's own rules).
-    tools: SkipJsonSchema[list[ResponsesFunctionTool] | None] = None
+    tools: SkipJsonSchema[list[ResponsesTool] | None] = None
     tool_choice: SkipJsonSchema[Literal["none", "auto", "required"] | NamedFunctionChoice] = "auto"
     parallel_tool_calls: SkipJsonSchema[bool] = True
     text: SkipJsonSchema[TextConfig | None] = None
@@ -93,25 +150,54 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("tools", mode="before")
     @classmethod
-    def _function_tools_only(cls, v):
-        if isinstance(v, list):
-            built_in = [t for t in v if _tool_type(t) != "function"]
-            if built_in:
-                names = sorted({_tool_type(t) for t in built_in})
-                raise ValueError(
-                    f"only function tools are served; built-in tools are not: {', '.join(names)}"
-                )
+    def _served_tools_only(cls, v):
+        return _served_tools(v) if isinstance(v, list) else v
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_functions(cls, v):
+        names = [f.name for t in v or [] for f in _functions(t)]
+        if len(set(names)) < len(names):
+            raise ValueError(
+                "the functions of tools (namespaces' included) must have distinct names"
+            )
         return v
 
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _function_choice_only(cls, v):
-        if isinstance(v, dict) and v.get("type") != "function":
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind in HOSTED_TOOLS:
             raise ValueError(
-                f"tool_choice of type {v.get('type')!r} is not served: only 'none', 'auto', "
+                f"tool_choice forces the hosted tool {kind!r}, which this server cannot run"
+            )
+        if isinstance(v, dict) and kind != "function":
+            raise ValueError(
+                f"tool_choice of type {kind!r} is not served: only 'none', 'auto', "
                 "'required' or a function"
             )
         return v
+
+    @model_validator(mode="after")
+    def _tools_left_to_force(self):
+        if self.tool_choice == "required" and not self.functions():
+            raise ValueError(
+                "tool_choice 'required' needs a function tool; hosted tools are not served"
+            )
+        return self
+
+    def functions(self) -> list[ResponsesFunctionTool]:
+        """The functions offered to the model (namespaces' inner ones in their place)."""
+        return [f for t in self.tools or [] for f in _functions(t)]
+
+    def namespaces(self) -> dict[str, str]:
+        """Each namespaced function's namespace, by the function's name."""
+        return {
+            f.name: t.name
+            for t in self.tools or []
+            if isinstance(t, ResponsesNamespaceTool)
+            for f in t.tools
+        }
 
     @field_validator("background")
     @classmethod
@@ -121,4 +207,4 @@ class ResponsesRequest(BaseModel):
         return v
 
     def tool_names(self) -> set[str]:
-        return {t.name for t in self.tools or []}
+        return {f.name for f in self.functions()}

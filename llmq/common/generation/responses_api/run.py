@@ -17,20 +17,25 @@ from llmq.common.generation.responses_api.objects import ResponseObject
 
 class ResponsesRun:
     def __init__(
-        self, generation: ChatGeneration, response: ResponseObject, items: list[dict[str, Any]]
+        self,
+        generation: ChatGeneration,
+        response: ResponseObject,
+        items: list[dict[str, Any]],
+        namespaces: dict[str, str] | None = None,
     ):
         self.generation = generation
         self.response = response
+        self.namespaces = namespaces or {}  # each namespaced function's namespace
         self.items = items  # the conversation's input items: earlier turns', then this one's
 
     async def complete(self) -> ResponseObject:
         completion = await self.generation.complete()
         assert isinstance(completion, ChatCompletion)
-        return fill(self.response, completion)
+        return fill(self.response, completion, self.namespaces)
 
     async def events(self) -> AsyncIterator[Event]:
         async with contextlib.aclosing(self.generation.chunks()) as chunks:
-            async for event in ResponseEvents(self.response).events(chunks):  # type: ignore[arg-type]
+            async for event in ResponseEvents(self.response, self.namespaces).events(chunks):  # type: ignore[arg-type]
                 yield event
 
     def fail(self, error: LLMQError) -> None:
