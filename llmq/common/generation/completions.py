@@ -108,7 +108,10 @@ class CompletionGeneration(Generation):
                 logprobs = self._echo(choice, chunk.prompt_logprobs)
         if self.wants_logprobs and chunk.logprobs:
             generated, choice.text_offset = completion_logprobs(
-                self.tokenizer, chunk.logprobs, choice.text_offset
+                self.tokenizer,
+                chunk.logprobs,
+                choice.text_offset,
+                self.body.return_tokens_as_token_ids,
             )
             logprobs = joined(logprobs, generated) if logprobs else generated
         row = CompletionChoice(
@@ -129,7 +132,8 @@ class CompletionGeneration(Generation):
             prefix = c.prompt_text if self.body.echo else ""
             logprobs = None
             if self.wants_logprobs:
-                logprobs = completion_logprobs(self.tokenizer, c.logprobs, len(prefix))[0]
+                as_ids = self.body.return_tokens_as_token_ids
+                logprobs = completion_logprobs(self.tokenizer, c.logprobs, len(prefix), as_ids)[0]
                 if self._echoes_logprobs():
                     logprobs = joined(self._echo(c, c.prompt_logprobs), logprobs)
             rows.append(
@@ -151,7 +155,8 @@ class CompletionGeneration(Generation):
     def _echo(self, choice: Choice, entries: list[dict | None] | None) -> CompletionLogprobs:
         """The prompt's logprobs, first in an echoed choice's."""
         entries = entries or [None] * len(choice.prompt_ids)
-        return echo_logprobs(self.tokenizer, choice.prompt_ids, entries, self.body.logprobs)
+        as_ids = self.body.return_tokens_as_token_ids
+        return echo_logprobs(self.tokenizer, choice.prompt_ids, entries, self.body.logprobs, as_ids)
 
     def _prompt_logprobs(self, choice: Choice, entries: list[dict | None] | None):
         k = self.body.prompt_logprobs

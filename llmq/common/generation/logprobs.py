@@ -43,17 +43,26 @@ def chat_logprobs(tokenizer, entries: list[dict], as_ids: bool = False) -> ChatL
     return ChatLogprobs(content=content)
 
 
+def _named(tokenizer, as_ids: bool):
+    """How completions' logprobs name a token: its text, or ``token_id:{id}`` (``as_ids``)."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: token_text(tokenizer, token_id)
+
+
 def completion_logprobs(
-    tokenizer, entries: list[dict], offset: int
+    tokenizer, entries: list[dict], offset: int, as_ids: bool = False
 ) -> tuple[CompletionLogprobs, int]:
     """The logprobs object, and the text offset after its last token: offsets count each
-    token's own text, streamed or not (a token that ends inside a character counts U+FFFD)."""
+    token's own text, streamed or not (a token that ends inside a character counts U+FFFD),
+    also where ``as_ids`` names the tokens by id (vLLM's ``return_tokens_as_token_ids``)."""
+    name = _named(tokenizer, as_ids)
     tokens, token_logprobs, top, offsets = [], [], [], []
     for e in entries:
         text = token_text(tokenizer, e["token_id"])
-        tokens.append(text)
+        tokens.append(name(e["token_id"]))
         token_logprobs.append(e["logprob"])
-        top.append({token_text(tokenizer, t): lp for t, lp in e.get("top", [])})
+        top.append({name(t): lp for t, lp in e.get("top", [])})
         offsets.append(offset)
         offset += len(text)
     body = CompletionLogprobs(
@@ -63,17 +72,18 @@ def completion_logprobs(
 
 
 def echo_logprobs(
-    tokenizer, prompt_ids: list[int], entries: list[dict | None], k: int
+    tokenizer, prompt_ids: list[int], entries: list[dict | None], k: int, as_ids: bool = False
 ) -> CompletionLogprobs:
     """The prompt's part of completions' logprobs (echo): the first token has none (null), each
     other its logprob and its top ``k``; offsets count each token's own text from 0."""
+    name = _named(tokenizer, as_ids)
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = 0
     for token_id, e in zip(prompt_ids, entries, strict=True):
         text = token_text(tokenizer, token_id)
-        tokens.append(text)
+        tokens.append(name(token_id))
         token_logprobs.append(e["logprob"] if e else None)
-        top.append({token_text(tokenizer, t): lp for t, lp in e["top"][:k]} if e else None)
+        top.append({name(t): lp for t, lp in e["top"][:k]} if e else None)
         offsets.append(offset)
         offset += len(text)
     return CompletionLogprobs(

@@ -25,6 +25,21 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # bounds one row's work per step
 MAX_INPUTS = 2048  # embedding inputs per request
 MAX_PROMPTS = 2048  # completion prompts per request (each one queue entry per choice)
+# vLLM options this server does not implement, each with the values that ask for what it
+# does anyway (accepted); any other value is refused, never ignored.
+UNSERVED_DEFAULTS: dict[str, tuple] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "early_stopping": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "detokenize": (True,),
+    "logits_processors": ([],),
+    "guided_whitespace_pattern": (),
+    "return_token_ids": (False,),
+    "chat_template": (),
+    "documents": (),
+}
 
 
 def refuse(value, what: str):
@@ -89,6 +104,17 @@ class SamplingFields(BaseModel):
     # not ignored (and left out of the OpenAPI schema).
     allowed_token_ids: SkipJsonSchema[Any] = None
     bad_words: SkipJsonSchema[Any] = None
+    use_beam_search: SkipJsonSchema[Any] = None
+    length_penalty: SkipJsonSchema[Any] = None
+    early_stopping: SkipJsonSchema[Any] = None
+    skip_special_tokens: SkipJsonSchema[Any] = None
+    spaces_between_special_tokens: SkipJsonSchema[Any] = None
+    detokenize: SkipJsonSchema[Any] = None
+    logits_processors: SkipJsonSchema[Any] = None
+    guided_whitespace_pattern: SkipJsonSchema[Any] = None
+    return_token_ids: SkipJsonSchema[Any] = None
+    chat_template: SkipJsonSchema[Any] = None
+    documents: SkipJsonSchema[Any] = None
     # vLLM's prompt logprobs: each prompt token's logprob, rank and the top k, answered as
     # vLLM does (per choice on completions, at the top level on chat).
     prompt_logprobs: SkipJsonSchema[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None] = None
@@ -107,10 +133,10 @@ class SamplingFields(BaseModel):
             raise ValueError("best_of is not supported (every choice is returned: use n)")
         return v
 
-    @field_validator("allowed_token_ids", "bad_words")
+    @field_validator("allowed_token_ids", "bad_words", *UNSERVED_DEFAULTS)
     @classmethod
     def _unserved(cls, v, info: ValidationInfo):
-        if v is not None:
+        if v is not None and v not in UNSERVED_DEFAULTS.get(info.field_name, ()):
             raise ValueError(f"{info.field_name} is not supported by this server")
         return v
 
@@ -210,6 +236,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
+    return_tokens_as_token_ids: SkipJsonSchema[bool] = Field(
+        False, description="Logprobs' tokens as 'token_id:{id}' (vLLM's option)."
+    )
     streams_prompt_logprobs: ClassVar[bool] = True
     # Refused unless it asks for nothing (left out of the OpenAPI schema, like chat's).
     suffix: SkipJsonSchema[str | None] = None
