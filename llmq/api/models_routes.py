@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from llmq.common.generation.model_cards import with_loading
+from llmq.common.errors import ModelNotFound
+from llmq.common.generation.model_cards import loading_card_named, with_loading
 
 router = APIRouter()
 
@@ -19,4 +20,11 @@ async def list_models(request: Request) -> dict:
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
-    return (await request.app.state.service.model(model_id)).model_dump()
+    service = request.app.state.service
+    try:
+        return (await service.model(model_id)).model_dump()
+    except ModelNotFound:
+        card = loading_card_named(model_id, await service.registry.loading())
+        if card is None:
+            raise
+        return card.model_dump()

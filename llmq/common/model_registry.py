@@ -110,6 +110,7 @@ class ModelRegistry:
     async def _alias(self, name: str, known: dict[str, dict]) -> str:
         """The served model a short id or a source names; 404 for none, 400 for several."""
         live = {e.model for e in await self.engines()}
+        name = name.removesuffix(":latest")  # Ollama's clients add the tag to any name
         served = resolve_alias(name, known, live)
         if served is not None:
             return served

@@ -166,6 +166,9 @@ def test_the_short_id_and_the_path_name_the_model_on_every_surface(up):
         r = httpx.post(f"{up.base}/api/chat", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["model"] == SHORT_ID, r.text
 
+    shown = httpx.post(f"{up.base}/api/show", json={"model": path}, timeout=60)
+    assert shown.status_code == 200 and "im_start" in shown.json()["template"], shown.text
+
     line = {"model": SHORT_ID, "messages": CAPITAL, "max_tokens": 2, "temperature": 0}
     (result,) = batch_results(c, "/v1/chat/completions", [("a", line)]).values()
     assert result["status_code"] == 200 and result["body"]["model"] == SHORT_ID, result

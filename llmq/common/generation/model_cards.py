@@ -62,6 +62,13 @@ def loading_card(record: dict) -> ModelCard:
     )
 
 
+def loading_card_named(name: str, loading: list[dict]) -> ModelCard | None:
+    """The card of the loading model ``name`` names (its served name, short id or source)."""
+    records = {r["model"]: r for r in loading}
+    meant = name if name in records else resolve_alias(name, records)
+    return loading_card(records[meant]) if meant is not None else None
+
+
 def with_loading(listed: ModelList, loading: list[dict]) -> ModelList:
     """``listed`` and a card for each loading model it does not list."""
     served = {m.id for m in listed.data}

@@ -148,8 +148,9 @@ class OllamaService:
         if not name:
             raise InvalidRequest("model is required", "model")
         engines = served_engines(await self.registry.engines())
-        find_model(list(engines.values()), name)  # 404 for a model not served
-        engine = engines[name]
+        # 404 for a model not served; a short id or a path names its served model
+        engine = engines[find_model(list(engines.values()), name).id]
+        name = engine.model
         pipeline, _ = await self.registry.get(name, engine.kind)
         facts = await asyncio.to_thread(model_facts, engine.source or engine.model)
         return show_answer(engine, facts, pipeline.tokenizer)
