@@ -201,16 +201,25 @@ def base_model(up, llama_dir, tmp_path_factory):
     config_path.write_text(json.dumps(config))
     for extra in folder.glob("chat_template.*"):
         extra.unlink()
-    worker = start_worker(up.redis_url(), folder, "w-base", up.tmp)
+    worker = start_worker(up.redis_url(), folder, "w-base", up.tmp, served_model_name="my-base")
     yield folder
     worker.kill()
     worker.terminate()
 
 
 def test_a_base_model_is_refused_on_chat_in_each_apis_shape(up, base_model):
+    """A worker's LLMQ_SERVED_MODEL_NAME names it, as do its short id and its path; a model
+    with no chat template is refused on every chat route, pointing to /v1/completions."""
     path = str(base_model)
+    for name in ("my-base", "tiny-base", path):
+        done = client(up.base).completions.create(model=name, prompt="x", max_tokens=2)
+        assert done.model == "my-base" and done.usage.completion_tokens >= 1
+
     chat = {"model": "tiny-base", "messages": CAPITAL, "max_tokens": 2}
     error = assert_error(httpx.post(f"{up.base}/v1/chat/completions", json=chat, timeout=60), 400)
+    assert "/v1/completions" in error["message"], error
+    asked = {"model": "my-base", "input": "What is the capital of France?"}
+    error = assert_error(httpx.post(f"{up.base}/v1/responses", json=asked, timeout=60), 400)
     assert "/v1/completions" in error["message"], error
 
     r = httpx.post(f"{up.base}/v1/messages", json=chat, timeout=60)
@@ -219,6 +228,3 @@ def test_a_base_model_is_refused_on_chat_in_each_apis_shape(up, base_model):
 
     r = httpx.post(f"{up.base}/api/chat", json={**chat, "stream": False}, timeout=60)
     assert r.status_code == 400 and "/v1/completions" in r.json()["error"], r.text
-
-    done = client(up.base).completions.create(model=path, prompt="x", max_tokens=2)
-    assert done.model == path and done.usage.completion_tokens >= 1
