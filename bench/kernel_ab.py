@@ -14,7 +14,11 @@ children's peak RSS.
     .venv/bin/python bench/kernel_ab.py --base HEAD~1 --rows 1,16,128 --bits 4 --rounds 4
 
 ``--march x86-64-v3`` builds both sides for AVX2 (no AVX-512) on a newer CPU: the AVX2 kernels
-measured on the same machine as its AVX-512 ones.
+measured on the same machine as its AVX-512 ones. ``--terms 1,2`` sets the int8 terms each side
+rounds activations into (``LLMQ_INT_ACTIVATIONS``; base's, then the tree's): with ``--base``
+at the tree's sources, one build timed both ways.
+
+    .venv/bin/python bench/kernel_ab.py --base HEAD --terms 1,2 --bits 4,6,8,q6k --rounds 3
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def random_q6k(n: int, k: int, gen):
 
 
 def time_side(
-    sources: Path, rows_list: list[int], bits_list: list[str], shapes, march: str
+    sources: Path, rows_list: list[int], bits_list: list[str], shapes, march: str, terms: int = 0
 ) -> dict:
     """In a child: us per call of each (shape, bits, rows) on the kernels built from ``sources``
     for ``march`` (a -march value)."""
@@ -75,6 +79,8 @@ def time_side(
     cpu_kernels.FLAGS[cpu_kernels.FLAGS.index("-march=native")] = f"-march={march}"
     if not cpu_kernels.load():
         raise SystemExit(f"the kernels in {sources} did not build")
+    if terms:
+        cpu_kernels.set_activation_terms(terms)
     from llmq.worker.runner.int6_linear import Q6KLinear
     from llmq.worker.runner.packed_linear import Linear
     from llmq.worker.runner.quantized_linear import quantized_linear
@@ -120,29 +126,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--march", default="native", help="the ISA both sides are built for")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shapes", default="", help="OUTxIN,... (default: the 1B's four)")
+    p.add_argument("--terms", default="", help="BASE,TREE activation terms (1 or 2) a side sets")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--child-terms", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     bits = args.bits.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     if args.child:
-        print(json.dumps(time_side(Path(args.child), rows, bits, shapes, args.march)))
+        figures = time_side(Path(args.child), rows, bits, shapes, args.march, args.child_terms)
+        print(json.dumps(figures))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"base": checkout_kernels(args.base, Path(tmp)), "tree": ROOT / KERNELS}
         best: dict[str, dict[str, float]] = {"base": {}, "tree": {}}
+        terms = dict(zip(sides, args.terms.split(","), strict=True)) if args.terms else {}
         for round_ in range(args.rounds):
             for side, sources in sides.items():
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", str(sources), "--rows", args.rows,
-                     "--bits", args.bits, "--shapes", args.shapes, "--march", args.march],
+                     "--bits", args.bits, "--shapes", args.shapes, "--march", args.march,
+                     "--child-terms", terms.get(side, "0")],
                     check=True, capture_output=True, text=True,
                 ).stdout  # fmt: skip
                 for key, us in json.loads(out.strip().splitlines()[-1]).items():
                     best[side][key] = min(us, best[side].get(key, float("inf")))
             print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr, flush=True)
     print(
-        f"base {args.base} against the working tree (-march={args.march}), fastest of "
+        f"base {args.base} against the working tree (-march={args.march}"
+        f"{f', terms {args.terms}' if args.terms else ''}), fastest of "
         f"{args.rounds} alternating rounds"
     )
     print(report(best))

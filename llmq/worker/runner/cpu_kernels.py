@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from llmq.common.settings import get_settings
+
 log = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent / "kernels"
@@ -143,8 +145,20 @@ def load(cache_dir: Path | None = None) -> bool:
         if not library.exists():
             _build(library, compiler)
         torch.ops.load_library(str(library))
+        set_activation_terms(get_settings().int_activations)
     except (OSError, RuntimeError) as exc:
         log.warning("cpu kernels: not built (%s); torch's attention path serves", exc)
         return False
     _loaded = True
     return True
+
+
+def set_activation_terms(terms: int) -> int:
+    """The int8 terms the integer kernels round each block of activations into from now on
+    (``LLMQ_INT_ACTIVATIONS``: 1 or 2), and the setting as it was."""
+    return int(torch.ops.llmq.set_activation_terms(terms))
+
+
+def activation_terms() -> int:
+    """The int8 terms the integer kernels round each block of activations into (1 or 2)."""
+    return int(torch.ops.llmq.activation_terms())

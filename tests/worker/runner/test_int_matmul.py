@@ -1,5 +1,5 @@
 """llmq's integer kernels (``q4_matmul``, ``q8_matmul``; AVX512-VNNI or AVX2): the product of the activations as they
-quantize them (int8 per row and block of 32) with the dequantized weights, over odd shapes
+quantize them (int8 per row and block of 32, in one term or two) with the dequantized weights, over odd shapes
 (int8: input widths not a multiple of 32 too; int4: groups of 32 to 256), both dtypes and a
 bias; a row's bits independent of its batch; a tied table's rows read back from the int8
 panels; torch's kernels still served where asked."""
@@ -48,15 +48,20 @@ def kernel():
         )
 
 
-def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+def quantized_rows(x: torch.Tensor, terms: int | None = None) -> torch.Tensor:
     """x as the kernels quantize it, dequantized (float64): per row and block of 32 inputs (the
-    last one zero-padded), d = max|x| / 127 and x ~ d * round(x / d), in their float32 steps."""
+    last one zero-padded), d = max|x| / 127 and x ~ d * round(x / d), in their float32 steps;
+    with two terms (``terms``, default the kernels' setting) the residual x - d * xq again so."""
     rows, k = x.shape
     xf = torch.nn.functional.pad(x.float(), (0, -k % 32)).view(rows, -1, 32)
-    d = xf.abs().amax(-1) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    xq = torch.round(xf * inv[..., None]).clamp(-127, 127)
-    return (xq.double() * d.double()[..., None]).view(rows, -1)[:, :k]
+    out = torch.zeros(xf.shape, dtype=torch.float64)
+    for _ in range(terms or cpu_kernels.activation_terms()):
+        d = xf.abs().amax(-1) / 127
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        xq = torch.round(xf * inv[..., None]).clamp(-127, 127)
+        out += xq.double() * d.double()[..., None]
+        xf = xf - d[..., None] * xq
+    return out.view(rows, -1)[:, :k]
 
 
 def assert_near_reference(y, x, deq, bias, magnitude) -> None:
@@ -107,7 +112,7 @@ INT4_CASES = [(s, False) for s in SHAPES] + [(s, True) for s in SHAPES if s[3] =
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
-    shape, blocks, dtype, with_bias
+    shape, blocks, dtype, with_bias, terms
 ):
     rows, n, k, group = shape
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -152,7 +157,7 @@ INT8_SHAPES = [
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("grouped", [True, False], ids=["group32", "channel"])
 def test_int8_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
-    shape, dtype, with_bias, grouped
+    shape, dtype, with_bias, grouped, terms
 ):
     rows, n, k = shape
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -169,17 +174,69 @@ def test_int8_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
     assert_near_reference(y, x, deq, bias, deq.abs())
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.fixture(params=[1, 2], ids=["1term", "2terms"])
+def terms(request):
+    """The kernels' activations in 1 int8 term (llama.cpp's Q8_1 rounding) or 2."""
+    before = cpu_kernels.set_activation_terms(request.param)
+    yield request.param
+    cpu_kernels.set_activation_terms(before)
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_gets_the_same_bits_in_any_batch(bits, dtype):
-    """Whatever the passes a row falls in (of 1 to 8 rows): float32 outputs show every bit."""
+def test_a_row_gets_the_same_bits_in_any_batch(bits, dtype, terms):
+    """Whatever the passes a row falls in (of 1 to 8 rows, a row's terms side by side):
+    float32 outputs show every bit."""
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(96, 128, generator=gen)
+    weight = torch.randn(96, 256, generator=gen)
     linear = quantized_linear(weight, None, bits, kernel=True)
-    x = torch.randn(40, 128, generator=gen).to(dtype)
+    x = torch.randn(40, 256, generator=gen).to(dtype)
     whole = linear(x)
     for start, stop in ((0, 1), (5, 6), (3, 20), (39, 40), (0, 9)):
         assert torch.equal(linear(x[start:stop]), whole[start:stop]), start
+
+
+def _linear_of_form(form: str, gen: torch.Generator):
+    """A projection [96, 512] of llmq's integer kernels in ``form``, and its dequantized
+    weight (float64)."""
+    from llmq.worker.runner.int6_linear import Q6KLinear
+    from tests.worker.runner.test_q6k_matmul import random_q6k
+
+    if form == "q6k":
+        weight = random_q6k(96, 512, gen)
+        return Q6KLinear(weight, None), weight.dequantize().double()
+    weight = torch.randn(96, 512, generator=gen)
+    linear = quantized_linear(weight, None, {"int4": 4, "int6": 6, "int8": 8}[form], kernel=True)
+    ones = torch.eye(512)  # the kernel's own weights, dequantized: its product with I (exact)
+    with_terms = cpu_kernels.set_activation_terms(2)
+    deq = linear(ones).double().T
+    cpu_kernels.set_activation_terms(with_terms)
+    return linear, deq
+
+
+@pytest.mark.parametrize("form", ["int4", "int6", "int8", "q6k"])
+def test_two_terms_are_closer_to_the_float_product_than_bfloat16_activations(form):
+    """Activations with large and small values in a block (as a model's hidden states): with 2
+    terms each form's output is within a tenth of the error bfloat16 activations (torch's
+    weight-only kernels) make against the float64 product with the same weights; with 1 term
+    (Q8_1's rounding) it is over twice theirs."""
+    gen = torch.Generator().manual_seed(8)
+    linear, deq = _linear_of_form(form, gen)
+    x = torch.randn(6, 512, generator=gen) * torch.logspace(-1, 1, 512)[torch.randperm(512)]
+    ref = x.double() @ deq.T
+
+    def error(y: torch.Tensor) -> float:
+        return float((y.double() - ref).abs().mean())
+
+    bf16 = error(x.bfloat16().double() @ deq.T)
+    before = cpu_kernels.set_activation_terms(2)
+    try:
+        two = error(linear(x))
+        cpu_kernels.set_activation_terms(1)
+        one = error(linear(x))
+    finally:
+        cpu_kernels.set_activation_terms(before)
+    assert two < bf16 / 10 and one > 2 * bf16, (two, bf16, one)
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["group32", "channel"])

@@ -215,21 +215,26 @@ at::Tensor q6_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
 #if defined(LLMQ_INT_MATMUL)
-  const QuantizedRows& q = quantized(x, k);
-  const int64_t rows = x.size(0), n = out_features;
-  run_panels(panels.const_data_ptr<uint8_t>(), groups * kSixParts * 64, scales, scale_bytes,
-             bias ? bias->const_data_ptr<float>() : nullptr, out, count,
-             [&](const uint8_t* wp, const void* sp, const float* b, auto* o, int64_t cols) {
-               const auto* block_bytes = static_cast<const uint8_t*>(sp);
-               in_row_passes(rows, [&](int64_t r0, auto pass) {
-                 constexpr int R = decltype(pass)::value;
-                 if (q6k) {
-                   q6k_pass<R>(wp, Q6KBlocks{block_bytes}, q, r0, k, b, o + r0 * n, n, cols);
-                 } else {
-                   q6_pass<R>(wp, KBlocks{block_bytes}, q, r0, k, b, o + r0 * n, n, cols);
-                 }
-               });
-             });
+  const int64_t n = out_features;
+  run_terms(x, k, bias ? bias->const_data_ptr<float>() : nullptr, out,
+            [&](const QuantizedRows& q, int64_t rows, const float* bb, at::Tensor& o) {
+              run_panels(panels.const_data_ptr<uint8_t>(), groups * kSixParts * 64, scales,
+                         scale_bytes, bb, o, count,
+                         [&](const uint8_t* wp, const void* sp, const float* b, auto* op,
+                             int64_t cols) {
+                           const auto* block_bytes = static_cast<const uint8_t*>(sp);
+                           in_row_passes(rows, [&](int64_t r0, auto pass) {
+                             constexpr int R = decltype(pass)::value;
+                             if (q6k) {
+                               q6k_pass<R>(wp, Q6KBlocks{block_bytes}, q, r0, k, b, op + r0 * n, n,
+                                           cols);
+                             } else {
+                               q6_pass<R>(wp, KBlocks{block_bytes}, q, r0, k, b, op + r0 * n, n,
+                                          cols);
+                             }
+                           });
+                         });
+            });
 #endif
   return out;
 }

@@ -7,10 +7,13 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -18,6 +21,15 @@
 #include "panel_loop.h"
 
 namespace llmq {
+
+// The int8 terms a row of activations is quantized into (set_activation_terms): 1, x ~ d * xq
+// per block of 32 as llama.cpp's Q8_1 (its rounding, up to 1/254 of a block's largest value,
+// turned SmolLM2-135M's greedy answer into nonsense); 2, the residual x - d * xq quantized again
+// with its own scale, as a second row whose products are added to the first's: within 1/64,516
+// of the block's largest value, finer than bfloat16's rounding of every value. One setting for
+// every call, so a row's bits never depend on the rows beside it.
+inline std::atomic<int> activation_terms{2};
+
 namespace {
 
 constexpr int64_t kCols = 16;   // output columns per panel: one vector of int32 / float lanes
@@ -53,38 +65,48 @@ struct QuantizedRows {
   int64_t groups = 0;
 };
 
-// x [rows, k_in] into blocks of 32 over k columns (k_in <= k: the columns past it zero).
+
+// Block g of row r of q from the 32 values in `block`; block keeps what the quantization left.
+inline void quantize_block(float* block, int64_t r, int64_t g, int64_t k, QuantizedRows& q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(block[i]));
+  const float d = amax / 127.0f;
+  const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+  int32_t sum = 0;
+  int8_t* out = q.xq.data() + r * k + g * kGroup;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const float v = std::nearbyint(block[i] * inv);  // ties to even, as torch.round
+    out[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+    block[i] -= d * static_cast<float>(out[i]);
+    sum += out[i];
+    if (i == kGroup / 2 - 1) q.first_half[r * q.groups + g] = sum;
+  }
+  q.d[r * q.groups + g] = d;
+  q.sum[r * q.groups + g] = sum;
+  q.dsum[r * q.groups + g] = d * static_cast<float>(sum);
+}
+
+// x [rows, k_in] into blocks of 32 over k columns (k_in <= k: the columns past it zero), each
+// row as `terms` rows (row r's term t at r * terms + t).
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, QuantizedRows& q) {
+void quantize_rows(const T* x, int64_t rows, int64_t k_in, int64_t k, int terms,
+                   QuantizedRows& q) {
   q.groups = k / kGroup;
-  q.xq.resize(rows * k);
-  q.d.resize(rows * q.groups);
-  q.dsum.resize(rows * q.groups);
-  q.sum.resize(rows * q.groups);
-  q.first_half.resize(rows * q.groups);
+  const int64_t out_rows = rows * terms;
+  q.xq.resize(out_rows * k);
+  q.d.resize(out_rows * q.groups);
+  q.dsum.resize(out_rows * q.groups);
+  q.sum.resize(out_rows * q.groups);
+  q.first_half.resize(out_rows * q.groups);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     float block[kGroup];
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < q.groups; ++g) {
-        float amax = 0.0f;
         for (int64_t i = 0; i < kGroup; ++i) {
           const int64_t col = g * kGroup + i;
           block[i] = col < k_in ? static_cast<float>(x[r * k_in + col]) : 0.0f;
-          amax = std::max(amax, std::fabs(block[i]));
         }
-        const float d = amax / 127.0f;
-        const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        int8_t* out = q.xq.data() + r * k + g * kGroup;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          const float v = std::nearbyint(block[i] * inv);  // ties to even, as torch.round
-          out[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-          sum += out[i];
-          if (i == kGroup / 2 - 1) q.first_half[r * q.groups + g] = sum;
-        }
-        q.d[r * q.groups + g] = d;
-        q.sum[r * q.groups + g] = sum;
-        q.dsum[r * q.groups + g] = d * static_cast<float>(sum);
+        for (int t = 0; t < terms; ++t) quantize_block(block, r * terms + t, g, k, q);
       }
     }
   });
@@ -124,16 +146,51 @@ struct Q6KBlocks {
   }
 };
 
-// x quantized per row and block (one buffer per calling thread: a step makes over a hundred
-// calls), the columns past x's zero up to k.
-const QuantizedRows& quantized(const at::Tensor& x, int64_t k) {
+// x quantized per row and block in `terms` (one buffer per calling thread: a step makes over a
+// hundred calls), the columns past x's zero up to k.
+const QuantizedRows& quantized(const at::Tensor& x, int64_t k, int terms) {
   thread_local QuantizedRows q;
   if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.const_data_ptr<float>(), x.size(0), x.size(1), k, q);
+    quantize_rows(x.const_data_ptr<float>(), x.size(0), x.size(1), k, terms, q);
   } else {
-    quantize_rows(x.const_data_ptr<at::BFloat16>(), x.size(0), x.size(1), k, q);
+    quantize_rows(x.const_data_ptr<at::BFloat16>(), x.size(0), x.size(1), k, terms, q);
   }
   return q;
+}
+
+// out [M, N] (float32 or bfloat16) = the sum of each row's terms' products, parts [M * terms,
+// N] float32, plus bias (or null).
+inline void add_terms(const at::Tensor& parts, int terms, const float* bias, at::Tensor& out) {
+  const int64_t n = out.size(1);
+  const float* p = parts.const_data_ptr<float>();
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, out.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        float v = p[r * terms * n + c];
+        for (int t = 1; t < terms; ++t) v += p[(r * terms + t) * n + c];
+        if (bias != nullptr) v += bias[c];
+        if (bf16) {
+          const uint16_t bits = lanes::to_bf16(v);
+          std::memcpy(static_cast<at::BFloat16*>(out.data_ptr()) + r * n + c, &bits, 2);
+        } else {
+          static_cast<float*>(out.data_ptr())[r * n + c] = v;
+        }
+      }
+    }
+  });
+}
+
+// out = x through run(quantized rows, their count, bias or null, out) with x's rows in
+// activation_terms terms (the terms' products into float32 rows, then added).
+template <typename Run>
+void run_terms(const at::Tensor& x, int64_t k, const float* bias, at::Tensor& out, const Run& run) {
+  const int terms = activation_terms.load(std::memory_order_relaxed);
+  const QuantizedRows& q = quantized(x, k, terms);
+  if (terms == 1) return run(q, x.size(0), bias, out);
+  at::Tensor parts = at::empty({x.size(0) * terms, out.size(1)}, x.options().dtype(at::kFloat));
+  run(q, parts.size(0), nullptr, parts);
+  add_terms(parts, terms, bias, out);
 }
 
 // Independent integer sums a row keeps in a pass: a lone row's group is a chain of vpdpbusd (5

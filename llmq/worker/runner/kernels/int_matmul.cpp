@@ -189,6 +189,15 @@ bool int_matmul_available() {
 #endif
 }
 
+// The int8 terms the kernels quantize each row of activations into from now on (1 or 2:
+// int_common.h's activation_terms), and the setting as it was.
+int64_t set_activation_terms(int64_t terms) {
+  TORCH_CHECK(terms == 1 || terms == 2, "set_activation_terms: 1 or 2 terms, not ", terms);
+  return activation_terms.exchange(static_cast<int>(terms));
+}
+
+int64_t get_activation_terms() { return activation_terms.load(); }
+
 // x [M, K] (bfloat16 or float32) times the int4 panels with their scales (either form), plus
 // bias [N] (float32): [M, N] in x's dtype.
 at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
@@ -210,14 +219,16 @@ at::Tensor q4_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
 #if defined(LLMQ_INT_MATMUL)
   const uint8_t* w = panels.const_data_ptr<uint8_t>();
   const int64_t panel_bytes = groups * 4 * kCols * 4;
-  const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
-  if (blocks) {
-    run_form<Form::kInt4Blocks>(quantized(x, k), x.size(0), w, panel_bytes, scales,
-                                  k_block_bytes(groups), b, out, count, k);
-  } else {
-    run_form<Form::kInt4>(quantized(x, k), x.size(0), w, panel_bytes, scales,
-                            bf16_group_bytes(groups), b, out, count, k);
-  }
+  run_terms(x, k, bias ? bias->const_data_ptr<float>() : nullptr, out,
+            [&](const QuantizedRows& q, int64_t rows, const float* b, at::Tensor& o) {
+              if (blocks) {
+                run_form<Form::kInt4Blocks>(q, rows, w, panel_bytes, scales, k_block_bytes(groups),
+                                            b, o, count, k);
+              } else {
+                run_form<Form::kInt4>(q, rows, w, panel_bytes, scales, bf16_group_bytes(groups), b,
+                                      o, count, k);
+              }
+            });
 #endif
   return out;
 }
@@ -244,13 +255,14 @@ at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
   const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t panel_bytes = groups * 8 * kCols * 4;
   const uint8_t* w = panels.const_data_ptr<uint8_t>();
-  if (grouped) {
-    run_form<Form::kInt8Grouped>(quantized(x, k), x.size(0), w, panel_bytes, scales, groups * kCols * 2,
-                                   b, out, count, k);
-  } else {
-    run_form<Form::kInt8Channel>(quantized(x, k), x.size(0), w, panel_bytes, scales, kCols * 4, b, out,
+  run_terms(x, k, b, out, [&](const QuantizedRows& q, int64_t rows, const float* bb, at::Tensor& o) {
+    if (grouped) {
+      run_form<Form::kInt8Grouped>(q, rows, w, panel_bytes, scales, groups * kCols * 2, bb, o,
                                    count, k);
-  }
+    } else {
+      run_form<Form::kInt8Channel>(q, rows, w, panel_bytes, scales, kCols * 4, bb, o, count, k);
+    }
+  });
 #endif
   return out;
 }
@@ -259,6 +271,8 @@ at::Tensor q8_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def("int_matmul_available() -> bool", &llmq::int_matmul_available);
+  m.def("set_activation_terms(int terms) -> int", &llmq::set_activation_terms);
+  m.def("activation_terms() -> int", &llmq::get_activation_terms);
   m.def(
       "q4_matmul(Tensor x, Tensor panels, Tensor scales, int out_features, Tensor? bias) -> "
       "Tensor");
