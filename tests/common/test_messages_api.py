@@ -435,3 +435,24 @@ def test_context_management_edits_are_taken_and_tool_uses_cleared_oldest_first()
     assert inputs == ["{}", "{}", '{"p": "2"}']
     with pytest.raises(ValidationError, match="clear_everything_1"):
         body(context_management={"edits": [{"type": "clear_everything_1"}]})
+
+
+def test_usage_counts_the_cache_writes_of_a_request_with_breakpoints():
+    from llmq.common.generation.messages_api.objects import message_usage
+
+    usage = Usage(
+        prompt_tokens=100,
+        completion_tokens=3,
+        total_tokens=103,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=32),
+    )
+    marked = message_usage(usage, cache_block=16)  # 96 in full blocks, 32 of them read
+    assert (marked.cache_read_input_tokens, marked.cache_creation_input_tokens) == (32, 64)
+    assert marked.input_tokens == 4  # the partial block's, which the cache does not keep
+    plain = message_usage(usage)
+    assert (plain.input_tokens, plain.cache_creation_input_tokens) == (68, 0)
+    block = {"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}
+    assert body(system=[block]).cache_marked() and not body().cache_marked()
+    user = {"role": "user", "content": [block]}
+    assert body(messages=[user]).cache_marked()
+    assert body(tools=[{**TOOL, "cache_control": {"type": "ephemeral"}}]).cache_marked()

@@ -108,13 +108,13 @@ class GenerationService:
         self, body: MessagesRequest, options: SubmitOptions = _INTERACTIVE
     ) -> MessagesRun:
         """A Messages request (Anthropic's), run as the chat request it translates to."""
-        pipeline, _ = await self.registry.get(body.model)
+        pipeline, engine = await self.registry.get(body.model)
         template = Template.of(pipeline.tokenizer)
         body = await edited(pipeline, body)  # type: ignore[assignment]
         if (effort := ignored_effort(body, template)) is not None:
             log.debug("output_config.effort %r not applied: the template has no effort", effort)
         generation = await self.chat(messages_chat_request(body, template), options)
-        return MessagesRun(generation, body, ignored_effort(body, template))
+        return MessagesRun(generation, body, effort, engine.block_size)
 
     async def count_message_tokens(self, body: MessagesPrompt) -> TokenCount:
         pipeline, _ = await self.registry.get(body.model)

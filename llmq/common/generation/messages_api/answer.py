@@ -76,11 +76,12 @@ def fill(
     completion: ChatCompletion,
     text_allowed: bool,
     stop_sequence: str | None,
+    cache_block: int = 0,
 ) -> MessageObject:
     choice = completion.choices[0]
     message.content = content_blocks(choice.message, text_allowed)
     called = any(isinstance(b, ToolUseContent) for b in message.content)
     message.stop_reason = stop_reason(choice.finish_reason, called, stop_sequence)
     message.stop_sequence = stop_sequence if message.stop_reason == "stop_sequence" else None
-    message.usage = message_usage(completion.usage)
+    message.usage = message_usage(completion.usage, cache_block)
     return message

@@ -2,8 +2,9 @@
 tool_result (a user's answer to it), thinking and redacted_thinking (an earlier turn's, kept by
 clients: accepted, not shown to the model). Images and documents are refused with a 400 that
 says so; so is any other block type. A ``system`` turn inside ``messages`` (a mid-conversation
-system message) holds text alone. Unknown fields of a block (``cache_control``,
-``citations``, ``caller``, ...) are accepted and ignored: clients send back the blocks they got."""
+system message) holds text alone. Unknown fields of a block (``citations``, ``caller``, ...)
+are accepted and ignored: clients send back the blocks they got; ``cache_control`` marks a
+breakpoint (request.MessagesPrompt.cache_marked)."""
 
 from __future__ import annotations
 

@@ -33,8 +33,10 @@ class MessageEvents:
         message: MessageObject,
         text_allowed: bool,
         stop_sequence: Callable[[], str | None],
+        cache_block: int = 0,
     ):
         self.message = message
+        self.cache_block = cache_block  # see objects.message_usage
         self.text_allowed = text_allowed
         self.stop_sequence = stop_sequence
         self.index = -1  # the open block's index (blocks so far - 1)
@@ -69,7 +71,9 @@ class MessageEvents:
             "stop_reason": stopped,
             "stop_sequence": stop if stopped == "stop_sequence" else None,
         }
-        counts = message_usage(usage).model_dump() if usage is not None else {"output_tokens": 0}
+        counts = {"output_tokens": 0}
+        if usage is not None:
+            counts = message_usage(usage, self.cache_block).model_dump()
         return [
             {"type": "message_delta", "delta": delta, "usage": counts},
             {"type": "message_stop"},

@@ -49,9 +49,10 @@ ContentBlock = TextContent | ToolUseContent | ThinkingContent
 
 
 class MessageUsage(WireModel):
-    """As Anthropic counts: ``input_tokens`` are the prompt tokens not read from the prefix
-    cache, ``cache_read_input_tokens`` the ones that were (their sum is the prompt); llmq's
-    cache needs no writes marked, so ``cache_creation_input_tokens`` is 0."""
+    """As Anthropic counts: ``cache_read_input_tokens`` are the prompt tokens the prefix cache
+    served; ``cache_creation_input_tokens`` the ones this request wrote to it (for a request
+    with ``cache_control`` breakpoints: the prompt's full cache blocks it computed, which the
+    cache keeps); ``input_tokens`` the rest. Their sum is the prompt."""
 
     input_tokens: int
     output_tokens: int
@@ -59,12 +60,17 @@ class MessageUsage(WireModel):
     cache_read_input_tokens: int = 0
 
 
-def message_usage(usage: Usage) -> MessageUsage:
+def message_usage(usage: Usage, cache_block: int = 0) -> MessageUsage:
+    """``cache_block``: the size of the prefix cache's blocks where the request marked
+    breakpoints (0: unmarked, or no prefix cache), so that its writes are counted."""
     details = usage.prompt_tokens_details
     cached = details.cached_tokens if details else 0
+    prompt = usage.prompt_tokens
+    written = max(prompt // cache_block * cache_block - cached, 0) if cache_block else 0
     return MessageUsage(
-        input_tokens=usage.prompt_tokens - cached,
+        input_tokens=prompt - cached - written,
         output_tokens=usage.completion_tokens,
+        cache_creation_input_tokens=written,
         cache_read_input_tokens=cached,
     )
 

@@ -1,8 +1,10 @@
 """The bodies of POST /v1/messages and /v1/messages/count_tokens. As Anthropic's API, an
 unknown top-level field is a 400 ("Extra inputs are not permitted"); fields that ask for what
 llmq does not serve (a container, MCP servers, server tools, images) are refused with a 400
-naming them, and the ones that change nothing here (``cache_control``: the prefix cache needs
-no marks; ``service_tier``, ``speed``, ``inference_geo``, ...) are accepted and ignored.
+naming them, and the ones that change nothing here (``service_tier``, ``speed``,
+``inference_geo``, ...) are accepted and ignored. ``cache_control`` breakpoints change no
+prompt (the prefix cache keeps every prompt's blocks, marked or not) and make the answer's
+usage count the cache writes (objects.message_usage).
 ``output_config.effort`` is passed to a chat template that has ``reasoning_effort`` and accepted
 otherwise (the answer says it was not applied: translate.py); ``context_management`` edits
 are validated and applied where they change llmq's prompt (context_edits.py)."""
@@ -151,7 +153,7 @@ class MessagesPrompt(BaseModel):
     output_config: SkipJsonSchema[OutputConfig | None] = None
     context_management: SkipJsonSchema[ContextManagement | None] = None
     mcp_servers: SkipJsonSchema[list[Any] | None] = None
-    cache_control: SkipJsonSchema[dict[str, Any] | None] = None  # accepted, ignored
+    cache_control: SkipJsonSchema[dict[str, Any] | None] = None  # a breakpoint: cache_marked
     speed: SkipJsonSchema[Literal["standard", "fast"] | None] = None  # accepted, ignored
     user_profile_id: SkipJsonSchema[str | None] = None  # accepted, ignored
     workspace_id: SkipJsonSchema[str | None] = None  # accepted, ignored
@@ -202,6 +204,16 @@ class MessagesPrompt(BaseModel):
             if message.output_config is not None and message.output_config.effort is not None:
                 return message.output_config.effort
         return self.output_config.effort if self.output_config is not None else None
+
+    def cache_marked(self) -> bool:
+        """Whether any ``cache_control`` breakpoint is set (on the request, the system prompt,
+        a tool or a content block)."""
+        if self.cache_control is not None:
+            return True
+        blocks = [*(self.system if isinstance(self.system, list) else []), *(self.tools or [])]
+        for message in self.messages:
+            blocks += message.content if isinstance(message.content, list) else []
+        return any((b.model_extra or {}).get("cache_control") for b in blocks)
 
     def forced_call(self) -> bool:
         return bool(self.tools) and forces_a_call(self.tool_choice)

@@ -21,10 +21,16 @@ from llmq.common.generation.responses import ChatCompletion
 
 class MessagesRun:
     def __init__(
-        self, generation: ChatGeneration, body: MessagesRequest, ignored_effort: str | None = None
+        self,
+        generation: ChatGeneration,
+        body: MessagesRequest,
+        ignored_effort: str | None = None,
+        cache_block: int = 0,
     ):
         self.generation = generation
         self.ignored_effort = ignored_effort  # output_config.effort, not applied
+        # The prefix cache's block size where the request marks breakpoints (its writes counted).
+        self.cache_block = cache_block if body.cache_marked() else 0
         self.stops = body.stop_sequences
         self.text_allowed = not body.forced_call()
         self.message = MessageObject(
@@ -43,10 +49,13 @@ class MessagesRun:
     async def complete(self) -> MessageObject:
         completion = await self.generation.complete()
         assert isinstance(completion, ChatCompletion)
-        return fill(self.message, completion, self.text_allowed, self.stop_sequence())
+        stop = self.stop_sequence()
+        return fill(self.message, completion, self.text_allowed, stop, self.cache_block)
 
     async def events(self) -> AsyncIterator[Event]:
-        events = MessageEvents(self.message, self.text_allowed, self.stop_sequence)
+        events = MessageEvents(
+            self.message, self.text_allowed, self.stop_sequence, self.cache_block
+        )
         async with contextlib.aclosing(self.generation.chunks()) as chunks:
             async for event in events.events(chunks):  # type: ignore[arg-type]
                 yield event
