@@ -1,9 +1,10 @@
 """A loopback proxy between an agent CLI and llmq that records every exchange and steers the
-random test model: the turn that asks for the tool is forced to call it (``tool_choice``, its
-argument pinned by an ``enum`` in the tool's schema, so the grammar writes exactly the call
-the test expects), and every other turn is given a JSON schema whose one value is ANSWER (the
-grammar writes it and then the end of the message), so that each answer is short and known.
-Everything else reaches llmq as the CLI sent it."""
+random test model: the turn that asks for the tool is forced to call it (``tool_choice``; its
+argument is pinned by an ``enum`` in the tool's schema, on every turn so that the prompts of
+a conversation share their prefix, so the grammar writes exactly the call the test expects),
+and every other turn is given a JSON schema whose one value is ANSWER (the grammar writes it
+and then the end of the message), so that each answer is short and known. Everything else
+reaches llmq as the CLI sent it."""
 
 from __future__ import annotations
 
@@ -82,10 +83,10 @@ def steer_messages(body: dict[str, Any], steering: Steering) -> dict[str, Any]:
     last = [m for m in body["messages"] if m["role"] != "system"][-1]  # system turns follow
     blocks = last["content"] if isinstance(last["content"], list) else []
     results = any(b.get("type") == "tool_result" for b in blocks)
+    for tool in body.get("tools", []):  # on every turn: one prompt, read from the prefix cache
+        if tool.get("name") == steering.tool:
+            tool["input_schema"] = pinned(steering.argument, steering.value)
     if last["role"] == "user" and not results and steering.marker in _last_text(last["content"]):
-        for tool in body.get("tools", []):
-            if tool.get("name") == steering.tool:
-                tool["input_schema"] = pinned(steering.argument, steering.value)
         body["tool_choice"] = {"type": "tool", "name": steering.tool}
     else:
         config = body.setdefault("output_config", {})
@@ -100,11 +101,11 @@ def steer_responses(body: dict[str, Any], steering: Steering) -> dict[str, Any]:
     items = [i for i in items if i.get("role") not in ("system", "developer")]
     last = items[-1] if items else {"type": "message", "role": "user", "content": body["input"]}
     asks = last.get("role") == "user" and steering.marker in _last_text(last.get("content", ""))
+    for tool in body.get("tools", []):
+        if tool.get("name") == steering.tool:
+            tool["parameters"] = pinned(steering.argument, steering.value)
+            tool["strict"] = True
     if asks:
-        for tool in body.get("tools", []):
-            if tool.get("name") == steering.tool:
-                tool["parameters"] = pinned(steering.argument, steering.value)
-                tool["strict"] = True
         body["tool_choice"] = {"type": "function", "name": steering.tool}
     else:
         schema = {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA}

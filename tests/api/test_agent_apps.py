@@ -5,9 +5,10 @@ context (``make_model(context=...)``, as `llmq make-model --context`: the apps' 
 run to 23k tokens of its small vocabulary) and `llmq api`. Each CLI runs in print mode with its
 defaults, no flag of its own: pointed at llmq by its documented settings (Claude Code's
 ANTHROPIC_BASE_URL, ANTHROPIC_MODEL; Codex's model provider in ~/.codex/config.toml), HOME a
-fresh folder, every other destination unreachable (a network namespace whose one address
-reaches the proxy's; where namespaces cannot be made, the apps' own switches for
-non-essential traffic alone).
+fresh folder, every other destination unreachable: a network namespace whose one link leads
+to the proxy's address (where none can be made, without root, the apps run on the host's
+network, Claude Code with CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC, as it runs in the
+namespace too).
 
 The random model's free text is noise of any length, so a loopback proxy (agent_proxy.py)
 steers it: the turn whose prompt asks for notes.txt is forced to call the app's own tool
@@ -49,6 +50,7 @@ KEY = "sk-agent-apps"
 CONTEXT = 131_072
 SECRET = "the tide turns at 06:40"
 RUN_TIMEOUT = 300
+CACHE_FIELDS = ("cache_read_input_tokens", "cache_creation_input_tokens")
 ACCESS = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})')
 
 
@@ -203,7 +205,7 @@ def _prompt_tokens(exchange: Exchange) -> int:
         return 0
     if exchange.path == "/v1/messages":
         usage = _usage(exchange)
-        return usage["input_tokens"] + usage["cache_read_input_tokens"]
+        return sum(usage[k] for k in ("input_tokens", *CACHE_FIELDS))
     done = [e for e in exchange.events() if e.get("type") == "response.completed"]
     return done[-1]["response"]["usage"]["input_tokens"]
 
@@ -251,9 +253,11 @@ def test_claude_code(version, apps, served, proxy, network, tmp_path):
     again.check()
     [turn] = again.posts("/v1/messages")
     assert "What does notes.txt say?" in json.dumps(turn.body["messages"])
-    read = _usage(turn)["cache_read_input_tokens"]
+    usage = _usage(turn)
+    read = usage["cache_read_input_tokens"]
     assert read > 0  # the first run's prompt, read from the prefix cache
     assert _cache_counts(served, proxy)[0] - cached == read
+    assert usage["cache_creation_input_tokens"] > 0  # its breakpoints: the new turn written
 
 
 # ---- Codex ---------------------------------------------------------------------------------
