@@ -96,6 +96,44 @@ def test_create_answers_the_reference_engines_greedy_text(served, greedy):
     assert prompt_count(again) == len(ids) and again.usage.cache_read_input_tokens >= 16
 
 
+def test_claude_codes_request_shape_is_served_as_anthropics_api_serves_it(served, greedy):
+    """A system turn inside messages (with its own output_config), context_management, an
+    effort the template cannot take, adaptive thinking and cache_control marks: the prompt is
+    rendered with the system turn where it stands (the template renders one there), and
+    count_tokens counts that prompt."""
+    c = sdk(served)
+    mark = {"cache_control": {"type": "ephemeral"}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION, **mark}]},
+        {"role": "system", "content": "Today is Monday.", "output_config": {"effort": "high"}},
+    ]
+    fields = {
+        "system": [{"type": "text", "text": SYSTEM, **mark}],
+        "messages": messages,
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "medium"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    raw = c.beta.messages.with_raw_response.create(
+        model=served.model, max_tokens=4, **GREEDY, **fields
+    )
+    r = raw.parse()
+    assert raw.headers["llmq-effort-ignored"] == "high"  # the last turn's own effort
+    ids = greedy.chat_ids(
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": QUESTION},
+            {"role": "system", "content": "Today is Monday."},
+        ]
+    )
+    usage = r.usage
+    cached = usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert usage.input_tokens + cached == len(ids)
+    assert c.beta.messages.count_tokens(model=served.model, **fields).input_tokens == len(ids)
+    head = httpx.head(f"{served.base}/v1/models", headers={"x-api-key": KEY})
+    assert head.status_code == 200 and head.content == b""  # GET's status, no body
+
+
 def test_stop_sequences_end_the_text_before_them(served):
     c = sdk(served)
     user = [{"role": "user", "content": "Tell me a story."}]
