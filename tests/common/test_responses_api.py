@@ -164,7 +164,8 @@ def test_chunks_become_events_text_then_a_call():
                 yield c
 
         response = new_response("m", {"store": True})
-        return [e async for e in ResponseEvents(response).events(source())], response
+        namespaces = {"g": "space"}  # another function's namespace: f's call names none
+        return [e async for e in ResponseEvents(response, namespaces).events(source())], response
 
     got, response = asyncio.run(events())
     assert [e["sequence_number"] for e in got] == list(range(len(got)))
@@ -179,6 +180,31 @@ def test_chunks_become_events_text_then_a_call():
     message, call = final["output"]
     assert message["content"][0]["text"] == "hey" and message["status"] == "completed"
     assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')
+    assert "namespace" not in call
     assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [0, 1]
     assert final["usage"]["input_tokens"] == 3 and final["usage"]["total_tokens"] == 7
     assert response.model_dump() == final
+
+
+def test_a_namespaced_functions_call_names_its_namespace():
+    opening = ToolCallDelta(
+        index=0,
+        id="call_1",
+        type="function",
+        function=FunctionCallDelta(name="wait", arguments="{}"),
+    )
+    chunks = [_chunk(ChatDelta(tool_calls=[opening]), "tool_calls")]
+
+    async def events():
+        async def source():
+            for c in chunks:
+                yield c
+
+        response = new_response("m", {})
+        found = ResponseEvents(response, {"wait": "multi_agent_v1"}).events(source())
+        return [e async for e in found]
+
+    added = [
+        e["item"] for e in asyncio.run(events()) if e["type"].startswith("response.output_item")
+    ]
+    assert [(i["name"], i["namespace"]) for i in added] == [("wait", "multi_agent_v1")] * 2
