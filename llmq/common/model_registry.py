@@ -135,10 +135,20 @@ class ModelRegistry:
         raw = await self.transport.r.hgetall(self.transport.keys.loading)
         now, live = time.time(), {e.model for e in await self.engines()}
         found: dict[str, dict] = {}
-        for value in raw.values():
-            record = json.loads(value)
-            if record["until"] > now and record["model"] not in live:
+        stale = []
+        for worker, value in raw.items():
+            try:
+                record = json.loads(value)
+                expired = record["until"] <= now
+                record["source"], record["since"] = str(record["source"]), float(record["since"])
+            except (ValueError, KeyError, TypeError):  # not a worker's record: not listed
+                continue
+            if expired:  # its worker died loading (a killed one withdraws nothing)
+                stale.append(worker)
+            elif record["model"] not in live:
                 found.setdefault(record["model"], record)
+        if stale:
+            await self.transport.r.hdel(self.transport.keys.loading, *stale)
         return sorted(found.values(), key=lambda r: r["model"])
 
     async def preload(self) -> None:
