@@ -114,8 +114,8 @@ class LoadingAnnouncement:
     """The worker's model listed as loading (``Keys.loading``) from its start until an engine
     of it serves: an app that lists /v1/models once at its start sees the model it will get,
     not nothing. Renewed every ``RENEW`` seconds and valid for ``VALID``: a worker that dies
-    loading leaves a record the API ignores seconds later. Best effort: a Redis not there
-    yet costs only the listing."""
+    loading leaves a record the API ignores (and deletes) seconds later. Best effort: a Redis
+    not there yet is asked again at the next renewal."""
 
     RENEW, VALID = 2.0, 10.0
 
@@ -129,23 +129,24 @@ class LoadingAnnouncement:
         threading.Thread(target=self._run, name="loading-announcement", daemon=True).start()
 
     def _run(self) -> None:
-        try:
-            while not self.stop.is_set() and not self._served():
+        while not self.stop.is_set():
+            try:
+                if self._served():
+                    log.info(
+                        "load phase: %s serving, %.2f s after the worker started",
+                        self.model,
+                        time.time() - self.since,
+                    )
+                    self.withdraw()
+                    return
                 record = {"model": self.model, "source": self.source, "since": self.since}
                 record["until"] = time.time() + self.VALID
                 with self.lock:  # never renewed after its withdrawal
                     if not self.stop.is_set():
                         self.client.hset(self.keys.loading, self.worker, json.dumps(record))
-                self.stop.wait(self.RENEW)
-            if not self.stop.is_set():
-                log.info(
-                    "load phase: %s serving, %.2f s after the worker started",
-                    self.model,
-                    time.time() - self.since,
-                )
-            self.withdraw()
-        except Exception as exc:  # Redis away: the engine's own start reports it
-            log.debug("loading announcement stopped: %s", exc)
+            except Exception as exc:  # Redis not there yet: the engine's start reports it
+                log.debug("loading announcement: %s", exc)
+            self.stop.wait(self.RENEW)
 
     def _served(self) -> bool:
         """Whether an engine of this model has started since this worker did."""

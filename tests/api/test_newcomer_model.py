@@ -18,8 +18,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+import redis
 
 from llmq.common.redis_server import free_port
+from llmq.common.transport import Keys
 from llmq.tools import newcomer_model
 from tests.api.api_stack import assert_error, batch_results, client
 from tests.api.test_up import kill_up
@@ -202,6 +204,10 @@ def base_model(up, llama_dir, tmp_path_factory):
     for extra in folder.glob("chat_template.*"):
         extra.unlink()
     worker = start_worker(up.redis_url(), folder, "w-base", up.tmp, served_model_name="my-base")
+    # Its announcement withdrawn once it serves (the API hides it from then on anyway).
+    loading = redis.Redis.from_url(up.redis_url())
+    wait_for(lambda: not loading.hexists(Keys().loading, "w-base"), 30, "the withdrawal")
+    assert "load phase: my-base serving" in worker.log()
     yield folder
     worker.kill()
     worker.terminate()
