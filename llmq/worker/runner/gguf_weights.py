@@ -224,6 +224,14 @@ class GGUFTensors:
         or IQ4_XS; None otherwise."""
         return self._read(name, self.readers["int8"])
 
+    def held(self, name: str):
+        """The tensor in the first form (int4, 6-bit, Q6_K, int8) whose readers take its type,
+        as a projection of it alone holds it on llmq's kernels; None where none does."""
+        tensor_type = self.tensors[name].tensor_type
+        forms = ("int4", "int6", "q6k", "int8")
+        form = next((f for f in forms if tensor_type in self.readers[f]), None)
+        return None if form is None else self._read(name, self.readers[form])
+
     def _read(self, name: str, readers: dict):
         tensor = self.tensors.get(name)
         reader = None if tensor is None else readers.get(tensor.tensor_type)
