@@ -58,14 +58,14 @@ def run(args: argparse.Namespace) -> int:
     )
     from llmq.common.settings import get_settings
 
-    index, children = _fork_workers(args.fork) if args.fork > 1 else (0, [])
-    name = get_settings().worker_name or f"llmq-{os.getpid()}@%h"
-    if args.fork > 1 and get_settings().worker_name:
-        name = f"{name}-{index}"  # one name per forked worker
-    name = name.replace("%h", socket.gethostname())  # Celery's host placeholder
+    announced: LoadingAnnouncement | None = LoadingAnnouncement(
+        get_settings(), _worker_name(args.fork, 0)
+    )
+    index, children = _fork_workers(args.fork, announced) if args.fork > 1 else (0, [])
+    if index > 0:
+        announced = None  # the parent's, not this forked worker's
+    name = _worker_name(args.fork, index)
     override_settings(worker_name=name)
-    # Forked workers loaded before the fork, where a thread's locks must not be held.
-    announced = LoadingAnnouncement(get_settings(), name) if args.fork == 1 else None
     from llmq.worker.celery_app import BATCH_QUEUE, app, engine_died
 
     if children:
@@ -95,13 +95,29 @@ def run(args: argparse.Namespace) -> int:
     return 1 if engine_died.is_set() else 0  # restart me: the engine loop is gone
 
 
-def _fork_workers(count: int) -> tuple[int, list[int]]:
-    """Load the model once, then fork: this process's index, and the children's pids here."""
+def _worker_name(fork: int, index: int) -> str:
+    """LLMQ_WORKER_NAME (with the index of a forked worker), else llmq-PID@HOST."""
+    from llmq.common.settings import get_settings
+
+    name = get_settings().worker_name or f"llmq-{os.getpid()}@%h"
+    if fork > 1 and get_settings().worker_name:
+        name = f"{name}-{index}"  # one name per forked worker
+    return name.replace("%h", socket.gethostname())  # Celery's host placeholder
+
+
+def _fork_workers(count: int, announced: LoadingAnnouncement) -> tuple[int, list[int]]:
+    """Load the model once, then fork: this process's index, and the children's pids here.
+    The announcement's thread is stopped across the fork (a lock it held would stay held in
+    the children) and goes on in the parent."""
     from llmq.common.settings import get_settings
     from llmq.worker import preload
 
     preload.preload(get_settings())  # a GPU or embeddings model: each worker loads its own
-    return preload.fork(count)
+    announced.pause()
+    index, children = preload.fork(count)
+    if index == 0:
+        announced.resume()
+    return index, children
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -125,8 +141,18 @@ class LoadingAnnouncement:
         self.worker, self.keys = worker, keys_for(settings)
         self.model, self.source = settings.served_name, settings.model
         self.client = tool_client(settings.redis_url_or_default(), settings.redis_sentinel_master)
-        self.since, self.stop, self.lock = time.time(), threading.Event(), threading.Lock()
-        threading.Thread(target=self._run, name="loading-announcement", daemon=True).start()
+        self.since, self.lock = time.time(), threading.Lock()
+        self.resume()
+
+    def resume(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="loading-announcement", daemon=True)
+        self.thread.start()
+
+    def pause(self) -> None:
+        """The thread stopped and joined, its record left as it is."""
+        self.stop.set()
+        self.thread.join()
 
     def _run(self) -> None:
         while not self.stop.is_set():
