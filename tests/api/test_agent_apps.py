@@ -107,7 +107,8 @@ def _namespace():
         return
     tag = uuid.uuid4().hex[:6]
     ns, outside, inside = f"llmqapps{tag}", f"va{tag}o", f"va{tag}i"
-    host, guest = "10.213.250.1", "10.213.250.2"
+    subnet = 64 + int(tag, 16) % 180  # apart from another run's (and tests/netns' 10.213.7)
+    host, guest = f"10.213.{subnet}.1", f"10.213.{subnet}.2"
 
     def ip(*args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True)
