@@ -106,7 +106,8 @@ def main() -> None:
     base = args.out / f"{args.model}-F32.kld"
     print("| file | llmq top-1 disagreement | llmq KL | llama.cpp top-1 disagreement | held |")
     print("| --- | --- | --- | --- | --- |")
-    for kind in ["F32", *(t for t in args.types.split(",") if t != "F32")]:
+    kinds = [t for t in args.types.split(",") if t != "F32"]
+    for kind in kinds if base.exists() else ["F32", *kinds]:  # F32 first: llama.cpp's base
         path = make_file(args.llama_cpp, source, args.out, kind) if args.llama_cpp else None
         if path is None:
             path = args.out / f"{source.stem}-{kind}" / f"model-{kind}.gguf"

@@ -17,10 +17,15 @@ blocks for the kernels:
 - Q6_K (``w = d * sc * (q - 32)``, q in 0..63, an int8 sc per 16 values) is llmq's
   ``Q6KBlocks`` exactly, on the 6-bit kernel with its sub-blocks' scales (6.5625 bits a
   weight); tested against ``gguf``'s ``dequantize``.
-- Float tensors, fused groups whose members differ otherwise (Q4_K_M's Q6_K ``attn_v`` beside
-  Q4_K q, k), and Q5_K and Q6_K where the 6-bit kernel does not serve (no AVX2, CUDA) are
-  quantized again to int8 from their dequantized weights (group-32 scales on llmq's kernels,
-  per channel on torch's).
+- Q4_0, Q5_0, IQ4_NL, IQ4_XS, Q3_K, Q4_1 and Q5_1: ``gguf_blocks.py`` (int8, Q6_K's blocks,
+  int4 and 6-bit blocks; which are exact, and the error of those that are not).
+- Float tensors (F32, F16, BF16) are kept float, in the model's dtype (a file of float weights
+  only is not quantized at all: ``common/gguf_model.py``'s ``float_dtype``).
+- Q2_K, fused groups whose members differ otherwise (Q4_K_M's Q6_K ``attn_v`` beside Q4_K q,
+  k), and the 6-bit forms where the 6-bit kernel does not serve (no AVX2, CUDA) are quantized
+  again to int8 from their dequantized weights (group-32 scales on llmq's kernels, per
+  channel on torch's).
+- Any other type refuses the model, naming it (``UnsupportedGGUFType``).
 
 Query and key rows come permuted in llama.cpp's files (its rotary layout); they are put back as
 transformers' loader puts them back.
@@ -253,7 +258,7 @@ class GGUFTensors:
         Q4_0, Q5_0, IQ4_NL or IQ4_XS, else int8 from the (dequantized) fused float weight."""
         types = [getattr(self.tensors.get(name), "tensor_type", None) for name in names]
         if names and all(t in self.floats_types for t in types):
-            return None  # served in the model's float dtype (the file's, gguf_model.file_dtype)
+            return None  # the model's float weights, in its dtype
         forms = [("int4", self.int4, Int4Linear)]
         if int_kernel_available() and not plain_weight.is_cuda:
             forms += [("int6", self.int6, Int6Linear), ("q6k", self.q6k, Q6KLinear)]
@@ -337,7 +342,7 @@ class GGUFQuantizer:
             config.llmq_gguf_path, forward.num_heads, forward.num_kv_heads, lean
         )
 
-    def linear(self, index: int, role: str, plain) -> QuantizedLinear:
+    def linear(self, index: int, role: str, plain) -> QuantizedLinear | None:
         if index < 0:  # the head: its own tensor, or the embedding's where tied
             name = HEAD if HEAD in self.file.tensors else EMBEDDING
             names = [name]
