@@ -1,5 +1,6 @@
 """The house's shape: imports point one way (api -> common <- worker, tools above them), the API
-app loads without torch, and no file or function outgrows what a reader takes in at once."""
+app loads without torch, no function outgrows what a reader takes in at once, and a file past
+the soft budget says why it is long."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ FORBIDDEN = {
     "api": ("worker", "tools", "cli"),
     "worker": ("api", "tools", "cli"),
 }
-MAX_FILE_LINES = 400
+# A soft budget: a longer file says why in its docstring ("Long because ...") instead of
+# being split only to get under a cap, which leaves pairs of files that need each other's insides.
+SOFT_FILE_LINES = 800
+LONG_FILE_REASON = "Long because"
 MAX_FUNCTION_LINES = 60
 
 
@@ -106,9 +110,10 @@ def test_files_and_functions_stay_small():
     for path in _modules():
         text = path.read_text()
         name = path.relative_to(PACKAGE.parent)
-        if text.count("\n") > MAX_FILE_LINES:
-            too_long.append(f"{name}: {text.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(text)):
+        tree, lines = ast.parse(text), text.count("\n")
+        if lines > SOFT_FILE_LINES and LONG_FILE_REASON not in (ast.get_docstring(tree) or ""):
+            too_long.append(f"{name}: {lines} lines, and its docstring does not say why")
+        for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
