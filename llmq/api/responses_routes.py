@@ -1,20 +1,30 @@
-"""The Responses API: POST /v1/responses (answered whole or as typed events), and the stored
-responses of each tenant: GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel.
+"""The Responses API: POST /v1/responses (answered whole or as typed events, or queued to run
+in the background), and the stored responses of each tenant: GET (a background one's events
+too, with ``stream=true``) and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel.
 Another tenant's response is a 404, the same as a missing one."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from llmq.api.streaming import typed_events, whole_answer
-from llmq.common.errors import InvalidRequest, NotFound
+from llmq.common.background_responses import (
+    BackgroundResponses,
+    dispatch_background,
+    is_final,
+)
+from llmq.common.errors import InvalidRequest, LLMQError, NotFound
+from llmq.common.generation.responses_api.answer import chat_request, echoed_fields
 from llmq.common.generation.responses_api.events import Event
+from llmq.common.generation.responses_api.items import input_items
+from llmq.common.generation.responses_api.objects import new_response
 from llmq.common.generation.responses_api.request import ResponsesRequest
 from llmq.common.generation.responses_api.run import ResponsesRun
-from llmq.common.responses_store import ResponsesStore
+from llmq.common.responses_store import ResponsesStore, is_response_id
 
 router = APIRouter()
 _FINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -22,6 +32,21 @@ _FINAL = ("response.completed", "response.incomplete", "response.failed")
 
 def _store(request: Request) -> ResponsesStore:
     return request.app.state.responses
+
+
+def _background(request: Request) -> BackgroundResponses:
+    store = _store(request)
+    return BackgroundResponses(store.r, store.keys, request.app.state.settings.background_retention)
+
+
+class _Following:
+    """A follower of stored events runs nothing: a client leaving stops only its reading."""
+
+    def fail(self, error: LLMQError) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
 
 
 def _not_found(response_id: str, param: str | None = None) -> NotFound:
@@ -48,6 +73,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         if found is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         history = found
+    if body.background:
+        return await _create_background(body, history, request)
     run = await request.app.state.service.responses(body, history)
     if body.stream:
         return typed_events(run, _stored(run, store if body.store else None, owner))
@@ -57,12 +84,45 @@ async def create_response(body: ResponsesRequest, request: Request):
     return answer
 
 
+async def _create_background(
+    body: ResponsesRequest, history: list[dict[str, Any]], request: Request
+):
+    """Store the response queued and queue the task that runs it on a worker; with ``stream``
+    follow its events as they are stored."""
+    chat_request(body, history)  # a 400 now for what its run would refuse
+    pipeline, _ = await request.app.state.registry.get(body.model)
+    response = new_response(pipeline.model, {**echoed_fields(body), "background": True})
+    response.status = "queued"
+    record = {
+        "response": response.model_dump(),
+        "input": history + input_items(body.input),
+        "owner": request.state.owner,
+        "body": await request.json(),
+        "history": history,
+    }
+    settings, background = request.app.state.settings, _background(request)
+    await background.create(record, settings.file_retention)
+    await asyncio.to_thread(dispatch_background, settings, response.id)
+    if body.stream:
+        return typed_events(_Following(), background.follow(response.id))
+    return record["response"]
+
+
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request) -> dict:
+async def get_response(
+    response_id: str, request: Request, stream: bool = False, starting_after: int | None = None
+):
+    """The response; with ``stream=true``, a background response's events after sequence
+    number ``starting_after`` (all of them without it), to its end."""
     record = await _store(request).get(response_id, request.state.owner)
     if record is None:
         raise _not_found(response_id)
-    return record["response"]
+    if not stream:
+        return record["response"]
+    if not record["response"].get("background"):
+        raise InvalidRequest("Only responses created with background=true can be streamed.")
+    after = -1 if starting_after is None else starting_after
+    return typed_events(_Following(), _background(request).follow(response_id, after))
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -74,8 +134,21 @@ async def delete_response(response_id: str, request: Request) -> dict:
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, request: Request) -> dict:
-    """Only a background response can be cancelled (OpenAI's rule), and llmq runs none: a
-    response is stored once it has finished."""
-    if await _store(request).get(response_id, request.state.owner) is None:
+    """Only a background response can be cancelled (OpenAI's rule); one cancelled already
+    answers as it is, one finished otherwise is a 400. Its run stops at its next step."""
+    background = _background(request)
+    record = await background.load(response_id) if is_response_id(response_id) else None
+    if record is None or record.get("owner") != request.state.owner:
         raise _not_found(response_id)
-    raise InvalidRequest("Only responses created with background=true can be cancelled.")
+    response = record["response"]
+    if not response.get("background"):
+        raise InvalidRequest("Only responses created with background=true can be cancelled.")
+    if response["status"] == "cancelled":
+        return response
+    if is_final(record):
+        raise InvalidRequest(f"Cannot cancel a response with status {response['status']!r}.")
+    cancelled = {**record, "response": {**response, "status": "cancelled"}}
+    if not await background.save(cancelled, request.app.state.settings.file_retention):
+        return await cancel_response(response_id, request)  # it finished meanwhile
+    await background.cancel(response_id)
+    return cancelled["response"]

@@ -361,6 +361,20 @@ class Settings(BaseSettings):
         "batch's completion window ends.",
     )
 
+    # Background responses (/v1/responses with background: true)
+    background_timeout: int = Field(
+        3600,
+        ge=1,
+        description="Seconds a background response may run from its creation; past it, it "
+        "ends failed (its generation cancelled).",
+    )
+    background_retention: int = Field(
+        24 * 3600,
+        ge=60,
+        description="Seconds a background response's events stay in Redis for a client to "
+        "resume its stream (starting_after); its stored object stays LLMQ_FILE_RETENTION.",
+    )
+
     # Flower
     flower_port: int = Field(5555, ge=1, le=65535, description="Port `llmq flower` listens on.")
     flower_host: str = Field("127.0.0.1", description="Address `llmq flower` binds to.")

@@ -35,7 +35,7 @@ __all__ = ["BATCH_QUEUE", "app", "create_app", "engine_died"]
 
 
 def create_app() -> Celery:
-    app = make_celery(get_settings(), include=["llmq.worker.batch.task"])
+    app = make_celery(get_settings(), include=["llmq.worker.batch.task", "llmq.worker.background"])
     app.conf.update(
         worker_pool="threads",
         worker_prefetch_multiplier=1,

@@ -95,11 +95,14 @@ class GenerationService:
         return await self._generation(body, options, chat_choices, ChatGeneration)
 
     async def responses(
-        self, body: ResponsesRequest, history: list[dict[str, Any]]
+        self,
+        body: ResponsesRequest,
+        history: list[dict[str, Any]],
+        options: SubmitOptions = _INTERACTIVE,
     ) -> ResponsesRun:
         """A Responses request after ``history`` (the items of the responses before it), run
         as the chat request it translates to."""
-        generation = await self.chat(chat_request(body, history))
+        generation = await self.chat(chat_request(body, history), options)
         response = new_response(generation.model, echoed_fields(body))
         items = history + input_items(body.input)
         return ResponsesRun(generation, response, items, body.namespaces())

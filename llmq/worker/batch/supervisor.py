@@ -1,5 +1,5 @@
-"""A worker thread that finds batches whose task died with its worker and queues them again,
-and deletes files past their retention.
+"""A worker thread that finds batches (and background responses) whose task died with its
+worker and queues them again, and deletes files past their retention.
 
 The broker alone brings a killed task back slowly, or twice (see DESIGN.md): a batch's lease in
 Redis says whether its task still runs."""
@@ -11,10 +11,12 @@ import logging
 import threading
 import time
 
+from llmq.common.background_responses import BackgroundResponses
 from llmq.common.celery_client import dispatch_batch
 from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import FINAL_STATES, Store
+from llmq.worker.background import redispatch_orphans as redispatch_background
 
 log = logging.getLogger("llmq.batch")
 
@@ -55,10 +57,12 @@ def supervise(stop: threading.Event) -> None:
             settings.redis_url_or_default(), sentinel_master=settings.redis_sentinel_master
         )
         store = Store(client, keys_for(settings), settings.file_retention)
+        background = BackgroundResponses(client, keys_for(settings), settings.background_retention)
         try:
             while not stop.is_set():
                 try:
                     await redispatch_orphans(store, settings)
+                    await redispatch_background(background, settings)
                     # Files past their retention go as a delete does: bytes given back.
                     await store.sweep_expired()
                 except Exception as exc:  # Redis away: try again next round

@@ -5,7 +5,7 @@ its ``sequence_number``, 0, 1, 2, ... in the order sent."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmq.common.errors import LLMQError
@@ -32,9 +32,17 @@ _FINAL_EVENTS = {
 class ResponseEvents:
     """Turns chunks into events; ``response`` is filled in as they come."""
 
-    def __init__(self, response: ResponseObject, namespaces: dict[str, str] | None = None):
+    def __init__(
+        self,
+        response: ResponseObject,
+        namespaces: dict[str, str] | None = None,
+        item_id: Callable[[str, int], str] | None = None,
+    ):
         self.response = response
         self.namespaces = namespaces or {}  # each namespaced function's namespace
+        # An item's id from its prefix and output index (a background response's are the
+        # same in a re-run after a crash); random by default.
+        self.item_id = item_id or (lambda prefix, _index: new_item_id(prefix))
         self.sequence = 0
         self.item: OutputItem | None = None  # the item being streamed
         self.text = ""  # the open message's text so far
@@ -111,7 +119,9 @@ class ResponseEvents:
         return len(self.response.output)  # the open item's: it joins output once done
 
     def _open_message(self) -> list[Event]:
-        self.item = OutputMessage(id=new_item_id("msg"), status="in_progress", content=[])
+        self.item = OutputMessage(
+            id=self.item_id("msg", self._index()), status="in_progress", content=[]
+        )
         self.text = ""
         item_id, index = self.item.id, self._index()
         return [
@@ -129,7 +139,7 @@ class ResponseEvents:
 
     def _open_call(self, call_id: str, name: str | None) -> list[Event]:
         self.item = FunctionCallItem(
-            id=new_item_id("fc"),
+            id=self.item_id("fc", self._index()),
             call_id=call_id,
             name=name or "",
             namespace=self.namespaces.get(name or ""),

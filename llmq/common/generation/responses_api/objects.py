@@ -11,7 +11,7 @@ from pydantic import SerializerFunctionWrapHandler, model_serializer
 
 from llmq.common.generation.responses import WireModel
 
-Status = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
 
 def new_item_id(prefix: str) -> str:

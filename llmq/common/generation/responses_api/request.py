@@ -199,12 +199,12 @@ class ResponsesRequest(BaseModel):
             for f in t.tools
         }
 
-    @field_validator("background")
-    @classmethod
-    def _foreground(cls, v):
-        if v:
-            raise ValueError("background responses are not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _background_stored(self):
+        # A background response is polled and resumed from its stored copy (OpenAI's rule).
+        if self.background and not self.store:
+            raise ValueError("background responses need store=true")
+        return self
 
     def tool_names(self) -> set[str]:
         return {f.name for f in self.functions()}

@@ -4,7 +4,7 @@ events (``events``); what a stored response keeps (``record``)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmq.common.errors import LLMQError
@@ -33,9 +33,13 @@ class ResponsesRun:
         assert isinstance(completion, ChatCompletion)
         return fill(self.response, completion, self.namespaces)
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(
+        self, item_id: Callable[[str, int], str] | None = None
+    ) -> AsyncIterator[Event]:
+        """``item_id``: each output item's id from its prefix and index (default: random)."""
+        events = ResponseEvents(self.response, self.namespaces, item_id)
         async with contextlib.aclosing(self.generation.chunks()) as chunks:
-            async for event in ResponseEvents(self.response, self.namespaces).events(chunks):  # type: ignore[arg-type]
+            async for event in events.events(chunks):  # type: ignore[arg-type]
                 yield event
 
     def fail(self, error: LLMQError) -> None:

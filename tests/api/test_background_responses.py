@@ -1,0 +1,157 @@
+"""Background responses (/v1/responses with background: true) against real processes: one
+Redis, one `llmq worker` and two `llmq api` replicas, driven by the openai SDK. A streamed one
+resumes from the other replica after its first replica is killed (and after the worker is
+killed too), every event once; polling reaches completed; a cancel stops the generation.
+Texts are held to the same request answered in the foreground, greedily."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from llmq.common.transport import Keys
+from tests.api.api_stack import client, stack, stopped
+from tests.harness import kill_all, start_worker, wait_for
+
+QUESTION = "Write a long story about a lighthouse keeper and the sea."
+# A short lease: a run whose worker died is queued again within seconds. Torch's ops: what
+# is tested here is the path around the engine, and its workers then start without a compile.
+WORKER = {"batch_lease_ttl": 3, "cpu_kernels": "false"}
+
+
+@pytest.fixture(scope="module")
+def bg(llama_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("background-logs")
+    replacements = []
+    with stack(llama_dir, logs, "w-bg", WORKER, {}) as s:
+        s.replacements = replacements
+        try:
+            yield s
+        finally:
+            kill_all(replacements)
+
+
+def body(model: str, max_tokens: int) -> dict:
+    return {"model": model, "input": QUESTION, "max_output_tokens": max_tokens, "temperature": 0}
+
+
+def joined(events) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def read_until_deltas(stream, n: int) -> list:
+    """The stream's events up to its n-th text delta; the connection is then closed."""
+    events = []
+    for event in stream:
+        events.append(event)
+        if sum(e.type == "response.output_text.delta" for e in events) >= n:
+            break
+    stream.close()
+    return events
+
+
+def assert_one_stream(events, text: str) -> None:
+    """Every sequence number once, in order, to one final event; the text as ``text``."""
+    assert [e.sequence_number for e in events] == list(range(len(events))), [
+        (e.sequence_number, e.type) for e in events
+    ]
+    assert [e.type for e in events].count("response.completed") + [e.type for e in events].count(
+        "response.incomplete"
+    ) == 1
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert joined(events) == text
+    assert events[-1].response.output_text == text
+
+
+def test_streamed_background_response_resumes_on_another_replica(bg):
+    first, second = client(bg.api("first")), client(bg.api("second"))
+    request = body(bg.model, 64)
+    foreground = client(bg.base).responses.create(**request)
+    events = read_until_deltas(first.responses.create(**request, background=True, stream=True), 2)
+    response_id = events[0].response.id
+    assert events[0].type == "response.created" and events[0].response.background is True
+    bg.apis.pop("first")[0].kill()  # the replica that took it is gone
+    rest = second.responses.retrieve(
+        response_id, stream=True, starting_after=events[-1].sequence_number
+    )
+    events += list(rest)
+    assert_one_stream(events, foreground.output_text)
+    # Replayed whole from the start, the same events.
+    again = list(second.responses.retrieve(response_id, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    polled = second.responses.retrieve(response_id)
+    assert polled.status == events[-1].response.status and polled.background is True
+    assert polled.output_text == foreground.output_text
+
+
+def test_resumed_stream_hides_a_worker_killed_in_the_gap(bg):
+    api = client(bg.api("second"))
+    request = body(bg.model, 400)
+    foreground = client(bg.base).responses.create(**request)
+    assert len(foreground.output_text) > 40, "a long answer, cut in the middle"
+    stream = api.responses.create(**request, background=True, stream=True)
+    events = read_until_deltas(stream, 1)
+    response_id = events[0].response.id
+    r = bg.redis()
+    os.kill(bg.worker.proc.pid, signal.SIGSTOP)  # frozen mid-generation, then killed
+    assert api.responses.retrieve(response_id).status == "in_progress"
+    assert r.exists(Keys().response(response_id) + ":lease")
+    bg.worker.kill()
+    killed = time.monotonic()
+    bg.worker = start_worker(bg.redis_url, bg.model, "w-bg-2", bg.logs, wait=False, **WORKER)
+    bg.replacements.append(bg.worker)
+    bg.worker_name = "w-bg-2"
+    rest = api.responses.retrieve(
+        response_id, stream=True, starting_after=events[-1].sequence_number, timeout=180
+    )
+    events += list(rest)
+    print(f"\nresumed stream ended {time.monotonic() - killed:.1f} s after the worker's kill")
+    assert_one_stream(events, foreground.output_text)
+
+
+def test_polled_to_its_end_and_cancelled_mid_generation(bg):
+    api = client(bg.api("second"))
+    done = api.responses.create(**body(bg.model, 32), background=True)
+    assert done.status == "queued" and done.background is True and done.output == []
+    foreground = api.responses.create(**body(bg.model, 32))
+    final = ("completed", "incomplete")  # incomplete: cut at max_output_tokens, as foreground
+    wait_for(lambda: api.responses.retrieve(done.id).status in final, 60, "the end", 0.05)
+    polled = api.responses.retrieve(done.id)
+    assert (polled.status, polled.output_text) == (foreground.status, foreground.output_text)
+    assert polled.usage.output_tokens == foreground.usage.output_tokens
+    with pytest.raises(openai.BadRequestError):
+        api.responses.cancel(done.id)  # finished: nothing to cancel
+
+    running = api.responses.create(**body(bg.model, 400), background=True)
+    wait_for(
+        lambda: api.responses.retrieve(running.id).status == "in_progress", 60, "started", 0.02
+    )
+    with stopped(bg.worker):
+        cancelled = api.responses.cancel(running.id)
+        assert cancelled.status == "cancelled"
+        started = time.monotonic()
+    bg.wait_idle(10)  # the worker's slot freed
+    print(f"\nidle {time.monotonic() - started:.2f} s after the worker went on")
+    assert api.responses.retrieve(running.id).status == "cancelled"
+    assert api.responses.cancel(running.id).status == "cancelled"  # as it is
+    events = list(api.responses.retrieve(running.id, stream=True, timeout=30))
+    assert all(e.type != "response.completed" for e in events)
+
+
+def test_background_needs_store_and_streams_only_background(bg):
+    base = bg.api("second")
+    r = httpx.post(
+        f"{base}/v1/responses",
+        json={**body(bg.model, 16), "background": True, "store": False},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    api = client(base)
+    plain = api.responses.create(**body(bg.model, 16))
+    r = httpx.get(f"{base}/v1/responses/{plain.id}", params={"stream": "true"}, timeout=30)
+    assert r.status_code == 400, r.text
