@@ -375,6 +375,27 @@ class Settings(BaseSettings):
         "resume its stream (starting_after); its stored object stays LLMQ_FILE_RETENTION.",
     )
 
+    # Webhooks (common/webhooks.py)
+    webhooks: str | None = Field(
+        None,
+        description="Endpoints that get events of background responses and batches, a JSON "
+        'list: [{"url": "https://...", "secret": "whsec_...", "events": ["batch.completed"]}] '
+        "(events unset: all); signed as Standard Webhooks; unset: none.",
+    )
+    webhook_retry_initial: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds before a failed webhook delivery is tried again; doubled each time.",
+    )
+    webhook_max_attempts: int = Field(
+        8,
+        ge=1,
+        description="Delivery attempts of one webhook event before it is given up (logged).",
+    )
+    webhook_timeout: float = Field(
+        10.0, gt=0, description="Seconds one webhook delivery attempt waits for its receiver."
+    )
+
     # Flower
     flower_port: int = Field(5555, ge=1, le=65535, description="Port `llmq flower` listens on.")
     flower_host: str = Field("127.0.0.1", description="Address `llmq flower` binds to.")

@@ -22,6 +22,7 @@ from typing import Any
 from llmq.common.background_responses import (
     BACKGROUND_TASK,
     FINAL_EVENTS,
+    FINAL_STATUSES,
     BackgroundResponses,
     dispatch_background,
     is_final,
@@ -34,6 +35,7 @@ from llmq.common.model_registry import ModelRegistry
 from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import Settings, get_settings
 from llmq.common.transport import AsyncTransport
+from llmq.common.webhooks import announce
 from llmq.worker.celery_app import app
 
 log = logging.getLogger("llmq.background")
@@ -108,6 +110,8 @@ class BackgroundRun:
             service = GenerationService(ModelRegistry(transport, s))
             waits = BackgroundResponses(waiter, keys, s.background_retention)
             status = await self._leased(self._generate(service), waits.wait_cancel(self.id))
+            if status in FINAL_STATUSES:
+                await asyncio.to_thread(announce, s, f"response.{status}", self.id)
             return {"response": self.id, "status": status}
         finally:
             await self.store.release_lease(self.id, self.holder)

@@ -35,7 +35,10 @@ __all__ = ["BATCH_QUEUE", "app", "create_app", "engine_died"]
 
 
 def create_app() -> Celery:
-    app = make_celery(get_settings(), include=["llmq.worker.batch.task", "llmq.worker.background"])
+    app = make_celery(
+        get_settings(),
+        include=["llmq.worker.batch.task", "llmq.worker.background", "llmq.worker.webhook_task"],
+    )
     app.conf.update(
         worker_pool="threads",
         worker_prefetch_multiplier=1,

@@ -1,13 +1,17 @@
-"""Background responses (/v1/responses with background: true) against real processes: one
-Redis, one `llmq worker` and two `llmq api` replicas, driven by the openai SDK. A streamed one
-resumes from the other replica after its first replica is killed (and after the worker is
-killed too), every event once; polling reaches completed; a cancel stops the generation.
-Texts are held to the same request answered in the foreground, greedily."""
+"""Background responses (/v1/responses with background: true) and webhooks against real
+processes: one Redis, one `llmq worker` and two `llmq api` replicas, driven by the openai SDK,
+and a webhook receiver on loopback. A streamed response resumes from the other replica after
+its first replica is killed (and after the worker is killed too), every event once; polling
+reaches its end; a cancel stops the generation. Texts are held to the same request answered
+in the foreground, greedily. Every webhook delivery is verified with the SDK's unwrap."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -16,19 +20,50 @@ import pytest
 
 from llmq.common.transport import Keys
 from tests.api.api_stack import client, stack, stopped
+from tests.api.webhook_receiver import Receiver
 from tests.harness import kill_all, start_worker, wait_for
 
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
 # A short lease: a run whose worker died is queued again within seconds. Torch's ops: what
 # is tested here is the path around the engine, and its workers then start without a compile.
 WORKER = {"batch_lease_ttl": 3, "cpu_kernels": "false"}
+SECRET = "whsec_" + base64.b64encode(b"llmq webhook test secret").decode()
+# Quick retries, and a short timeout for the endpoint that never answers.
+HOOKS = {"webhook_retry_initial": 0.2, "webhook_max_attempts": 3, "webhook_timeout": 1}
 
 
 @pytest.fixture(scope="module")
-def bg(llama_dir, tmp_path_factory):
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def black_hole():
+    """A port that takes connections (the kernel's backlog) and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/hook"
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def bg(llama_dir, tmp_path_factory, receiver, black_hole):
     logs = tmp_path_factory.mktemp("background-logs")
     replacements = []
-    with stack(llama_dir, logs, "w-bg", WORKER, {}) as s:
+    hooks = [
+        {"url": receiver.url, "secret": SECRET},
+        {
+            "url": black_hole,
+            "secret": SECRET,
+            "events": ["response.completed", "response.incomplete"],
+        },
+    ]
+    worker = {**WORKER, **HOOKS, "webhooks": json.dumps(hooks)}
+    with stack(llama_dir, logs, "w-bg", worker, {}) as s:
+        s.worker_settings = worker
         s.replacements = replacements
         try:
             yield s
@@ -103,7 +138,9 @@ def test_resumed_stream_hides_a_worker_killed_in_the_gap(bg):
     assert r.exists(Keys().response(response_id) + ":lease")
     bg.worker.kill()
     killed = time.monotonic()
-    bg.worker = start_worker(bg.redis_url, bg.model, "w-bg-2", bg.logs, wait=False, **WORKER)
+    bg.worker = start_worker(
+        bg.redis_url, bg.model, "w-bg-2", bg.logs, wait=False, **bg.worker_settings
+    )
     bg.replacements.append(bg.worker)
     bg.worker_name = "w-bg-2"
     rest = api.responses.retrieve(
@@ -155,3 +192,69 @@ def test_background_needs_store_and_streams_only_background(bg):
     plain = api.responses.create(**body(bg.model, 16))
     r = httpx.get(f"{base}/v1/responses/{plain.id}", params={"stream": "true"}, timeout=30)
     assert r.status_code == 400, r.text
+
+
+def unwrapped(receiver: Receiver, object_id: str) -> list:
+    """The deliveries of events about ``object_id``, each verified and parsed by the SDK."""
+    sdk = openai.OpenAI(api_key="none", webhook_secret=SECRET)
+    found = []
+    for body, headers in list(receiver.deliveries):
+        event = sdk.webhooks.unwrap(body, headers)  # raises on a bad signature
+        if event.data.id == object_id:
+            found.append((headers["webhook-id"], event))
+    return found
+
+
+def test_webhooks_signed_retried_with_one_id_and_a_dead_receiver_holds_nothing(
+    bg, receiver, black_hole
+):
+    api = client(bg.api("second"))
+    receiver.fail_first = 2  # 503 twice, then 200
+    started = time.monotonic()
+    first = api.responses.create(**body(bg.model, 16), background=True)
+    wait_for(lambda: len(unwrapped(receiver, first.id)) >= 3, 60, "a third delivery", 0.05)
+    receiver.fail_first = 0
+    deliveries = unwrapped(receiver, first.id)
+    final = api.responses.retrieve(first.id).status
+    assert [e.type for _, e in deliveries] == [f"response.{final}"] * 3
+    assert len({webhook_id for webhook_id, _ in deliveries}) == 1, deliveries
+    # The endpoint that never answers (LLMQ_WEBHOOK_TIMEOUT 1 s an attempt) holds up no
+    # generation: responses after it end as soon as they would.
+    later = [api.responses.create(**body(bg.model, 16), background=True) for _ in range(3)]
+    for r in later:
+        wait_for(lambda r=r: unwrapped(receiver, r.id), 60, "its event", 0.05)
+    print(f"\n4 background responses and their events in {time.monotonic() - started:.1f} s")
+    outcomes = [json.loads(x) for x in bg.redis().lrange("llmq:webhooks:deliveries", 0, -1)]
+    mine = [o for o in outcomes if o["url"] == receiver.url and o["webhook_id"] == deliveries[0][0]]
+    assert sorted(o["outcome"] for o in mine) == ["HTTP 503", "HTTP 503", "delivered"]
+    wait_for(
+        lambda: any(
+            o["url"] == black_hole and "Timeout" in o["outcome"]
+            for o in (json.loads(x) for x in bg.redis().lrange("llmq:webhooks:deliveries", 0, -1))
+        ),
+        30,
+        "a timed-out attempt on the dead endpoint",
+        0.1,
+    )
+
+
+def test_a_finished_batch_is_announced(bg, receiver):
+    api = client(bg.api("second"))
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": bg.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+        },
+    }
+    f = api.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = api.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    wait_for(lambda: unwrapped(receiver, batch.id), 60, "the batch's event", 0.1)
+    [(_, event)] = unwrapped(receiver, batch.id)
+    assert event.type == "batch.completed"
+    assert api.batches.retrieve(batch.id).status == "completed"

@@ -20,6 +20,7 @@ from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import get_settings
 from llmq.common.store import FINAL_STATES, Store
 from llmq.common.tenants import current_owner
+from llmq.common.webhooks import announce
 from llmq.worker.batch.executor import open_executor
 from llmq.worker.batch.feed import run_lines
 from llmq.worker.batch.finalize import finalize
@@ -214,3 +215,5 @@ class BatchRun:
             return
         await self._progress(force=True)
         log.info("batch %s %s", self.batch_id, moved)
+        if moved in ("completed", "failed", "expired", "cancelled"):
+            await asyncio.to_thread(announce, self.settings, f"batch.{moved}", self.batch_id)
