@@ -146,6 +146,7 @@ def _include_routes(app: FastAPI) -> None:
         completions_routes,
         embeddings_routes,
         health,
+        message_batches_routes,
         messages_routes,
         models_routes,
         ollama_routes,
@@ -159,6 +160,7 @@ def _include_routes(app: FastAPI) -> None:
     app.include_router(playground.router)
     keyed = (models_routes, completions_routes, responses_routes, embeddings_routes, rerank_routes)
     keyed += (adapter_routes,)
+    keyed += (message_batches_routes,)
     for routes in (*keyed, messages_routes, ollama_routes, batches_routes, tokenizer_routes):
         app.include_router(routes.router, dependencies=[Depends(require_api_key)])
 

@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -69,6 +70,16 @@ def bg(llama_dir, tmp_path_factory, receiver, black_hole):
             yield s
         finally:
             kill_all(replacements)
+
+
+def replace_worker(bg) -> None:
+    """A new worker in place of the killed one (started, not waited for)."""
+    name = f"w-bg-{len(bg.replacements) + 2}"
+    bg.worker = start_worker(
+        bg.redis_url, bg.model, name, bg.logs, wait=False, **bg.worker_settings
+    )
+    bg.replacements.append(bg.worker)
+    bg.worker_name = name
 
 
 def body(model: str, max_tokens: int) -> dict:
@@ -138,11 +149,7 @@ def test_resumed_stream_hides_a_worker_killed_in_the_gap(bg):
     assert r.exists(Keys().response(response_id) + ":lease")
     bg.worker.kill()
     killed = time.monotonic()
-    bg.worker = start_worker(
-        bg.redis_url, bg.model, "w-bg-2", bg.logs, wait=False, **bg.worker_settings
-    )
-    bg.replacements.append(bg.worker)
-    bg.worker_name = "w-bg-2"
+    replace_worker(bg)
     rest = api.responses.retrieve(
         response_id, stream=True, starting_after=events[-1].sequence_number, timeout=180
     )
@@ -258,3 +265,109 @@ def test_a_finished_batch_is_announced(bg, receiver):
     [(_, event)] = unwrapped(receiver, batch.id)
     assert event.type == "batch.completed"
     assert api.batches.retrieve(batch.id).status == "completed"
+
+
+def message_params(model: str, text: str) -> dict:
+    return {
+        "model": model,
+        "max_tokens": 12,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": text}],
+    }
+
+
+def test_message_batches_through_the_anthropic_sdk(bg):
+    base = bg.api("second")
+    sdk = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=60)
+    good = [(f"q{i}", message_params(bg.model, f"question {i}")) for i in range(3)]
+    bad = ("bad", {**message_params(bg.model, "x"), "messages": []})
+    batch = sdk.messages.batches.create(
+        requests=[{"custom_id": c, "params": p} for c, p in [*good, bad]]
+    )
+    assert batch.id.startswith("msgbatch_") and batch.type == "message_batch"
+    assert batch.processing_status == "in_progress" and batch.results_url is None
+    wait_for(
+        lambda: sdk.messages.batches.retrieve(batch.id).processing_status == "ended",
+        90,
+        "the batch's end",
+        0.1,
+    )
+    ended = sdk.messages.batches.retrieve(batch.id)
+    counts = ended.request_counts
+    assert (counts.succeeded, counts.errored, counts.processing) == (3, 1, 0), counts
+    results = {r.custom_id: r.result for r in sdk.messages.batches.results(batch.id)}
+    assert sorted(results) == ["bad", "q0", "q1", "q2"]
+    assert results["bad"].type == "errored"
+    assert results["bad"].error.error.type == "invalid_request_error"
+    for custom_id, params in good:
+        fields = {k: v for k, v in params.items() if k != "temperature"}
+        answer = sdk.messages.create(**fields, extra_body={"temperature": 0})
+        assert results[custom_id].type == "succeeded"
+        assert results[custom_id].message.content == answer.content
+    assert batch.id in [b.id for b in sdk.messages.batches.list()]
+    with pytest.raises(anthropic.NotFoundError):
+        sdk.messages.batches.retrieve("msgbatch_" + "0" * 32)
+    assert sdk.messages.batches.delete(batch.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        sdk.messages.batches.retrieve(batch.id)
+
+
+def test_a_cancelled_message_batch_ends_with_every_request_once(bg):
+    sdk = anthropic.Anthropic(base_url=bg.api("second"), api_key="none", max_retries=0)
+    requests = [
+        {"custom_id": f"c{i}", "params": {**message_params(bg.model, f"c {i}"), "max_tokens": 64}}
+        for i in range(40)
+    ]
+    with stopped(bg.worker):  # nothing runs before the cancel lands
+        batch = sdk.messages.batches.create(requests=requests)
+        cancelling = sdk.messages.batches.cancel(batch.id)
+        assert cancelling.processing_status == "canceling"
+        assert cancelling.cancel_initiated_at is not None
+    wait_for(
+        lambda: sdk.messages.batches.retrieve(batch.id).processing_status == "ended",
+        90,
+        "the batch's end",
+        0.1,
+    )
+    results = list(sdk.messages.batches.results(batch.id))
+    assert sorted(r.custom_id for r in results) == sorted(r["custom_id"] for r in requests)
+    kinds = {r.result.type for r in results}
+    assert kinds <= {"succeeded", "canceled"} and "canceled" in kinds, kinds
+    counts = sdk.messages.batches.retrieve(batch.id).request_counts
+    assert counts.canceled == sum(r.result.type == "canceled" for r in results)
+
+
+def test_a_message_batch_outlives_a_killed_worker_each_request_answered_once(bg):
+    sdk = anthropic.Anthropic(base_url=bg.api("second"), api_key="none", max_retries=0)
+    n = 60
+    requests = [
+        {
+            "custom_id": f"k{i}",
+            "params": {**message_params(bg.model, f"prompt {i % 3}"), "max_tokens": 24},
+        }
+        for i in range(n)
+    ]
+    batch = sdk.messages.batches.create(requests=requests)
+    wait_for(
+        lambda: sdk.messages.batches.retrieve(batch.id).request_counts.succeeded >= 5,
+        90,
+        "a few answers",
+        0.05,
+    )
+    bg.worker.kill()  # SIGKILL mid-batch: no lease released, no line finished
+    at_kill = sdk.messages.batches.retrieve(batch.id)
+    assert at_kill.processing_status == "in_progress" and at_kill.request_counts.succeeded < n
+    replace_worker(bg)
+    wait_for(
+        lambda: sdk.messages.batches.retrieve(batch.id).processing_status == "ended",
+        120,
+        "the batch's end",
+        0.1,
+    )
+    results = list(sdk.messages.batches.results(batch.id))
+    assert sorted(r.custom_id for r in results) == sorted(r["custom_id"] for r in requests)
+    assert all(r.result.type == "succeeded" for r in results), results
+    texts: dict[int, set[str]] = {}
+    for r in results:
+        texts.setdefault(int(r.custom_id[1:]) % 3, set()).add(r.result.message.content[0].text)
+    assert all(len(v) == 1 for v in texts.values()), texts  # a resumed line, the same text
