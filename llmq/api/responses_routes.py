@@ -127,6 +127,15 @@ async def get_response(
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict:
+    """A background response still running is stopped first; its events go with it."""
+    background = _background(request)
+    record = await background.load(response_id) if is_response_id(response_id) else None
+    if record is not None and record.get("owner") == request.state.owner:
+        if record["response"].get("background") and not is_final(record):
+            cancelled = {**record, "response": {**record["response"], "status": "cancelled"}}
+            await background.save(cancelled, request.app.state.settings.file_retention)
+            await background.cancel(response_id)
+        await background.r.delete(background.events_key(response_id))
     if not await _store(request).delete(response_id, request.state.owner):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}

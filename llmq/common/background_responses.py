@@ -33,9 +33,13 @@ BACKGROUND_TASK = "llmq.responses.background"
 FINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
-# Sets KEYS[1] to ARGV[1] (TTL ARGV[2]) unless the record there has a final status: 1 if set.
+# Sets KEYS[1] to ARGV[1] (TTL ARGV[2]) unless the record there has a final status, or there
+# is none and ARGV[3] is not '1' (a deleted response stays deleted): 1 if set.
 _SAVE_UNLESS_FINAL = """
 local current = redis.call('GET', KEYS[1])
+if not current and ARGV[3] ~= '1' then
+  return 0
+end
 if current then
   local status = cjson.decode(current)['response']['status']
   if status == 'completed' or status == 'incomplete' or status == 'failed'
@@ -67,7 +71,7 @@ class BackgroundResponses:
 
     async def create(self, record: dict[str, Any], ttl: int) -> None:
         """Store a new background response (queued) and count it as running."""
-        await self.save(record, ttl)
+        await self.save(record, ttl, create=True)
         await self.r.sadd(self.active_key(), record["response"]["id"])
 
     def events_key(self, response_id: str) -> str:
@@ -84,10 +88,12 @@ class BackgroundResponses:
         raw = await self.r.get(self.keys.response(response_id))
         return None if raw is None else json.loads(raw)
 
-    async def save(self, record: dict[str, Any], ttl: int) -> bool:
-        """Store ``record`` (with its owner) unless the stored one is final already."""
+    async def save(self, record: dict[str, Any], ttl: int, create: bool = False) -> bool:
+        """Store ``record`` (with its owner) unless the stored one is final already, or
+        (unless ``create``) gone."""
         key = self.keys.response(record["response"]["id"])
-        return bool(await self._save(keys=[key], args=[json.dumps(record), ttl]))
+        flag = "1" if create else "0"
+        return bool(await self._save(keys=[key], args=[json.dumps(record), ttl, flag]))
 
     async def append(self, response_id: str, event: dict[str, Any]) -> bool:
         """Add one event under its sequence number; False if it is there already."""

@@ -186,6 +186,16 @@ def test_polled_to_its_end_and_cancelled_mid_generation(bg):
     events = list(api.responses.retrieve(running.id, stream=True, timeout=30))
     assert all(e.type != "response.completed" for e in events)
 
+    deleted = api.responses.create(**body(bg.model, 400), background=True)
+    wait_for(
+        lambda: api.responses.retrieve(deleted.id).status == "in_progress", 60, "started", 0.02
+    )
+    with stopped(bg.worker):
+        api.responses.delete(deleted.id)
+    bg.wait_idle(10)  # deleting a running response stopped it
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(deleted.id)
+
 
 def test_background_needs_store_and_streams_only_background(bg):
     base = bg.api("second")
