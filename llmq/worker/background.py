@@ -122,9 +122,13 @@ class BackgroundRun:
 
     async def _leased(self, generating, cancelled) -> str:
         """Generate until done, cancelled, past the deadline or the lease lost."""
-        tasks = [asyncio.ensure_future(c) for c in (generating, cancelled, self._keep_lease())]
         started = self.record["response"]["created_at"]
-        timeout = max(0.0, started + self.settings.background_timeout - time.time())
+        timeout = started + self.settings.background_timeout - time.time()
+        if timeout <= 0:  # past it already (queued that long): nothing is submitted
+            generating.close()
+            cancelled.close()
+            return await self._past_deadline()
+        tasks = [asyncio.ensure_future(c) for c in (generating, cancelled, self._keep_lease())]
         done, pending = await asyncio.wait(
             tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
@@ -139,9 +143,11 @@ class BackgroundRun:
             return "cancelled"
         if tasks[2] in done:
             return "lease lost"
-        await self._fail(
-            f"the response ran past LLMQ_BACKGROUND_TIMEOUT ({self.settings.background_timeout} s)"
-        )
+        return await self._past_deadline()
+
+    async def _past_deadline(self) -> str:
+        limit = self.settings.background_timeout
+        await self._fail(f"the response ran past LLMQ_BACKGROUND_TIMEOUT ({limit} s)")
         return "failed"
 
     async def _keep_lease(self) -> None:
