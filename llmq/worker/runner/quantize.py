@@ -78,6 +78,17 @@ def int4_plan(layer: int, layers: int, role: str) -> int:
     return 4
 
 
+def fallback_bits(bits: int, in_features: int) -> int:
+    """2 bits more for a 4- or 6-bit tensor whose input width is not a multiple of 256 (a k-quant
+    super-block), as llama.cpp's ``llama_tensor_get_type`` falls back there (Q4_K to Q5_0, Q6_K
+    to Q8_0; llmq has no 5-bit form: 6 bits). Gemma 3 270M's width of 640 makes its Q4_K_M file's q, k,
+    v, gate and up Q5_0 and its table Q8_0: taken to 4 and 6 bits at load, its top-1
+    disagreement with the float model was 0.245 (`bench/quality_lib.py gemma3 --forms int4`)."""
+    if bits in (4, 6) and in_features % (GROUP * 8):
+        return bits + 2
+    return bits
+
+
 def fp8_plan(layer: int, layers: int, role: str) -> int:
     """vLLM's fp8: the layers' projections; the head and embedding table kept float."""
     return 16 if role in ("head", "embed") else 8
@@ -151,7 +162,7 @@ class _Quantizer:
     def linear(self, index: int, role: str, plain) -> QuantizedLinear | Fp8Linear | None:
         """Layer ``index``'s (-1: the head's) projection ``role`` from its plain ``Linear``
         (None: kept float)."""
-        bits = self.plan(index, self.layers, role)
+        bits = fallback_bits(self.plan(index, self.layers, role), plain.weight.shape[1])
         if bits == 16:
             return None
         if self.fp8 and bits == 8:
@@ -159,7 +170,7 @@ class _Quantizer:
         return quantized_linear(plain.weight, plain.bias, bits)
 
     def embedding(self, table: torch.Tensor) -> Int8Weight | Int4Blocks | None:
-        bits = self.plan(-1, self.layers, "embed")
+        bits = fallback_bits(self.plan(-1, self.layers, "embed"), table.shape[1])
         if bits == 16:
             return None
         if bits == 4 and table.shape[1] % GROUP == 0:

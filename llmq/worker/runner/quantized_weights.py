@@ -246,6 +246,7 @@ def _fitted_steps(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
     0.88x and 0.93x."""
     low = w.amin(dim=2)
     step = (w.amax(dim=2) - low) / levels
+    step = _grid_step(w, low, step * levels, levels)
     n, sum_w = w.shape[2], w.sum(2)
     # One buffer for q, its sums as batched dot products: a fresh tensor a pass (page faults on
     # new memory) took 4-5x the time of the arithmetic.
@@ -263,6 +264,32 @@ def _fitted_steps(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
         step = torch.where(fit, new_step.clamp(min=0), step)
         low = torch.where(fit, (sum_w - step * sum_q) / n, low)
     return step, low
+
+
+def _grid_step(w: torch.Tensor, low: torch.Tensor, span: torch.Tensor, levels: int):
+    """Each group's step among span / j for j = (levels + 1) / 2 .. levels, the one whose
+    rounding (from ``low``) leaves the least squared error. Weights already on a 4-bit grid (a
+    Q4_K or Q4_1 file's, dequantized) use some of its levels: their span is a whole number of
+    grid steps, a divisor of one of these j, so the grid is found again (min/max alone put a
+    span of 12 steps into 15: Gemma 3 270M's Q4_K_M weights, taken back to 4 bits at load,
+    7.5% relative RMS error against 0.7%); on float weights it keeps min/max's step (j =
+    levels) but where another rounds better."""
+    best, best_err = span / levels, None
+    q = torch.empty_like(w)
+    # 6 bits: the even j (4- and 5-bit grids' spans have even multiples there) and 63
+    every = 1 if levels < 32 else 2
+    for j in [*range((levels + 1) // 2, levels, every), levels]:
+        step = span / j
+        torch.sub(w, low[..., None], out=q)
+        q.div_(step.clamp(min=1e-30)[..., None]).round_().clamp_(0, levels)
+        err = q.mul_(step[..., None]).add_(low[..., None]).sub_(w).square_().sum(2)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best = torch.where(better, step, best)
+        best_err = torch.where(better, err, best_err)
+    return best
 
 
 def _per_group(steps: torch.Tensor, groups: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.decoder_forward import DecoderForward
 from llmq.worker.runner.quantize import (
     QuantizedEmbedding,
@@ -133,12 +134,12 @@ def test_int4_plan_keeps_llama_cpp_sensitive_tensors_at_6_bits():
     assert int4_plan(5, 16, "down") == int4_plan(5, 16, "qkv") == 4
 
 
-def _tiny(tied: bool) -> LlamaForCausalLM:
+def _tiny(tied: bool, hidden: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=200,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -146,6 +147,20 @@ def _tiny(tied: bool) -> LlamaForCausalLM:
         initializer_range=0.2,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def test_int4_takes_two_bits_more_where_an_input_width_is_no_multiple_of_256():
+    """As llama.cpp's Q4_K_M falls back to Q5_0 and Q8_0 there: hidden 64, so the layers'
+    qkv, o and gate_up at 6 bits (4 in the plan), the head and table at 8 (6); the down
+    projection's 256 inputs keep the plan's 4 and 6."""
+    assert cpu_kernels.load()
+    forward = DecoderForward(_tiny(tied=True, hidden=64), pack=False)
+    quantize_forward(forward, "int4")
+    first, last = forward.layers
+    six = 6 if int_kernel_available() else 8
+    assert first.qkv_proj.bits == first.o_proj.bits == first.mlp.gate_up_proj.bits == six
+    assert first.mlp.down_proj.bits == 4 and last.mlp.down_proj.bits == six
+    assert forward.lm_head.bits == 8
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
