@@ -10,17 +10,18 @@ weight-only kernels elsewhere.
 - 6 bits (``Int6Blocks``, on llmq's kernel only): ``int6_linear``, built on this module's panels.
 
 On a CPU with AVX512-VNNI or AVX2, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both
-run as llama.cpp runs its quantized types (W8A8, W4A8): each row of activations quantized to
-int8 per block of 32 inputs, integer dot products, one float32 scaling per block: on the 1B
-shape's projections (bench/cpu_kernels.py --quantized), on an AVX512 EPYC 2.3-3.1x torch's
-kernels at 16 rows and 3.2-5.2x at 128, faster than bfloat16 there, at one row 1.0-1.7x, both
-at the memory's pace; on an AVX2-only EPYC 2.2-3.3x at 16 rows, 1.9-3.1x at 128 and 1.3-2.6x at
+run with integer dot products as llama.cpp runs its quantized types (W8A8, W4A8): each row of
+activations quantized to int8 per block of 32 inputs, one float32 scaling per block; by default
+(``LLMQ_INT_ACTIVATIONS=2``) in two terms, the residual quantized again (closer to the float
+product than bfloat16 activations; llama.cpp's single Q8_1 term moved a real model's answers).
+Speed with one term, on the 1B shape's projections (bench/cpu_kernels.py --quantized): on an
+AVX512 EPYC 2.3-3.1x torch's kernels at 16 rows and 3.2-5.2x at 128, faster than bfloat16
+there, at one row 1.0-1.7x, both at the memory's pace; on an AVX2-only EPYC 2.2-3.3x at 16 rows, 1.9-3.1x at 128 and 1.3-2.6x at
 one row (17-25 GB/s of weights read).
 Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
 activations as quantized and the dequantized weights, within ``1e-5`` of the sum of the terms'
 magnitudes (the rounding to bfloat16 of a bfloat16 output besides); a row gets the same bits in
-any batch. The activations' quantization is the kernels' one loss against the W8A16/W4A16
-forms: ``bench/quant_quality.py`` measures its KL.
+any batch. ``bench/quality_lib.py`` measures a served form's distance to the float model.
 
 Elsewhere (W8A16, W4A16) on ``aten._weight_int8pack_mm`` and
 ``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``.

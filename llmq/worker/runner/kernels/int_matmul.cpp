@@ -1,6 +1,7 @@
 // int4 and int8 projections (W4A8, W8A8) with integer dot products, as llama.cpp runs its
 // quantized types on CPUs: the activations quantized per row to int8 in blocks of 32 (one float
-// scale each), every weight multiplied with them by vpdpbusd on AVX512-VNNI (64 products an
+// scale each; by default in two terms, the residual quantized again: int_common.h's
+// activation_terms), every weight multiplied with them by vpdpbusd on AVX512-VNNI (64 products an
 // instruction, unsigned weights by signed activations) or vpmaddubsw + vpmaddwd on AVX2
 // (int_lanes.h), and each block's integer sum scaled in float32 once (what the integer kernels
 // share: int_common.h; 6-bit weights: int6_matmul.cpp).
