@@ -124,6 +124,11 @@ def announce(settings: Settings, kind: str, object_id: str) -> list[str]:
     return targets
 
 
+def deliveries_key(prefix: str) -> str:
+    """The list of delivery outcomes, newest first (the newest 1000)."""
+    return f"{prefix}:webhooks:deliveries"
+
+
 def delivery_record(event: dict[str, Any], url: str, attempt: int, outcome: str) -> str:
     """One line of the deliveries list (``llmq:webhooks:deliveries``, newest first)."""
     return json.dumps(

@@ -1,5 +1,5 @@
-"""What `llmq inspect` shows: the queue, the engines and the batches in progress, read from
-Redis (``snapshot``) and put on one screen (``render``)."""
+"""What `llmq inspect` shows: the queue, the engines, the batches in progress and the latest
+webhook deliveries, read from Redis (``snapshot``) and put on one screen (``render``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.redis_clients import keys_for, tool_client
 from llmq.common.settings import Settings
 from llmq.common.transport import GROUP, Keys
+from llmq.common.webhooks import deliveries_key
 
 # Hash fields that are text even when they look like numbers (a model named "7", an id).
 _TEXT_FIELDS = frozenset({"id", "name", "model", "kind", "status", "endpoint", "hostname"})
@@ -90,6 +91,7 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
             asdict(AdapterRecord.from_json(raw))
             for _, raw in sorted(client.hgetall(keys.loras).items())
         ],
+        "webhooks": [json.loads(raw) for raw in client.lrange(deliveries_key(keys.prefix), 0, 9)],
     }
 
 
@@ -148,6 +150,12 @@ def render(snap: dict) -> str:
         out.append(
             f"  {b.get('id')}: {b.get('status')} {b.get('completed', 0)}/{b.get('total', 0)} done, "
             f"{b.get('failed', 0)} failed ({b.get('endpoint')})"
+        )
+    if snap.get("webhooks"):
+        out.append("WEBHOOK DELIVERIES (newest first)")
+    for w in snap.get("webhooks", []):
+        out.append(
+            f"  {w['webhook_id']} {w['type']} to {w['url']}, attempt {w['attempt']}: {w['outcome']}"
         )
     return "\n".join(out)
 

@@ -17,15 +17,17 @@ from celery import Task
 
 from llmq.common.redis_clients import tool_client
 from llmq.common.settings import Settings, get_settings
-from llmq.common.webhooks import WEBHOOK_TASK, delivery_record, endpoints, signed_headers
+from llmq.common.webhooks import (
+    WEBHOOK_TASK,
+    deliveries_key,
+    delivery_record,
+    endpoints,
+    signed_headers,
+)
 from llmq.worker.celery_app import app
 
 log = logging.getLogger("llmq.webhooks")
 KEEP_RECORDS = 1000
-
-
-def deliveries_key(settings: Settings) -> str:
-    return f"{settings.key_prefix}:webhooks:deliveries"
 
 
 def attempt(settings: Settings, url: str, event: dict) -> str:
@@ -46,8 +48,8 @@ def record(settings: Settings, line: str) -> None:
     try:
         r = tool_client(settings.redis_url_or_default(), settings.redis_sentinel_master)
         with r.pipeline() as pipe:
-            pipe.lpush(deliveries_key(settings), line)
-            pipe.ltrim(deliveries_key(settings), 0, KEEP_RECORDS - 1)
+            pipe.lpush(deliveries_key(settings.key_prefix), line)
+            pipe.ltrim(deliveries_key(settings.key_prefix), 0, KEEP_RECORDS - 1)
             pipe.execute()
         r.close()
     except Exception as exc:  # the outcome is logged in any case

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from llmq.common.transport import Keys
+from llmq.tools.inspect_snapshot import render, snapshot
 from tests.api.api_stack import client, stack, stopped
 from tests.api.webhook_receiver import Receiver
 from tests.harness import kill_all, start_worker, wait_for
@@ -235,6 +236,19 @@ def test_webhooks_signed_retried_with_one_id_and_a_dead_receiver_holds_nothing(
     final = api.responses.retrieve(first.id).status
     assert [e.type for _, e in deliveries] == [f"response.{final}"] * 3
     assert len({webhook_id for webhook_id, _ in deliveries}) == 1, deliveries
+    webhook_id = deliveries[0][0]
+
+    def inspected() -> str:  # what `llmq inspect` shows
+        return render(snapshot(bg.redis(), Keys()))
+
+    wait_for(
+        lambda: (
+            f"{webhook_id} response.{final} to {receiver.url}, attempt 3: delivered" in inspected()
+        ),
+        30,
+        "the outcome in llmq inspect",
+        0.05,
+    )
     # The endpoint that never answers (LLMQ_WEBHOOK_TIMEOUT 1 s an attempt) holds up no
     # generation: responses after it end as soon as they would.
     later = [api.responses.create(**body(bg.model, 16), background=True) for _ in range(3)]
