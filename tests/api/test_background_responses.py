@@ -136,19 +136,37 @@ def test_streamed_background_response_resumes_on_another_replica(bg):
     assert polled.output_text == foreground.output_text
 
 
-def test_resumed_stream_hides_a_worker_killed_in_the_gap(bg):
+def test_a_worker_killed_mid_work_is_hidden_from_a_resumed_stream_and_a_message_batch(bg):
+    """One kill for both (each worker start is seconds): a streamed background response
+    resumed in the gap, and a message batch in progress, each request answered once."""
     api = client(bg.api("second"))
+    sdk = anthropic.Anthropic(base_url=bg.api("second"), api_key="none", max_retries=0)
     request = body(bg.model, 400)
     foreground = client(bg.base).responses.create(**request)
     assert len(foreground.output_text) > 40, "a long answer, cut in the middle"
+    lines = [
+        {
+            "custom_id": f"k{i}",
+            "params": {**message_params(bg.model, f"p {i % 3}"), "max_tokens": 24},
+        }
+        for i in range(80)
+    ]
+    batch = sdk.messages.batches.create(requests=lines)
+    wait_for(
+        lambda: sdk.messages.batches.retrieve(batch.id).request_counts.succeeded >= 3,
+        90,
+        "a few answers",
+        0.05,
+    )
     stream = api.responses.create(**request, background=True, stream=True)
     events = read_until_deltas(stream, 1)
     response_id = events[0].response.id
-    r = bg.redis()
     os.kill(bg.worker.proc.pid, signal.SIGSTOP)  # frozen mid-generation, then killed
     assert api.responses.retrieve(response_id).status == "in_progress"
-    assert r.exists(Keys().response(response_id) + ":lease")
-    bg.worker.kill()
+    assert bg.redis().exists(Keys().response(response_id) + ":lease")
+    at_kill = sdk.messages.batches.retrieve(batch.id)
+    assert at_kill.processing_status == "in_progress", at_kill
+    bg.worker.kill()  # SIGKILL: no lease released, no line finished
     killed = time.monotonic()
     replace_worker(bg)
     rest = api.responses.retrieve(
@@ -157,6 +175,19 @@ def test_resumed_stream_hides_a_worker_killed_in_the_gap(bg):
     events += list(rest)
     print(f"\nresumed stream ended {time.monotonic() - killed:.1f} s after the worker's kill")
     assert_one_stream(events, foreground.output_text)
+    wait_for(
+        lambda: sdk.messages.batches.retrieve(batch.id).processing_status == "ended",
+        120,
+        "the batch's end",
+        0.1,
+    )
+    results = list(sdk.messages.batches.results(batch.id))
+    assert sorted(r.custom_id for r in results) == sorted(r["custom_id"] for r in lines)
+    assert all(r.result.type == "succeeded" for r in results), results
+    texts: dict[int, set[str]] = {}
+    for r in results:
+        texts.setdefault(int(r.custom_id[1:]) % 3, set()).add(r.result.message.content[0].text)
+    assert all(len(v) == 1 for v in texts.values()), texts  # a resumed line, the same text
 
 
 def test_polled_to_its_end_and_cancelled_mid_generation(bg):
@@ -359,39 +390,3 @@ def test_a_cancelled_message_batch_ends_with_every_request_once(bg):
     assert kinds <= {"succeeded", "canceled"} and "canceled" in kinds, kinds
     counts = sdk.messages.batches.retrieve(batch.id).request_counts
     assert counts.canceled == sum(r.result.type == "canceled" for r in results)
-
-
-def test_a_message_batch_outlives_a_killed_worker_each_request_answered_once(bg):
-    sdk = anthropic.Anthropic(base_url=bg.api("second"), api_key="none", max_retries=0)
-    n = 60
-    requests = [
-        {
-            "custom_id": f"k{i}",
-            "params": {**message_params(bg.model, f"prompt {i % 3}"), "max_tokens": 24},
-        }
-        for i in range(n)
-    ]
-    batch = sdk.messages.batches.create(requests=requests)
-    wait_for(
-        lambda: sdk.messages.batches.retrieve(batch.id).request_counts.succeeded >= 5,
-        90,
-        "a few answers",
-        0.05,
-    )
-    bg.worker.kill()  # SIGKILL mid-batch: no lease released, no line finished
-    at_kill = sdk.messages.batches.retrieve(batch.id)
-    assert at_kill.processing_status == "in_progress" and at_kill.request_counts.succeeded < n
-    replace_worker(bg)
-    wait_for(
-        lambda: sdk.messages.batches.retrieve(batch.id).processing_status == "ended",
-        120,
-        "the batch's end",
-        0.1,
-    )
-    results = list(sdk.messages.batches.results(batch.id))
-    assert sorted(r.custom_id for r in results) == sorted(r["custom_id"] for r in requests)
-    assert all(r.result.type == "succeeded" for r in results), results
-    texts: dict[int, set[str]] = {}
-    for r in results:
-        texts.setdefault(int(r.custom_id[1:]) % 3, set()).add(r.result.message.content[0].text)
-    assert all(len(v) == 1 for v in texts.values()), texts  # a resumed line, the same text
