@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from llmq.api.streaming import typed_events, whole_answer
 from llmq.common.background_responses import (
@@ -110,7 +110,10 @@ async def _create_background(
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(
-    response_id: str, request: Request, stream: bool = False, starting_after: int | None = None
+    response_id: str,
+    request: Request,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
 ):
     """The response; with ``stream=true``, a background response's events after sequence
     number ``starting_after`` (all of them without it), to its end."""

@@ -241,6 +241,10 @@ def test_background_needs_store_and_streams_only_background(bg):
     plain = api.responses.create(**body(bg.model, 16))
     r = httpx.get(f"{base}/v1/responses/{plain.id}", params={"stream": "true"}, timeout=30)
     assert r.status_code == 400, r.text
+    queued = api.responses.create(**body(bg.model, 16), background=True)
+    after = {"stream": "true", "starting_after": "-2"}
+    r = httpx.get(f"{base}/v1/responses/{queued.id}", params=after, timeout=30)
+    assert r.status_code == 400, r.text
 
 
 def unwrapped(receiver: Receiver, object_id: str) -> list:
