@@ -33,10 +33,12 @@ from quality_lib import (  # noqa: E402  (bench/, beside this file)
     text_ids,
 )
 
-TYPES = "F32,F16,BF16,Q8_0,Q6_K,Q5_K_M,Q5_1,Q5_0,Q4_K_M,Q4_1,Q4_0,IQ4_NL,IQ4_XS,Q3_K_M,Q2_K"
+TYPES = (
+    "F32,F16,BF16,Q8_0,Q6_K,Q5_K_M,Q5_1,Q5_0,Q4_K_M,Q4_1,Q4_0,IQ4_NL,IQ4_XS,Q3_K_M,Q2_K,Q2_K-down"
+)
 # llama-quantize's Q2_K keeps Q3_K and legacy types on these models' widths: Q2_K tensors come
 # only where asked for (its ffn_down, the one width a multiple of 256)
-QUANTIZE_ARGS = {"Q2_K-down": ["--tensor-type", "ffn_down=q2_k", "Q2_K"]}
+QUANTIZE_ARGS = {"Q2_K-down": (["--tensor-type", "ffn_down=q2_k"], "Q2_K")}
 
 
 def make_file(bin_dir: Path, source: Path, out: Path, kind: str) -> Path:
@@ -45,10 +47,9 @@ def make_file(bin_dir: Path, source: Path, out: Path, kind: str) -> Path:
     path = out / f"{source.stem}-{kind}" / f"model-{kind}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        args = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(path)]
-        subprocess.run(
-            [*args, *QUANTIZE_ARGS.get(kind, [kind]), "2"], check=True, capture_output=True
-        )
+        options, ftype = QUANTIZE_ARGS.get(kind, ([], kind))
+        args = [str(bin_dir / "llama-quantize"), "--allow-requantize", *options]
+        subprocess.run([*args, str(source), str(path), ftype, "2"], check=True, capture_output=True)
     return path
 
 
