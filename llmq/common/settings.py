@@ -157,8 +157,10 @@ class Settings(BaseSettings):
         "bfloat16 projections on llmq's own matmul (AVX512-BF16); without a compiler, or "
         "false: torch's ops.",
     )
-    int_activations: Literal[1, 2] = Field(
+    int_activations: int = Field(
         2,
+        ge=1,
+        le=2,
         description="CPU, llmq's integer kernels (int8, int4, 6-bit and GGUF weights): the int8 "
         "terms each block of 32 activations is rounded into; 2 (default): a second term for "
         "what the first left, as close to the float model as float activations; 1: llama.cpp's "
