@@ -12,6 +12,7 @@ divergence and both perplexities.
     .venv/bin/python bench/quality_lib.py smollm2                # the Q4_1 file, as served
     .venv/bin/python bench/quality_lib.py gemma3 --forms gguf,int8,int4
     LLMQ_INT_ACTIVATIONS=1 .venv/bin/python bench/quality_lib.py smollm2
+    .venv/bin/python bench/quality_lib.py smollm2 --terms-speed  # the file's forward, 1 vs 2 terms
 """
 
 from __future__ import annotations
@@ -103,6 +104,32 @@ def compare(ref: torch.Tensor, got: torch.Tensor, ids: list[int], ctx: int = 512
     }
 
 
+@torch.inference_mode()
+def terms_speed(model: str, rows_list=(1, 16, 64), rounds: int = 5) -> dict:
+    """ms of llmq's whole forward over ``rows`` tokens of ``model`` (a GGUF file or folder) with
+    the activations in 1 and 2 int8 terms, alternating, the best of ``rounds``."""
+    from llmq.common.model_loader import load_causal_lm
+    from llmq.worker.runner import cpu_kernels
+    from llmq.worker.runner.decoder_forward import build_forward
+
+    assert cpu_kernels.load(), "llmq's kernels did not build"
+    forward = build_forward(load_causal_lm(str(model), "auto", "cpu"), True, True, True)
+    best: dict = {}
+    for _ in range(rounds):
+        for terms in (1, 2):
+            before = cpu_kernels.set_activation_terms(terms)
+            for rows in rows_list:
+                ids, at = torch.arange(100, 100 + rows), torch.arange(rows)
+                forward.run(ids, at, at, _attend)
+                start = time.perf_counter()
+                for _ in range(3):
+                    forward.run(ids, at, at, _attend)
+                ms = (time.perf_counter() - start) / 3 * 1e3
+                best[terms, rows] = min(ms, best.get((terms, rows), float("inf")))
+            cpu_kernels.set_activation_terms(before)
+    return best
+
+
 def _files(name: str) -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
     import real_models
@@ -117,10 +144,17 @@ def main() -> None:
     p.add_argument("--forms", default="gguf", help="gguf (the file), float, int8, int4")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--terms-speed", action="store_true", help="time the GGUF's forward instead")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
     gguf, folder = _files(args.model)
+    if args.terms_speed:
+        best = terms_speed(gguf)
+        for rows in sorted({r for _, r in best}):
+            one, two = best[1, rows], best[2, rows]
+            print(f"{rows} tokens: 1 term {one:.1f} ms, 2 terms {two:.1f} ms ({two / one:.2f}x)")
+        return
     ids = text_ids(AutoTokenizer.from_pretrained(folder), args.tokens)
     ref = reference_log_probs(folder, ids, args.ctx)
     print("| model | form | positions | top-1 disagreement | KL | ppl (float32) | ppl | s |")
