@@ -23,9 +23,6 @@ from dataclasses import dataclass
 # How long a placement counts as the worker's without its published set showing it: longer
 # than a heartbeat (its set is refreshed with it) plus the API's engine cache (1 s).
 RECENT_S = 3.0
-# Placements counted as load on top of a heartbeat written before them, to this margin (a
-# request placed just before a heartbeat may not have been pulled by then).
-_LOAD_MARGIN_S = 0.5
 _RECENT_MAX = 200_000  # block hashes remembered at most
 _SENT_S = 10.0  # how long a placement is remembered for its load
 _OPEN_MAX = 100_000  # placements awaiting their first token, remembered at most
@@ -67,6 +64,7 @@ def choose(
 class _Sent:
     at: float
     tokens: int
+    tracked: bool = False  # its first token will be seen (placed with a request id)
     computed_at: float | None = None  # when its first token came back (its prompt computed)
 
 
@@ -94,7 +92,7 @@ class RecentPlacements:
         while len(self._blocks) > _RECENT_MAX:
             self._blocks.popitem(last=False)
         sent = self._sent.setdefault(worker, [])
-        placement = _Sent(now, tokens)
+        placement = _Sent(now, tokens, tracked=bool(request_id))
         sent.append(placement)
         if request_id:
             self._open[request_id] = placement
@@ -123,12 +121,17 @@ class RecentPlacements:
 
     def load(self, worker: str, heartbeat_pending: int, heartbeat_time: float) -> int:
         """The worker's load: its heartbeat's, less the prompts placed before it and seen
-        computed after it, plus what this process sent it since and has not seen computed."""
-        since = heartbeat_time - _LOAD_MARGIN_S
-        done_since = sent_since = 0
+        computed after it, plus what this process sent it since; and never less than what this
+        process sent it and has not seen computed. The larger of the two, not their sum: a
+        prompt placed just before a heartbeat may or may not be in it, and counted twice a
+        burst's holder looked busier than an idle worker without its prefix."""
+        now = self.clock()
+        done_since = sent_since = still_open = 0
         for s in self._sent.get(worker, ()):
-            if s.at > since:
+            if s.tracked and s.computed_at is None and now - s.at <= _SENT_S:
+                still_open += s.tokens
+            if s.at > heartbeat_time:
                 sent_since += s.tokens if s.computed_at is None else 0
             elif s.computed_at is not None and s.computed_at > heartbeat_time:
                 done_since += s.tokens
-        return max(0, heartbeat_pending - done_since) + sent_since
+        return max(max(0, heartbeat_pending - done_since) + sent_since, still_open)

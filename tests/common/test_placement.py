@@ -124,6 +124,21 @@ def test_prompts_seen_computed_leave_the_load_a_stale_heartbeat_shows():
     recent.computed("unknown")  # a request another process placed
 
 
+def test_a_burst_placed_just_before_a_heartbeat_counts_once():
+    """Whether or not the heartbeat already holds the burst, its load is the burst's once."""
+    clock = FakeClock()
+    recent = RecentPlacements(clock)
+    for i in range(6):
+        recent.record("a", [], tokens=204, request_id=f"r{i}")
+    clock.now += 0.2
+    pulled = recent.load("a", heartbeat_pending=6 * 204, heartbeat_time=clock.now)
+    not_yet = recent.load("a", heartbeat_pending=0, heartbeat_time=clock.now)
+    assert pulled == not_yet == 6 * 204
+    for i in range(6):
+        recent.computed(f"r{i}")
+    assert recent.load("a", heartbeat_pending=0, heartbeat_time=clock.now) == 0
+
+
 def test_a_worker_that_evicted_a_prefix_stops_attracting_it():
     """Its published set no longer holds the prefix (and the recent memory has lapsed): the
     choice goes by load alone."""
