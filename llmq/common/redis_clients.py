@@ -15,9 +15,14 @@ from llmq.common.redis_sentinel import is_sentinel_url, parse_sentinel_url
 from llmq.common.transport.keys import Keys
 
 DEFAULT_SENTINEL_MASTER = "mymaster"
+# Retries of a command on a connection error: about 0.7 s against one server (a restart);
+# about 9.5 s behind sentinels, so a command sent while they elect a new master waits for it
+# instead of failing its request (a failover takes down-after-milliseconds plus an election).
+RETRIES = 3
+SENTINEL_RETRIES = 12
 
 
-def async_redis_options() -> dict:
+def async_redis_options(retries: int = RETRIES) -> dict:
     """Connection options of every asyncio Redis client: a command that meets a dead pooled
     connection (Redis restarted) retries on a fresh one instead of failing the request. Under
     uvloop (uvicorn's loop) writing to a socket the peer closed raises RuntimeError, not
@@ -32,7 +37,7 @@ def async_redis_options() -> dict:
     return {
         "socket_connect_timeout": 5,
         "health_check_interval": 10,
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError, RuntimeError],
         "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         "driver_info": None,
@@ -81,7 +86,7 @@ def async_client(
         manager = aiosentinel.Sentinel(
             address.sentinels,
             sentinel_kwargs=_sentinel_kwargs(asynchronous=True),
-            **async_redis_options(),
+            **async_redis_options(SENTINEL_RETRIES),
             **address.master_kwargs(),
         )
         if max_connections is None:
