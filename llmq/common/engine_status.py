@@ -25,6 +25,7 @@ class EngineStatus:
     random_weights: bool = False
     dimensions: int = 0  # embedding models
     matryoshka: bool = False
+    images: bool = False  # it takes image input (a vision-language model)
     # How it is doing (each heartbeat).
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0

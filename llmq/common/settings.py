@@ -277,6 +277,36 @@ class Settings(BaseSettings):
         2048, ge=1, description="Most messages (or input items) in one chat request: 400 past it."
     )
     max_tools: int = Field(256, ge=0, description="Most tools offered in one request: 400 past it.")
+    max_images: int = Field(
+        16, ge=0, description="Most images in one request (all its turns together): 400 past it."
+    )
+    max_image_bytes: int = Field(
+        10 * 1024 * 1024,
+        ge=1,
+        description="Largest image file accepted (a data URL's or base64 block's bytes, or a "
+        "fetched link's body): 400 past it.",
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096,
+        ge=1,
+        description="Most pixels (width x height) of one image, read from its header before it "
+        "is decoded: 400 past it.",
+    )
+    image_fetch_timeout: float = Field(
+        10.0, gt=0, description="Seconds the API waits for an image link's bytes: 400 past it."
+    )
+    image_fetch_allow: str = Field(
+        "",
+        description="Hosts and networks (CIDR) the API may fetch image links from although they "
+        "are private, loopback or link-local, comma-separated (e.g. `10.0.0.0/8,images.lan`); "
+        "unset: only public addresses are fetched.",
+    )
+    image_ttl: int = Field(
+        3600,
+        ge=1,
+        description="Seconds an image's bytes stay in Redis (stored once, by content hash) "
+        "after the last request that sent it.",
+    )
     tokenize_small_bytes: int = Field(
         64 * 1024,
         ge=0,

@@ -328,7 +328,7 @@ def test_errors_come_in_anthropics_shape_and_statuses(served):
         "type": "image",
         "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
     }
-    with pytest.raises(anthropic.BadRequestError, match="image content blocks are not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="not an image of a served format"):
         c.messages.create(
             model=served.model, max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )

@@ -143,9 +143,9 @@ def test_count_tokens_body_renders_the_same_prompt():
     [
         ({"surprise": 1}, "Extra inputs are not permitted"),
         ({"max_tokens": None}, "max_tokens"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image content blocks are not supported"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "source"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document content blocks"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]}, "image content blocks"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]}, "'image' are not supported in a tool_result"),
         ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "'search_result' are not supported"),
         ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "a user turn cannot hold"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools are not supported by this server: web_search_20250305"),

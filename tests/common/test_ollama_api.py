@@ -174,7 +174,6 @@ def test_generate_is_one_templated_user_turn_or_a_raw_completion():
         {"suffix": "}"},
         {"template": "{{ .Prompt }}"},
         {"context": [1, 2, 3]},
-        {"images": ["aGk="]},
         {"logprobs": True},
     ],
 )
@@ -183,11 +182,13 @@ def test_what_generate_does_not_serve_is_refused(fields):
         GenerateBody.model_validate({"prompt": "x", **fields})
 
 
-def test_images_in_a_chat_message_are_refused():
-    with pytest.raises(ValidationError, match="images"):
-        ChatBody.model_validate(
-            {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}
-        )
+def test_images_become_image_parts_after_the_text():
+    body = ChatBody.model_validate(
+        {"messages": [{"role": "user", "content": "x", "images": ["aGk=", "aGk="]}]}
+    )
+    (message,) = chat_request(body, reasons=False).messages
+    assert [p.type for p in message.content] == ["text", "image_url", "image_url"]
+    assert message.content[1].image_url.url == "data:image/*;base64,aGk="
 
 
 # ---- answers and lines -----------------------------------------------------------------------

@@ -51,7 +51,8 @@ def test_items_become_chat_messages_calls_joining_their_assistant_turn():
     ("item", "param"),
     [
         ({"role": "tool", "content": "x"}, "input[0]"),
-        ({"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}, "input[0].content[0]"),
+        ({"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}, "input[0].content[0]"),
+        ({"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}, "input[0].content[0]"),
         ({"type": "function_call", "call_id": "c", "name": "f"}, "input[0].arguments"),
         ({"type": "item_reference", "id": "x"}, "input[0]"),
     ],

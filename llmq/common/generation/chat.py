@@ -42,6 +42,8 @@ from llmq.common.generation.tool_calls import ChoiceToolCalls
 from llmq.common.generation.tool_grammar import tool_grammar
 from llmq.common.generation.tool_parsers import FORCED_ARRAY, choose_format
 from llmq.common.generation.tool_request import forced_tool_name
+from llmq.common.images.decode import CheckedImage
+from llmq.common.images.request import chat_image_refs, checked_images, store_images
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.request_stream import GenerationChunk
 from llmq.common.settings import get_settings
@@ -52,6 +54,7 @@ async def chat_choices(
 ) -> tuple[list[Choice], int]:
     """The request's choices, and its prompt tokens."""
     vocab = engine.vocab_size
+    await request_images(pipeline, engine, body)
     effort = reasoning_template_kwargs(
         body.reasoning_effort, getattr(pipeline.tokenizer, "chat_template", None)
     )
@@ -76,6 +79,19 @@ async def chat_choices(
         for c in choices:
             c.params.grammar = grammar
     return choices, len(prompt_ids)
+
+
+async def request_images(
+    pipeline: TokenGeneratorPipeline, engine: EngineStatus, body: ChatCompletionRequest
+) -> list[CheckedImage]:
+    """The request's images, checked and stored, before anything is tokenized or queued."""
+    refs = chat_image_refs(body.messages)
+    if not refs:
+        return []
+    images = await checked_images(refs, pipeline.model, engine.images)
+    keys = pipeline.transport.keys.for_model(pipeline.base_model)
+    await store_images(pipeline.transport.r, keys.image, images, get_settings().image_ttl)
+    return images
 
 
 def _answer_grammar(body: ChatCompletionRequest) -> str | None:

@@ -24,6 +24,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str  # a data URL (data:image/png;base64,...) or an http(s) link
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, v):
+        return {"url": v} if isinstance(v, str) else v  # vLLM takes the URL as a string too
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     # The schema asks for content: only an assistant turn may leave it out.
     model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["role", "content"]})
@@ -33,7 +53,7 @@ class ChatMessage(BaseModel):
         Literal["system", "user", "assistant", "tool", "developer"],
         WithJsonSchema({"enum": ["system", "user", "assistant", "developer"], "type": "string"}),
     ]
-    content: str | list[TextPart] | SkipJsonSchema[None] = Field(None, validate_default=True)
+    content: str | list[ContentPart] | SkipJsonSchema[None] = Field(None, validate_default=True)
     name: str | None = None
     # Out of the OpenAPI schema, as the tools are (see ChatCompletionRequest).
     tool_calls: SkipJsonSchema[list[AssistantToolCall] | None] = None  # an assistant's calls
@@ -52,10 +72,24 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[ImagePart]:
+        if not isinstance(self.content, list):
+            return []
+        return [p for p in self.content if isinstance(p, ImagePart)]
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """The text, or with images the parts as vision chat templates read them, in order."""
+        if not self.images():
+            return self.text()
+        return [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in self.content or ()
+        ]
 
     def template_dict(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        message: dict[str, Any] = {"role": self.role, "content": self.template_content()}
         if self.tool_calls:
             message["tool_calls"] = [c.template_dict() for c in self.tool_calls]
         if self.role == "tool":

@@ -132,6 +132,10 @@ class Keys:
     def tokens(self, request_id: str) -> str:
         return f"{self._m()}:req:{request_id}:tokens"
 
+    def image(self, digest: str) -> str:
+        """An image's bytes, by their SHA-256 (``common/images``), in its model's slot."""
+        return f"{self._m()}:image:{digest}"
+
     def engine(self, worker: str) -> str:
         return f"{self._g}:engines:{worker}"
 

@@ -1,7 +1,7 @@
 """The content blocks of a Messages request's turns: text, tool_use (an assistant's call),
 tool_result (a user's answer to it), thinking and redacted_thinking (an earlier turn's, kept by
-clients: accepted, not shown to the model). Images and documents are refused with a 400 that
-says so; so is any other block type. A ``system`` turn inside ``messages`` (a mid-conversation
+clients: accepted, not shown to the model), image (a user's: base64 or a link). Documents are
+refused with a 400 that says so; so is any other block type. A ``system`` turn inside ``messages`` (a mid-conversation
 system message) holds text alone. Unknown fields of a block (``citations``, ``caller``, ...)
 are accepted and ignored: clients send back the blocks they got; ``cache_control`` marks a
 breakpoint (request.MessagesPrompt.cache_marked)."""
@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Block types llmq reads, by where they may stand.
 _TEXT_TYPES = ("text",)
-_TURN_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-_MEDIA_TYPES = ("image", "document")
+_TURN_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_MEDIA_TYPES = ("document",)
 
 
 def check_block_types(value: Any, allowed: tuple[str, ...], where: str) -> Any:
@@ -45,6 +45,31 @@ class Block(BaseModel):
 class TextBlock(Block):
     type: Literal["text"]
     text: str
+
+
+class Base64Source(Block):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLSource(Block):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(Block):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def chat_part(self) -> dict[str, Any]:
+        """The block as chat's image_url part (base64 as a data URL)."""
+        source = self.source
+        if isinstance(source, URLSource):
+            url = source.url
+        else:
+            url = f"data:{source.media_type};base64,{source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
 
 
 class ToolUseBlock(Block):
@@ -88,7 +113,7 @@ class RedactedThinkingBlock(Block):
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -122,8 +147,8 @@ class InputMessage(BaseModel):
         for block in v if isinstance(v, list) else []:
             if role == "user" and block.type in ("tool_use", "thinking", "redacted_thinking"):
                 raise ValueError(f"a user turn cannot hold {block.type} blocks")
-            if role == "assistant" and block.type == "tool_result":
-                raise ValueError("an assistant turn cannot hold tool_result blocks")
+            if role == "assistant" and block.type in ("tool_result", "image"):
+                raise ValueError(f"an assistant turn cannot hold {block.type} blocks")
             if role == "system" and block.type != "text":
                 raise ValueError(f"a system turn holds text blocks only, not {block.type}")
         return v

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from llmq.common.generation.messages_api.content import (
+    ImageBlock,
     InputMessage,
     TextBlock,
     ToolResultBlock,
@@ -45,12 +46,21 @@ def _user(message: InputMessage) -> list[dict[str, Any]]:
     for block in message.content:
         if isinstance(block, ToolResultBlock):
             out.append({"role": "tool", "content": block.text(), "tool_call_id": block.tool_use_id})
-        elif isinstance(block, TextBlock):
-            if out and out[-1]["role"] == "user":  # one user message per run of text blocks
-                out[-1]["content"] += block.text
+        elif isinstance(block, TextBlock | ImageBlock):
+            part = block.chat_part() if isinstance(block, ImageBlock) else block.text
+            if out and out[-1]["role"] == "user":  # one user message per run of blocks
+                out[-1]["content"] = _joined(out[-1]["content"], part)
             else:
-                out.append({"role": "user", "content": block.text})
+                out.append({"role": "user", "content": part if isinstance(part, str) else [part]})
     return out or [{"role": "user", "content": ""}]
+
+
+def _joined(content: str | list[dict[str, Any]], part: str | dict[str, Any]) -> Any:
+    """Content with a block's text or image part after it (text alone stays a string)."""
+    if isinstance(content, str) and isinstance(part, str):
+        return content + part
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return [*parts, {"type": "text", "text": part} if isinstance(part, str) else part]
 
 
 def chat_messages(body: MessagesPrompt, mid_system: bool = True) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """The bodies of Ollama's routes: what llmq serves of them, and the 400 for what it does not
-(images, a Go template of one's own, a suffix, the deprecated token context, logprobs)."""
+(a Go template of one's own, a suffix, the deprecated token context, logprobs)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,6 @@ def refuse(value, message: str):
     return value
 
 
-def _no_images(v):
-    return refuse(v, "images are not supported: this server serves text models")
-
-
 class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
@@ -48,14 +44,9 @@ class OllamaMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""  # null: empty (an assistant turn of calls alone)
     thinking: str | None = None  # an earlier turn's thinking: not shown to the template again
-    images: SkipJsonSchema[list[Any] | None] = None
+    images: list[str] | None = None  # base64, each an image shown after the content
     tool_calls: SkipJsonSchema[list[OllamaToolCall] | None] = None
     tool_name: str | None = None  # a tool message: the function whose result it is
-
-    @field_validator("images")
-    @classmethod
-    def _images(cls, v):
-        return _no_images(v)
 
 
 class GenerationBody(BaseModel):
@@ -92,12 +83,7 @@ class GenerateBody(GenerationBody):
     suffix: str | None = None
     template: str | None = None
     context: list[int] | None = None
-    images: SkipJsonSchema[list[Any] | None] = None
-
-    @field_validator("images")
-    @classmethod
-    def _images(cls, v):
-        return _no_images(v)
+    images: list[str] | None = None  # base64, each an image shown after the prompt
 
     @field_validator("suffix")
     @classmethod

@@ -55,12 +55,23 @@ def _call_dict(message_index: int, i: int, call) -> dict[str, Any]:
     return {"id": call.id or f"call_{message_index}_{i}", "type": "function", "function": function}
 
 
+def with_images(text: str | None, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """Content of text, or of text then the images (Ollama's base64 without a media type: the
+    bytes say their format)."""
+    if not images:
+        return text or ""
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"data:image/*;base64,{b64}"}} for b64 in images
+    ]
+    return ([{"type": "text", "text": text}] if text else []) + parts
+
+
 def chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     """Ollama's messages as chat messages (an earlier turn's thinking left out, as chat
     templates drop it)."""
     out: list[dict[str, Any]] = []
     for n, m in enumerate(messages):
-        message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        message: dict[str, Any] = {"role": m.role, "content": with_images(m.content, m.images)}
         if m.tool_calls:
             message["tool_calls"] = [_call_dict(n, i, c) for i, c in enumerate(m.tool_calls)]
         if m.role == "tool" and m.tool_name:
@@ -110,10 +121,12 @@ def generate_request(
             )
         if body.think:
             raise InvalidRequest("think needs the chat template: not with raw: true", "think")
+        if body.images:
+            raise InvalidRequest("images need the chat template: not with raw: true", "images")
         # Unset num_predict: up to the context (completions' own default is 16 tokens).
         fields = {"max_tokens": None} | fields | {"prompt": body.prompt}
         return _validated(CompletionRequest, fields)
-    messages = [{"role": "user", "content": body.prompt}]
+    messages = [{"role": "user", "content": with_images(body.prompt, body.images)}]
     if body.system:
         messages.insert(0, {"role": "system", "content": body.system})
     fields |= think_fields(body, reasons) | {"messages": messages}

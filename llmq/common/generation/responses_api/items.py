@@ -8,7 +8,8 @@ from typing import Any
 
 from llmq.common.errors import InvalidRequest
 
-# Content parts read as text; any other (images, files, audio) is refused.
+# Content parts read as text; input_image becomes an image part; others (files, audio) are
+# refused.
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
 
@@ -21,19 +22,42 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _text(content: Any, param: str) -> str:
+    parts = _parts(content, param, images=False)
+    return parts if isinstance(parts, str) else "".join(p["text"] for p in parts)
+
+
+def _parts(content: Any, param: str, images: bool = True) -> str | list[dict[str, Any]]:
+    """The content as text, or (with an ``input_image``) as chat content parts in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"{param} must be a string or an array of content parts", param)
-    texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if images and kind == "input_image":
+            parts.append(_image(part, f"{param}[{i}]"))
+        elif kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            served = "text and input_image" if images else "text"
             raise InvalidRequest(
-                f"{param}[{i}]: only text content parts are served (type {kind!r})", f"{param}[{i}]"
+                f"{param}[{i}]: only {served} content parts are served (type {kind!r})",
+                f"{param}[{i}]",
             )
-        texts.append(part["text"])
-    return "".join(texts)
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` as chat's image_url part (a file_id is not served: no Files images)."""
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise InvalidRequest(
+            f"{where}: an input_image needs image_url (file_id is not served)", where
+        )
+    return {"type": "image_url", "image_url": {"url": url, "detail": part.get("detail")}}
 
 
 def _string(item: dict, key: str, param: str) -> str:
@@ -64,7 +88,7 @@ def chat_messages(items: list[dict[str, Any]], param: str = "input") -> list[dic
             role = item.get("role")
             if role not in _ROLES:
                 raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}", where)
-            content = _text(item.get("content"), f"{where}.content")
+            content = _parts(item.get("content"), f"{where}.content")
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
             last = messages[-1] if messages else None
