@@ -28,7 +28,9 @@ def build_backend(settings: Settings):
     from llmq.common.cross_encoder import cross_encoder_config
     from llmq.common.model_loader import embedding_config, load_tokenizer
     from llmq.worker import preload
+    from llmq.worker.vision.families import refuse_unserved
 
+    refuse_unserved(settings.model)  # before anything loads: refused by name, not a traceback
     preloaded = preload.take(settings.model)  # `llmq worker --fork`: loaded before the fork
     tokenizer = preloaded.tokenizer if preloaded else load_tokenizer(settings.model)
     cross = cross_encoder_config(settings.model)
