@@ -9,7 +9,7 @@ variants; each figure is the median of its rounds. Three tables:
 - plain layers (no window, softcap or sinks), the tree's kernel over the baseline's: what a
   model without those features pays for them (1.00x: nothing);
 - windowed, softcapped and sinked layers: the kernel against the gathered torch path
-  (``attention_features``), as served before the kernel took them;
+  (``attention.featured_attention``), as served before the kernel took them;
 - a window against none at the same context: what skipping the keys out of it saves.
 
 Shapes: SmolLM2-135M's heads (9 query, 3 KV, dim 64), blocks of 16. Peak RSS and the CPU at
@@ -104,11 +104,15 @@ class Case:
         return lambda: fn(*args, **features)
 
     def torch_path(self, window: int, softcap: float | None, sinks: bool):
-        """``attention_features``' gathered decode path over the same pool and tables."""
+        """``featured_attention``'s gathered decode path over the same pool and tables."""
         import torch
 
-        from llmq.worker.runner.attention import DecodeChunk, KVPool, StepMetadata
-        from llmq.worker.runner.attention_features import _decode_chunk
+        from llmq.worker.runner.attention import (
+            DecodeChunk,
+            KVPool,
+            StepMetadata,
+            featured_decode_chunk,
+        )
 
         pool = KVPool(1, KV_HEADS, DIM, self.blocks, BLOCK, self.kv.dtype, torch.device("cpu"))
         pool.kv[0].copy_(self.kv)
@@ -123,7 +127,7 @@ class Case:
         out = torch.empty(n, HEADS, DIM, dtype=self.kv.dtype)
         step = StepMetadata(pool, torch.zeros(0, dtype=torch.long), n, [chunk], [])
         sink = self.sinks if sinks else None
-        return lambda: _decode_chunk(
+        return lambda: featured_decode_chunk(
             chunk, q_all, out, step.pool, 0, DIM**-0.5, window or None, softcap, sink
         )
 

@@ -81,9 +81,8 @@ def time_side(
         raise SystemExit(f"the kernels in {sources} did not build")
     if terms:
         cpu_kernels.set_activation_terms(terms)
-    from llmq.worker.runner.int6_linear import Q6KLinear
     from llmq.worker.runner.packed_linear import Linear
-    from llmq.worker.runner.quantized_linear import quantized_linear
+    from llmq.worker.runner.quantized_linear import Q6KLinear, quantized_linear
 
     def linear(weight, bits: str):  # 16: bfloat16 on the panel kernel (panel_matmul.cpp)
         if bits == "16":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from llmq.common.model_loader import _model_file, load_float32_auto
+from llmq.common.model_loader import load_float32_auto, model_file
 
 # Position ids of these start after the padding index: two fewer positions than the table has.
 _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"}
@@ -42,7 +42,7 @@ def _activation(config: dict) -> str:
 def cross_encoder_config(model: str) -> CrossEncoderConfig | None:
     """How to score with ``model`` when it is a sequence-classification checkpoint; None for
     any other model. ValueError for a classifier of more than one label (not a cross-encoder)."""
-    path = _model_file(model, "config.json")
+    path = model_file(model, "config.json")
     if path is None:
         return None
     with open(path) as f:

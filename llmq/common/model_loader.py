@@ -107,7 +107,7 @@ def _load_tokenizer(model: str):
         from llmq.common.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(Path(gguf[0]) / gguf[1])
-    if _model_file(model, "tokenizer.json") is not None:
+    if model_file(model, "tokenizer.json") is not None:
         try:
             return PreTrainedTokenizerFast.from_pretrained(model)
         except Exception as exc:  # an unusual tokenizer config: let AutoTokenizer handle it
@@ -179,7 +179,7 @@ def _causal_lm(
 def quantization_config(model: str) -> dict | None:
     """config.json's ``quantization_config`` (a checkpoint published quantized); None where
     there is none."""
-    path = _model_file(model, "config.json")
+    path = model_file(model, "config.json")
     if path is None:
         return None
     with open(path) as f:
@@ -187,15 +187,15 @@ def quantization_config(model: str) -> dict | None:
 
 
 def _weight_files(model: str) -> list[str]:
-    index = _model_file(model, "model.safetensors.index.json")
+    index = model_file(model, "model.safetensors.index.json")
     if index is None:
-        single = _model_file(model, "model.safetensors")
+        single = model_file(model, "model.safetensors")
         if single is None:
             raise ValueError(f"{model}: a quantized checkpoint is read from safetensors files")
         return [single]
     with open(index) as f:
         shards = sorted(set(json.load(f)["weight_map"].values()))
-    return [_model_file(model, shard) for shard in shards]
+    return [model_file(model, shard) for shard in shards]
 
 
 def load_quantized_checkpoint(
@@ -221,7 +221,7 @@ def load_quantized_checkpoint(
     lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
         None, config=config, state_dict=state, dtype=dtype
     )
-    if _model_file(model, "generation_config.json") is not None:
+    if model_file(model, "generation_config.json") is not None:
         lm.generation_config = GenerationConfig.from_pretrained(model)
     floats = sum(kernels.pop(k) for k in list(kernels) if not serves(k, device))
     if kernels:
@@ -263,7 +263,7 @@ class EmbeddingConfig:
     matryoshka: bool = False  # whether truncating the vector (`dimensions`) is meaningful
 
 
-def _model_file(model: str, name: str) -> str | None:
+def model_file(model: str, name: str) -> str | None:
     from transformers.utils import cached_file
 
     try:
@@ -280,7 +280,7 @@ def _model_file(model: str, name: str) -> str | None:
 def embedding_config(model: str) -> EmbeddingConfig | None:
     """The pooling setup of a sentence-transformers model (modules.json + its Pooling module);
     None for any other model."""
-    modules_path = _model_file(model, "modules.json")
+    modules_path = model_file(model, "modules.json")
     if modules_path is None:
         return None
     with open(modules_path) as f:
@@ -289,7 +289,7 @@ def embedding_config(model: str) -> EmbeddingConfig | None:
     for module in modules:
         kind = module.get("type", "")
         if kind.endswith("Pooling"):
-            path = _model_file(model, f"{module.get('path', '1_Pooling')}/config.json")
+            path = model_file(model, f"{module.get('path', '1_Pooling')}/config.json")
             if path:
                 with open(path) as f:
                     pooling = json.load(f)
@@ -305,11 +305,11 @@ def embedding_config(model: str) -> EmbeddingConfig | None:
                         break
         elif kind.endswith("Normalize"):
             cfg.normalize = True
-    st_path = _model_file(model, "sentence_bert_config.json")
+    st_path = model_file(model, "sentence_bert_config.json")
     if st_path:
         with open(st_path) as f:
             cfg.max_seq_length = json.load(f).get("max_seq_length")
-    readme = _model_file(model, "README.md")
+    readme = model_file(model, "README.md")
     if readme:
         with open(readme, errors="replace") as f:
             cfg.matryoshka = "matryoshka" in f.read().lower()

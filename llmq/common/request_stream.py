@@ -6,14 +6,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from llmq.common.errors import EngineFailure, LLMQError
+from llmq.common.placer import Placer
 from llmq.common.protocol import EngineRequest
+from llmq.common.request_output import OutputReader
 from llmq.common.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from llmq.common.transport import AsyncTransport
 
-if TYPE_CHECKING:
-    from llmq.common.pipeline import TokenGeneratorPipeline
+
+class StreamSource(Protocol):
+    """What a stream reads from its pipeline, named here so this module needs no import of it."""
+
+    transport: AsyncTransport
+    tokenizer: Any
+    placer: Placer | None
+    output: OutputReader
 
 
 @dataclass(slots=True)
@@ -38,7 +47,7 @@ class RequestStream:
 
     def __init__(
         self,
-        pipeline: TokenGeneratorPipeline,
+        pipeline: StreamSource,
         request: EngineRequest,
         queue: asyncio.Queue,
         stop: list[str],

@@ -5,8 +5,8 @@ id, so a run queued again after its worker died attaches to the request its firs
 (whose tokens survive in Redis) and replays the same text. Its events go to the response's
 event stream (common/background_responses.py); a re-run sends only what its first run had not
 (``Resumed``), with the same item ids, so a follower sees one uninterrupted stream. A lease
-keeps a second run off a response while one runs; ``redispatch_orphans`` (the batch
-supervisor's round) queues again a response whose run holds no lease.
+keeps a second run off a response while one runs; the batch supervisor's round
+(batch/supervisor.py) queues again a response whose run holds no lease.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from llmq.common.background_responses import (
     FINAL_EVENTS,
     FINAL_STATUSES,
     BackgroundResponses,
-    dispatch_background,
     is_final,
 )
 from llmq.common.errors import LLMQError
@@ -217,29 +216,3 @@ class BackgroundRun:
 @app.task(name=BACKGROUND_TASK, acks_late=True, reject_on_worker_lost=True)
 def run_background(response_id: str) -> dict:
     return asyncio.run(BackgroundRun(response_id).run())
-
-
-async def redispatch_orphans(
-    store: BackgroundResponses, settings: Settings, queued_grace: float = 60.0
-) -> list[str]:
-    """Background responses not finished whose run holds no lease (its worker died, or its
-    task was never picked up after a crash): queue their task again, one worker sending."""
-    sent = []
-    for raw in await store.r.smembers(store.active_key()):
-        response_id = raw.decode()
-        record = await store.load(response_id)
-        if record is None or is_final(record):
-            await store.r.srem(store.active_key(), response_id)
-            continue
-        started = record["response"]["status"] != "queued"
-        if not started and time.time() - record["response"]["created_at"] < queued_grace:
-            continue  # its first task may not be picked up yet
-        if await store.r.exists(store.lease_key(response_id)):
-            continue
-        if await store.r.set(store.lease_key(response_id) + ":sent", "1", nx=True, ex=30):
-            log.warning(
-                "background response %s has no running task; queueing it again", response_id
-            )
-            await asyncio.to_thread(dispatch_background, settings, response_id)
-            sent.append(response_id)
-    return sent

@@ -5,7 +5,7 @@ refused), its KV groups where it has sliding windows (``engine/kv_groups.py``), 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.kv_groups import KVLayout, kv_layout
@@ -13,10 +13,25 @@ from llmq.worker.engine.kv_sizing import KVPoolSize, kv_pool_size
 from llmq.worker.engine.windowed_blocks import WindowedBlockManager
 
 if TYPE_CHECKING:
-    from llmq.worker.llm_engine import EngineConfig
     from llmq.worker.runner.model_support import ModelFeatures
 
 log = logging.getLogger(__name__)
+
+
+class PoolConfig(Protocol):
+    """The engine settings the pool is sized and kept by (llm_engine.EngineConfig has them),
+    named here so that the engine imports this module and not the other way round."""
+
+    block_size: int
+    num_blocks: int | None
+    kv_cache_memory_gb: float | None
+    kv_cache_dtype: str
+    max_batch_size: int
+    max_batch_tokens: int
+    max_model_len: int | None
+    enable_prefix_caching: bool
+    prefix_cache_share: float | None
+
 
 # The prefix cache may always fill this fraction of the pool, however few blocks the busiest
 # moment used (block_manager.py): 1/16 of the SmolLM2-135M-shaped pool is 250 blocks, 90 MB,
@@ -49,7 +64,7 @@ def served_features(model) -> ModelFeatures:
 
 
 def kv_pool_and_layout(
-    model, config: EngineConfig, features: ModelFeatures
+    model, config: PoolConfig, features: ModelFeatures
 ) -> tuple[KVPoolSize, KVLayout | None]:
     """The pool for ``model`` under ``config``, its keys and values as wide as ``features``
     (what its attention calls showed) says, and its KV groups. A window counts only while it
@@ -87,7 +102,7 @@ def kv_pool_and_layout(
 
 
 def block_manager(
-    config: EngineConfig, num_blocks: int, layout: KVLayout | None, lazily_resident: bool
+    config: PoolConfig, num_blocks: int, layout: KVLayout | None, lazily_resident: bool
 ) -> BlockManager:
     """The block manager of the pool: one table per sequence, or one per KV group."""
     args = dict(

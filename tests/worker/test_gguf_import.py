@@ -29,10 +29,15 @@ from llmq.worker.runner.gguf_weights import (
     q6_k_weight,
     q8_0_weight,
 )
-from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.model_support import UnsupportedModel
 from llmq.worker.runner.quantize import QuantizedEmbedding
-from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear, int_kernel_available
+from llmq.worker.runner.quantized_linear import (
+    Int4Linear,
+    Int6Linear,
+    Int8Linear,
+    Q6KLinear,
+    int_kernel_available,
+)
 from tests.worker.gguf_writer import (
     MIXED_TYPES,
     Q,

@@ -11,12 +11,11 @@ import logging
 import threading
 import time
 
-from llmq.common.background_responses import BackgroundResponses
+from llmq.common.background_responses import BackgroundResponses, dispatch_background, is_final
 from llmq.common.celery_client import dispatch_batch
 from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import Settings, get_settings
 from llmq.common.store import FINAL_STATES, Store
-from llmq.worker.background import redispatch_orphans as redispatch_background
 
 log = logging.getLogger("llmq.batch")
 
@@ -43,6 +42,32 @@ async def redispatch_orphans(
             log.warning("batch %s has no running task; dispatching it again", batch_id)
             await asyncio.to_thread(dispatch_batch, settings, batch_id)
             sent.append(batch_id)
+    return sent
+
+
+async def redispatch_background(
+    store: BackgroundResponses, settings: Settings, queued_grace: float = 60.0
+) -> list[str]:
+    """Background responses not finished whose run holds no lease (its worker died, or its
+    task was never picked up after a crash): queue their task again, one worker sending."""
+    sent = []
+    for raw in await store.r.smembers(store.active_key()):
+        response_id = raw.decode()
+        record = await store.load(response_id)
+        if record is None or is_final(record):
+            await store.r.srem(store.active_key(), response_id)
+            continue
+        started = record["response"]["status"] != "queued"
+        if not started and time.time() - record["response"]["created_at"] < queued_grace:
+            continue  # its first task may not be picked up yet
+        if await store.r.exists(store.lease_key(response_id)):
+            continue
+        if await store.r.set(store.lease_key(response_id) + ":sent", "1", nx=True, ex=30):
+            log.warning(
+                "background response %s has no running task; queueing it again", response_id
+            )
+            await asyncio.to_thread(dispatch_background, settings, response_id)
+            sent.append(response_id)
     return sent
 
 

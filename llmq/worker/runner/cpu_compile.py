@@ -28,7 +28,7 @@ import time
 import torch
 
 from llmq.worker.runner.attention import KVPool, attend_gathered
-from llmq.worker.runner.decoder_forward import DecoderForward, _Layer
+from llmq.worker.runner.decoder_forward import DecoderForward, DecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class CompiledDecode:
         h: torch.Tensor,  # [B, hidden]
         cos: torch.Tensor,  # [B, 1, head_dim]
         sin: torch.Tensor,
-        layer: _Layer,
+        layer: DecoderLayer,
         cache: torch.Tensor,  # the layer's [2 * kv_heads, slots, head_dim] in the pool
         slots: torch.Tensor,  # [B]
         rows: torch.Tensor,  # the rows of every head's blocks in the cache's [-1, block] view
@@ -150,7 +150,7 @@ class CompiledDecode:
     ) -> torch.Tensor:
         bs = self.pool.block_size
 
-        def attend(layer: _Layer, query, key, value) -> torch.Tensor:
+        def attend(layer: DecoderLayer, query, key, value) -> torch.Tensor:
             return torch.ops.llmq.decode_attention(
                 query[0], key[0], value[0], cache, slots, rows, mask, bs, layer.scaling
             )

@@ -15,11 +15,10 @@ import torch
 
 from llmq.worker.runner.attention import StepMetadata
 from llmq.worker.runner.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
-from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.lora_linear import LoraLinear
 from llmq.worker.runner.lora_slots import StepAdapters
 from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout, Linear
-from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear
+from llmq.worker.runner.quantized_linear import Int4Linear, Int6Linear, Int8Linear, Q6KLinear
 
 _NO_TABLE = torch.zeros(0, 1, dtype=torch.int32)  # step_layers' tables without decodes
 _NO_CONTEXT = torch.zeros(0, dtype=torch.int32)
@@ -88,7 +87,7 @@ def _scales(projection) -> torch.Tensor | None:
 
 
 def kv_groups(step: StepMetadata) -> list[StepMetadata]:
-    """The step's KV groups' metadata (``group_steps.py``): one but for a model with sliding
+    """The step's KV groups' metadata (``step_metadata.py``): one but for a model with sliding
     windows, in the order of their first layer."""
     if step.layer_steps is None:
         return [step]

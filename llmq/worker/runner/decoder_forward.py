@@ -14,7 +14,7 @@ float32 greedy output stays equal to ``generate``.
 
 Each layer's attention gets what the model's own forward would pass it (its scale, sliding
 window, softcap) through the same paged attention (``attention.paged_attention``, and
-``attention_features`` for windows and softcaps). Models it does not know keep transformers'
+``attention.featured_attention`` for windows and softcaps). Models it does not know keep transformers'
 forward with the paged attention registered through ``AttentionInterface``.
 
 LoRA adapters (``lora_linear``) wrap the projections once the first one is loaded; a step with
@@ -66,7 +66,6 @@ __all__ = ["DecoderForward", "build_forward", "compiles", "supports"]
 # embedding and activation through the same ops (``kernels/small_step_ops.cpp``), larger ones
 # torch's.
 SMALL_STEP_OPS_TOKENS = 16
-_Layer = DecoderLayer  # the name cpu_compile.py knows
 
 # (layer, query [1, Hq, T, D], key [1, Hkv, T, D], value) -> attention output [..., T, Hq, D]
 Attend = Callable[[DecoderLayer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -262,6 +261,12 @@ class DecoderForward:
             return out
 
         return self.run(input_ids, positions, keep, attend)
+
+    def layers_changed(self) -> None:
+        """The layers' weights were replaced (quantized after build): the C++ step's view of
+        them is taken again."""
+        self._uniform_layers = decoder_cpp_step.serves_model(self.layers)
+        self._cpp_weights = None
 
     def _whole_step_in_cpp(self, step: StepMetadata, windows_hide: bool) -> bool:
         """Every layer in one C++ call (``kernels/step_layers.cpp``), bit-equal to this loop

@@ -49,14 +49,15 @@ from llmq.worker.runner.gguf_blocks import (
     q5_0_weight,
     q5_1_weight,
 )
-from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.model_support import UnsupportedModel
 from llmq.worker.runner.quantized_linear import (
     Int4Blocks,
     Int4Linear,
     Int6Blocks,
+    Int6Linear,
     Int8Linear,
     Int8Weight,
+    Q6KLinear,
     QuantizedLinear,
     int_kernel_available,
     quantized_linear,

@@ -18,18 +18,14 @@ from contextlib import contextmanager
 import torch
 
 from llmq.worker.engine.kv_groups import KVLayout
-from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
+from llmq.worker.engine.scheduler import SchedulerOutput
 from llmq.worker.engine.sequence import LoraRef
-from llmq.worker.runner import cpu_kernels, group_steps
+from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.attention import (
     ATTN_IMPLEMENTATION,
-    DecodeChunk,
-    DecodeTables,
     KVPool,
-    PrefillChunk,
     StepMetadata,
 )
-from llmq.worker.runner.decode_cuts import best_cuts
 from llmq.worker.runner.decoder_forward import build_forward, compiles, supports, take_attached
 from llmq.worker.runner.lora_linear import step_adapters
 from llmq.worker.runner.lora_weights import AdapterWeights
@@ -37,6 +33,7 @@ from llmq.worker.runner.malloc_tuning import tune_malloc
 from llmq.worker.runner.model_support import ModelFeatures, model_dims, pool_dims
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
+from llmq.worker.runner.step_metadata import StepBuilder
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +104,21 @@ class ModelRunner:
             )
         self.compiled = self._compiled_decode() if use_compile else None
         self.decode_kernel = self._use_kernels(kernels, self.pool.head_dim)
-        self._arange = torch.arange(0, device=self.device)
-        self._no_mask = torch.zeros((1, 1, 1), dtype=self.dtype, device=self.device)
+        self.steps = self._step_builder(max_model_len)
+
+    def _step_builder(self, max_model_len: int) -> StepBuilder:
+        """Each step's attention metadata, built once per step (``step_metadata.py``)."""
+        return StepBuilder(
+            self.pool,
+            self.dtype,
+            self.device,
+            self.block_size,
+            self.windows,
+            self.featured,
+            max_model_len,
+            self.scratch_slot,
+            self.layout,
+        )
 
     def _build_forward(self, fast_forward: bool, pack_weights: bool, kernels: bool) -> None:
         """llmq's forward (or None: transformers'), built here unless one was built ahead."""
@@ -162,11 +172,6 @@ class ModelRunner:
             compiled.warm_up()
         return compiled
 
-    def _positions(self, n: int) -> torch.Tensor:
-        if self._arange.numel() < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.numel()), device=self.device)
-        return self._arange[:n]
-
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, adapters: Mapping[LoraRef, AdapterWeights] | None = None
@@ -195,7 +200,7 @@ class ModelRunner:
         return self._run_packed(batch)
 
     def _run_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, list[int], list[PromptRows]]:
-        meta = self._step_metadata(batch)
+        meta = self.steps.build(batch, self.decode_kernel and bool(batch.decodes))
         keep_rows = torch.tensor(batch.keep, dtype=torch.long, device=self.device)
         with self._threads_for(len(batch.input_ids)):
             logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta)
@@ -217,64 +222,6 @@ class ModelRunner:
         """Decodes only, every one sampling (no prompt logprobs)."""
         decodes = batch.decodes
         return bool(decodes) and not batch.prefills and len(batch.keep) == len(decodes)
-
-    def _step_metadata(self, batch: PackedBatch) -> StepMetadata:
-        """What the attention layers read: cache slots, decode chunks, prefill chunks."""
-        kernel = self.decode_kernel and bool(batch.decodes)
-        if self.layout is not None:
-            return group_steps.step_metadata(self, batch, kernel)
-        return StepMetadata(
-            pool=self.pool,
-            slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=self.device),
-            num_decodes=len(batch.decodes),
-            decode_chunks=self._decode_chunks(batch.decodes)
-            if batch.decodes and not kernel
-            else [],
-            prefills=[self._prefill_chunk(item, q_start) for item, q_start in batch.prefills],
-            decode_tables=self._decode_tables(batch.decodes) if kernel else None,
-            windows=self.windows,
-            max_model_len=self.max_model_len,
-        )
-
-    def _decode_tables(self, items: list[ScheduledSequence]) -> DecodeTables:
-        """Every decode's block table (padded to the longest) and context length."""
-        bs = self.block_size
-        contexts = [item.start + 1 for item in items]
-        widest = -(-max(contexts) // bs)
-        rows = []
-        for item, ctx in zip(items, contexts, strict=True):
-            n = -(-ctx // bs)
-            rows.append(item.seq.block_table[:n] + [0] * (widest - n))
-        return DecodeTables(
-            block_tables=torch.tensor(rows, dtype=torch.int32),
-            context_lens=torch.tensor(contexts, dtype=torch.int32),
-        )
-
-    def _prefill_chunk(self, item: ScheduledSequence, q_start: int) -> PrefillChunk:
-        dev = self.device
-        ctx_len = item.start + item.num_new_tokens
-        n_blocks = -(-ctx_len // self.block_size)
-        mask = None
-        window_masks = None
-        if item.start or self.featured:
-            # Additive, in the model's dtype: SDPA on CPU takes it as is (a bool mask it
-            # first converts). Query i sits at position start + i and sees keys 0..start+i.
-            q_pos = self._positions(ctx_len)[item.start :]
-            k_pos = self._positions(ctx_len)[None, :]
-            mask = _additive(k_pos > q_pos[:, None], self.dtype)
-            # A window of W: keys more than W - 1 positions before the query are hidden too.
-            window_masks = {
-                w: _additive((k_pos > q_pos[:, None]) | (k_pos <= q_pos[:, None] - w), self.dtype)
-                for w in self.windows
-            }
-        return PrefillChunk(
-            q_start=q_start,
-            q_len=item.num_new_tokens,
-            ctx_len=ctx_len,
-            block_ids=torch.tensor(item.seq.block_table[:n_blocks], device=dev),
-            mask=mask,
-            window_masks=window_masks,
-        )
 
     @contextmanager
     def _threads_for(self, num_tokens: int) -> Iterator[None]:
@@ -330,67 +277,3 @@ class ModelRunner:
                 llmq_step=meta,
             ).logits[0]
         return logits
-
-    def _decode_chunks(self, items: list[ScheduledSequence]) -> list[DecodeChunk]:
-        """Cut the decodes (sorted by context) into chunks, each gathered up to its own longest
-        context; where to cut minimizes gathered slots plus a fixed cost per chunk."""
-        bs = self.block_size
-        ctxs = [item.start + 1 for item in items]
-        nbs = [-(-c // bs) for c in ctxs]
-        # Runs of equal block counts: a cut inside one never saves anything.
-        ends: list[int] = []  # end row of each run
-        for i in range(1, len(nbs)):
-            if nbs[i] != nbs[i - 1]:
-                ends.append(i)
-        ends.append(len(nbs))
-        cuts = best_cuts(ends, nbs, bs)
-
-        dev = self.device
-        chunks: list[DecodeChunk] = []
-        start = 0
-        for end in cuts:
-            nb = nbs[end - 1]
-            flat: list[int] = []
-            for item, n_i in zip(items[start:end], nbs[start:end], strict=True):
-                table = item.seq.block_table
-                flat.extend(table[:n_i])
-                if n_i < nb:
-                    flat.extend([0] * (nb - n_i))
-            chunk_ctx = ctxs[start:end]
-            if chunk_ctx[0] == nb * bs:  # sorted: the shortest is first; no padding at all
-                mask = self._no_mask
-            else:
-                ctx = torch.tensor(chunk_ctx, device=dev)
-                mask = self._decode_mask(self._positions(nb * bs)[None, :] >= ctx[:, None])
-            chunks.append(
-                DecodeChunk(
-                    start=start,
-                    end=end,
-                    num_blocks=nb,
-                    block_ids=torch.tensor(flat, dtype=torch.long, device=dev),
-                    mask=mask,
-                    window_masks=self._decode_window_masks(chunk_ctx, nb * bs),
-                )
-            )
-            start = end
-        return chunks
-
-    def _decode_mask(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[sequences, keys] hidden -> additive, one row per (kv head, sequence), as the
-        attention batches them: [Hkv * sequences, 1, keys]."""
-        return _additive(hidden, self.dtype).repeat(self.pool.num_kv_heads, 1).unsqueeze(1)
-
-    def _decode_window_masks(self, contexts: list[int], width: int) -> dict | None:
-        """Per sliding window, the decode mask that also hides the keys out of it: the query
-        sits at position ctx - 1 and sees ctx - W .. ctx - 1."""
-        if not self.windows:
-            return None
-        ctx = torch.tensor(contexts, device=self.device)[:, None]
-        k_pos = self._positions(width)[None, :]
-        return {w: self._decode_mask((k_pos >= ctx) | (k_pos < ctx - w)) for w in self.windows}
-
-
-def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An additive mask: -inf where ``hidden``, 0 elsewhere."""
-    mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
-    return mask.masked_fill_(hidden, float("-inf"))

@@ -34,7 +34,7 @@ INERT_KWARGS = frozenset(
         "llmq_step",
     }
 )
-# Those the paged attention implements (attention.py, attention_features.py).
+# Those the paged attention implements (attention.py).
 IMPLEMENTED_KWARGS = frozenset({"scaling", "sliding_window", "softcap", "s_aux"})
 
 

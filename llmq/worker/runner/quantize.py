@@ -32,14 +32,14 @@ from typing import Literal
 
 import torch
 
-from llmq.worker.runner import decoder_cpp_step, mapped_pages
+from llmq.worker.runner import mapped_pages
 from llmq.worker.runner.dynamic_quantized import Fp8Linear, Int8DynamicLinear
-from llmq.worker.runner.int6_linear import Int6Linear
 from llmq.worker.runner.malloc_tuning import return_freed_memory
 from llmq.worker.runner.quantized_linear import (
     GROUP,
     Int4Blocks,
     Int6Blocks,
+    Int6Linear,
     Int8Linear,
     Int8Weight,
     QuantizedLinear,
@@ -241,8 +241,7 @@ def finish_quantization(forward, quantizer, scheme: str | BitsPlan) -> None:
     forward.layout = scheme if isinstance(scheme, str) else "int4"
     forward.packed = True  # small steps take the worker's threads, as packed weights do
     # step_layers.cpp runs int8 and int4 projections on the same kernels as the Python loop.
-    forward._uniform_layers = decoder_cpp_step.serves_model(forward.layers)
-    forward._cpp_weights = None
+    forward.layers_changed()
     return_freed_memory()
     log.info("weights quantized (%s): %.0f MiB", forward.layout, quantized_bytes(forward) / 2**20)
 

@@ -203,7 +203,7 @@ class Int4Blocks:
 class Int6Blocks(Int4Blocks):
     """``Int4Blocks`` with q in 0..63: the tensors a 4-bit model keeps at more bits (as Q4_K_M
     keeps them in Q6_K), 6.625 bits a weight against the 8.5 of ``Int8Weight`` in groups of 32
-    (``int6_linear``)."""
+    (``quantized_linear.Int6Linear``)."""
 
     LEVELS: ClassVar[int] = 63
 
@@ -215,7 +215,7 @@ class Int6Blocks(Int4Blocks):
 class Q6KBlocks:
     """llama.cpp's Q6_K as its files hold it: ``w = d * sc * (q - 32)``, q [N, K] in 0..63 (a
     byte each here), d float16 per super-block of 256 values [N, K / 256], sc int8 per
-    sub-block of 16 [N, K / 16]: 6.5625 bits a weight, on the 6-bit kernel (``int6_linear``).
+    sub-block of 16 [N, K / 16]: 6.5625 bits a weight, on the 6-bit kernel (``quantized_linear.Int6Linear``).
     Read from GGUF files only (nothing is quantized to it here)."""
 
     q: torch.Tensor

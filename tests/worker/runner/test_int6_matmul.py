@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.int6_linear import Int6Linear, Q6KLinear
 from llmq.worker.runner.quantized_linear import (
+    Int6Linear,
     Int8Linear,
+    Q6KLinear,
     int_kernel_available,
     quantized_linear,
 )

@@ -1,7 +1,7 @@
 """llmq's C++ decode attention (``kernels/paged_decode.cpp``) against attention written out in
 float64 over the same pool: ragged contexts, grouped query heads, odd block sizes, strided
 queries, and the serial and the parallel split of its work; sliding windows, softcapping and
-sinks, alone and together; and against the torch path of ``attention_features`` on the layers
+sinks, alone and together; and against the torch path of ``featured_attention`` on the layers
 that ask for them (MLA's key and value widths included)."""
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.attention import DecodeChunk, DecodeTables, KVPool, StepMetadata
-from llmq.worker.runner.attention_features import featured_attention
+from llmq.worker.runner.attention import (
+    DecodeChunk,
+    DecodeTables,
+    KVPool,
+    StepMetadata,
+    featured_attention,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -256,7 +261,7 @@ def decode_step(pool: KVPool, rows: list[list[int]], contexts: list[int], window
 def test_the_featured_layers_decode_as_the_torch_path(
     heads, kv_heads, key_dim, value_dim, window, softcap, sinks
 ):
-    """``attention_features.featured_attention``, decodes by the kernel against the gathered
+    """``attention.featured_attention``, decodes by the kernel against the gathered
     torch path over the same pool: within float32 rounding."""
     g = torch.Generator().manual_seed(5)
     bs, contexts = 16, [1, 7, 8, 9, 16, 17, 40, 70]

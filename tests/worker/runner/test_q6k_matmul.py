@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.int6_linear import Q6KLinear
-from llmq.worker.runner.quantized_linear import int_kernel_available
+from llmq.worker.runner.quantized_linear import Q6KLinear, int_kernel_available
 from llmq.worker.runner.quantized_weights import Q6KBlocks
 from tests.worker.runner.test_int_matmul import assert_near_reference, quantized_rows
 
