@@ -148,6 +148,7 @@ def _include_routes(app: FastAPI) -> None:
         health,
         message_batches_routes,
         messages_routes,
+        model_admin_routes,
         models_routes,
         ollama_routes,
         playground,
@@ -161,6 +162,7 @@ def _include_routes(app: FastAPI) -> None:
     keyed = (models_routes, completions_routes, responses_routes, embeddings_routes, rerank_routes)
     keyed += (adapter_routes,)
     keyed += (message_batches_routes,)
+    keyed += (model_admin_routes,)
     for routes in (*keyed, messages_routes, ollama_routes, batches_routes, tokenizer_routes):
         app.include_router(routes.router, dependencies=[Depends(require_api_key)])
 

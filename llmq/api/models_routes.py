@@ -1,5 +1,5 @@
-"""GET /v1/models and /v1/models/{id}: the models live workers serve, and those workers are
-loading."""
+"""GET /v1/models and /v1/models/{id}: the models live workers serve, those workers are
+loading, and the catalogue's (``state``: ready, loading or available; ``workers`` holding it)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 
 from llmq.common.errors import ModelNotFound
 from llmq.common.generation.model_cards import loading_card_named, with_loading
+from llmq.common.generation.responses import ModelList
 
 router = APIRouter()
 
@@ -15,7 +16,8 @@ router = APIRouter()
 async def list_models(request: Request) -> dict:
     service = request.app.state.service
     loading = await service.registry.loading()
-    return with_loading(await service.models(), loading).model_dump()
+    listed = with_loading(await service.models(), loading)
+    return (await service.registry.on_demand.cards(listed, loading)).model_dump()
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -24,7 +26,11 @@ async def get_model(model_id: str, request: Request) -> dict:
     try:
         return (await service.model(model_id)).model_dump()
     except ModelNotFound:
-        card = loading_card_named(model_id, await service.registry.loading())
+        loading = await service.registry.loading()
+        card = loading_card_named(model_id, loading)
+        if card is None:  # a catalogue model no worker holds
+            listed = await service.registry.on_demand.cards(ModelList(data=[]), loading)
+            card = next((c for c in listed.data if c.id == model_id.removesuffix(":latest")), None)
         if card is None:
             raise
         return card.model_dump()

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from llmq.api.errors import register_error_shape
 from llmq.api.streaming import SHUTDOWN_DRAIN_S, whole_answer
+from llmq.common.catalogue import expires_at
 from llmq.common.errors import LLMQError, ServerShuttingDown
 from llmq.common.generation.ollama_api.models import OLLAMA_VERSION, ModelDetails, TagModel
 from llmq.common.generation.ollama_api.objects import rfc3339
@@ -111,9 +112,14 @@ async def tags(request: Request) -> dict:
     what it has, loaded or not, and a client that lists once at its start finds its model."""
     listed = await _ollama(request).tags()
     names = {m.name for m in listed.models}
-    for record in await request.app.state.registry.loading():
+    registry = request.app.state.registry
+    for record in await registry.loading():
         if record["model"] not in names:
             listed.models.append(loading_tag(record))
+            names.add(record["model"])
+    for name, entry in (await registry.on_demand.catalogue()).items():
+        if name not in names:  # Ollama lists every model it has, loaded or not
+            listed.models.append(loading_tag({"model": name, "since": 0, **entry}))
     listed.models.sort(key=lambda m: m.name)
     return listed.model_dump()
 
@@ -140,7 +146,18 @@ def loading_tag(record: dict) -> TagModel:
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict:
-    return (await _ollama(request).ps()).model_dump()
+    """What is loaded; a catalogue model's ``expires_at`` is when its keep-alive runs out
+    (Ollama's far future for one kept for good or running a request)."""
+    loaded = await _ollama(request).ps()
+    on_demand = request.app.state.registry.on_demand
+    catalogue = await on_demand.catalogue()
+    if catalogue:
+        residents = await on_demand.residents()
+        for model in loaded.models:
+            until = expires_at(residents, model.name) if model.name in catalogue else None
+            if until is not None:
+                model.expires_at = rfc3339(until)
+    return loaded.model_dump()
 
 
 @router.post("/api/show")

@@ -11,11 +11,13 @@ import logging
 import time
 from pathlib import Path
 
+from llmq.common.catalogue import keep_alive_seconds
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest, ModelNotFound, ModelNotSupported, Unavailable
 from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.model_ids import alias_candidates, resolve_alias
 from llmq.common.model_loader import load_tokenizer
+from llmq.common.on_demand import OnDemand
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.settings import Settings
 from llmq.common.tenants import current_owner
@@ -33,6 +35,8 @@ class ModelRegistry:
         self._loading: dict[str, asyncio.Future] = {}
         self._known: tuple[float, dict[str, dict]] = (0.0, {})
         self._adapters: tuple[float, dict[str, AdapterRecord]] = (0.0, {})
+        keep = keep_alive_seconds(settings.keep_alive, 300.0)
+        self.on_demand = OnDemand(transport.r, transport.keys, keep, settings.request_timeout)
         # Engines' heartbeats, shared by all pipelines (one SCAN per second at most).
         self._probe = self._new_pipeline(None, self.default_name)
 
@@ -85,27 +89,50 @@ class ModelRegistry:
         return self.default_name
 
     async def get(
-        self, name: str | None, kind: str | tuple[str, ...] = "generate"
+        self,
+        name: str | None,
+        kind: str | tuple[str, ...] = "generate",
+        keep_alive: float | None = None,
     ) -> tuple[TokenGeneratorPipeline, EngineStatus]:
         """The pipeline and a live engine for a model: 404 for a model no worker has served,
         503 when its workers are all gone, 400 for the wrong kind of model (``kind``: generate,
-        embed or score, or a tuple of those accepted)."""
+        embed or score, or a tuple of those accepted). A catalogue model no worker holds is
+        loaded first (``keep_alive``: how long it stays loaded after this request)."""
         name = name or await self.default_model()
         known = await self.known()
         if name not in known:
             known = await self.transport.known_models()
             self._known = (time.monotonic(), known)
-        if name not in known:
+        catalogue = await self.on_demand.catalogue()
+        if name not in known and name not in catalogue:
             adapter = await self.adapter(name)
             if adapter is not None:
                 pipeline, engine = await self.get(adapter.base, kind)
                 return pipeline.for_adapter(adapter), engine
-            name = await self._alias(name, known)
+            name = await self._alias(name, {**catalogue, **known})
+        if name in catalogue:
+            return await self._on_demand(name, catalogue[name]["source"], kind, keep_alive)
         refused = known[name].get("refused")
         if refused and not any(e.model == name for e in await self.engines()):
             raise ModelNotSupported(f"the model {name!r} is not served: {refused}", "model")
         engine = await self._probe.require_engine(name, kind)
         return await self._pipeline(name, known[name].get("source") or name), engine
+
+    async def _on_demand(
+        self, name: str, source: str, kind, keep_alive: float | None
+    ) -> tuple[TokenGeneratorPipeline, EngineStatus]:
+        """A catalogue model's pipeline and engine, loaded by a worker first where none holds
+        it (the API's tokenizer loads meanwhile)."""
+        await self.on_demand.keep(name, keep_alive)
+        if any(e.model == name for e in await self.engines()):
+            return await self._pipeline(name, source), await self._probe.require_engine(name, kind)
+        pipeline = asyncio.ensure_future(self._pipeline(name, source))
+        try:
+            engine = await self.on_demand.load(name, self._probe, kind)
+        except BaseException:
+            pipeline.cancel()
+            raise
+        return await pipeline, engine
 
     async def _alias(self, name: str, known: dict[str, dict]) -> str:
         """The served model a short id or a source names; 404 for none, 400 for several."""

@@ -58,9 +58,11 @@ def run(args: argparse.Namespace) -> int:
     )
     from llmq.common.settings import get_settings
 
-    announced: LoadingAnnouncement | None = LoadingAnnouncement(
-        get_settings(), _worker_name(args.fork, 0)
-    )
+    if get_settings().catalogue and args.fork > 1:
+        args.parser.error("--fork shares one model's load: not with LLMQ_CATALOGUE")
+    announced: LoadingAnnouncement | None = None
+    if not get_settings().catalogue:  # with one, each load on demand is announced as it runs
+        announced = LoadingAnnouncement(get_settings(), _worker_name(args.fork, 0))
     index, children = _fork_workers(args.fork, announced) if args.fork > 1 else (0, [])
     if index > 0:
         announced = None  # the parent's, not this forked worker's

@@ -67,6 +67,12 @@ class EngineStep(bootsteps.StartStopStep):
     def start(self, worker) -> None:
         settings = get_settings()
         name = settings.worker_name or worker.hostname or f"{socket.gethostname()}:{id(worker)}"
+        if settings.catalogue:  # no model of its own: those requests name, loaded on demand
+            from llmq.worker.model_manager import start_manager
+
+            self.loop = start_manager(settings, name)
+            self._start_supervisor()
+            return
         built = threading.Event()
         failure: list[BaseException] = []
 
@@ -100,6 +106,9 @@ class EngineStep(bootsteps.StartStopStep):
                 raise SystemExit(1)
             raise failure[0]
         log.info("engine loop started as %s", name)
+        self._start_supervisor()
+
+    def _start_supervisor(self) -> None:
         from llmq.worker.batch.supervisor import supervise
 
         threading.Thread(

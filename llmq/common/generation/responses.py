@@ -219,18 +219,21 @@ class EmbeddingList(WireModel):
 
 # ---- models ----------------------------------------------------------------------------------
 class ModelCard(WireModel):
-    omit_if_none = frozenset({"random_weights", "parent", "max_model_len", "kind"})
+    omit_if_none = frozenset({"random_weights", "parent", "max_model_len", "kind", "workers"})
 
     id: str
     object: str = "model"
     created: int
     owned_by: str = "llmq"
     root: str
-    state: str = "ready"  # or "loading": a worker loads it; its limits are not known yet
+    # or "loading": a worker loads it, its limits not known yet; or "available": a catalogue
+    # model no worker holds, loaded by the first request that names it
+    state: str = "ready"
     max_model_len: int | None = None
     kind: str | None = None
     random_weights: bool | None = None  # only for a demo model's random weights
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+    workers: list[str] | None = None  # a catalogue model's: the workers holding it
 
 
 class ModelList(WireModel):

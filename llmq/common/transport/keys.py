@@ -35,6 +35,11 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
 - ``{p}:models``                   hash: every model a worker has served -> JSON source, kind
 - ``{p}:loading``                  hash: worker -> JSON model, source, since, until: a worker
                                    loading its model (renewed until it serves or dies)
+- ``{p}:catalogue``, ``{p}:wanted``, ``{p}:load:{model}``, ``{p}:load_failed``,
+  ``{p}:keep_alive``, ``{p}:resident``, ``{p}:unload``
+                                   models on demand (``common/catalogue``): what may load, what
+                                   requests wait for, who loads it, failed loads, keep-alives,
+                                   what workers hold, unloads asked for
 - ``{p}:loras``                    hash: every LoRA adapter offered -> JSON base model, folder,
                                    owner (``common/lora_adapters.AdapterRecord``)
 - ``{p}:files:{id}``, ``{p}:files:{id}:content``, ``{p}:files:expiry``
@@ -215,6 +220,40 @@ class Keys:
         """Hash: worker -> JSON {model, source, since, until} while it loads its model (until:
         when the announcement runs out unless renewed)."""
         return f"{self._g}:loading"
+
+    @property
+    def catalogue(self) -> str:
+        """Hash: model a worker may load on demand -> JSON {source, size}."""
+        return f"{self._g}:catalogue"
+
+    @property
+    def wanted(self) -> str:
+        """Hash: model a request waits for and no worker holds -> JSON {since, until}."""
+        return f"{self._g}:wanted"
+
+    def load_claim(self, model: str) -> str:
+        """String (TTL, renewed while loading): the worker loading ``model``."""
+        return f"{self._g}:load:{model}"
+
+    @property
+    def load_failed(self) -> str:
+        """Hash: model whose last load failed -> JSON {error, at, worker}."""
+        return f"{self._g}:load_failed"
+
+    @property
+    def keep_alive(self) -> str:
+        """Hash: model -> seconds it stays loaded after its last request (-1: for good)."""
+        return f"{self._g}:keep_alive"
+
+    @property
+    def resident(self) -> str:
+        """Hash: engine -> JSON {model, worker, size, expires_at}: models loaded on demand."""
+        return f"{self._g}:resident"
+
+    @property
+    def unload(self) -> str:
+        """Hash: model -> time an unload was asked for (workers unload it once idle)."""
+        return f"{self._g}:unload"
 
 
 # ARGV[12]: the worker placement chose for it ('' none: whichever reads it first).

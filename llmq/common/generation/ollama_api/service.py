@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from llmq.common.catalogue import keep_alive_seconds
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.model_cards import find_model
 from llmq.common.generation.ollama_api.chunks import OllamaLines, Surface
@@ -34,8 +35,18 @@ from llmq.common.generation.reasoning import chat_format
 from llmq.common.generation.request_bodies import EmbeddingRequest
 from llmq.common.generation.responses import WireModel
 from llmq.common.generation.service import GenerationService
+from llmq.common.on_demand import requested_keep_alive
 
 _LATEST = ":latest"
+
+
+def keep_alive(body: GenerationBody) -> float | None:
+    """The body's keep_alive in seconds (-1: for good), None where it gives none; 400 for a
+    value that is no duration."""
+    try:
+        return keep_alive_seconds(body.keep_alive, None)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "keep_alive") from None
 
 
 class EmbedAnswer(WireModel):
@@ -62,9 +73,22 @@ class OllamaService:
     async def _prepared(self, body: GenerationBody, kind: str = "generate") -> tuple[str, bool]:
         """The body's model resolved (404 if unknown), and whether it has a reasoning parser."""
         body.model = await self.model_name(body.model)
+        requested_keep_alive.set(keep_alive(body))
         pipeline, engine = await self.registry.get(body.model, kind)
         body.model = engine.model
         return engine.model, chat_format(pipeline.tokenizer) is not None
+
+    async def _unload(self, surface: Surface, body: GenerationBody) -> WireModel | None:
+        """Ollama's answer to nothing to generate with keep_alive 0: the model unloaded (a
+        catalogue model's workers unload it once idle); None for any other request."""
+        if keep_alive(body) != 0 or not body.model:
+            return None
+        name = await self.model_name(body.model)
+        catalogue = await self.registry.on_demand.catalogue()
+        if name not in catalogue:
+            return None
+        await self.registry.on_demand.unload(name)
+        return OllamaLines(surface, name, Timings()).line("", done=True, done_reason="unload")
 
     def _load(self, surface: Surface, model: str) -> WireModel:
         """Ollama's answer to a request with nothing to generate: the model is loaded."""
@@ -72,6 +96,8 @@ class OllamaService:
 
     async def chat(self, body: ChatBody) -> OllamaRun | WireModel:
         timings = Timings()
+        if not body.messages and (unloaded := await self._unload("chat", body)):
+            return unloaded
         model, reasons = await self._prepared(body)
         if not body.messages:
             return self._load("chat", model)
@@ -81,6 +107,8 @@ class OllamaService:
 
     async def generate(self, body: GenerateBody) -> OllamaRun | WireModel:
         timings = Timings()
+        if not body.prompt and (unloaded := await self._unload("generate", body)):
+            return unloaded
         model, reasons = await self._prepared(body)
         if not body.prompt:
             return self._load("generate", model)

@@ -1,0 +1,354 @@
+"""A worker of LLMQ_CATALOGUE: models loaded on demand, up to a memory budget, unloaded after
+their keep-alive (``common/catalogue`` has the protocol).
+
+The manager's thread ticks every ``TICK_S``: it publishes the catalogue and what this worker
+holds (``resident``), unloads models whose keep-alive ran out or whose unload was asked for,
+and takes a wish (``wanted``) it has room for: it claims the load, evicts the least recently
+used idle models it must, and loads. Each loaded model is an engine loop of its own (named
+``{worker}/{model}``), on a thread of its own that loads it and then runs it, as the worker's
+single engine does; its heartbeat, queue and crash recovery are those of any engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from llmq.common.catalogue import (
+    FOREVER,
+    Entry,
+    decode,
+    fresh_residents,
+    keep_alive_seconds,
+    scan,
+)
+from llmq.common.redis_clients import engine_client, keys_for
+from llmq.common.settings import Settings
+from llmq.common.transport.keys import as_text
+
+log = logging.getLogger("llmq.worker.models")
+
+TICK_S = 0.1
+CLAIM_TTL_MS = 5000  # a load's claim lapses this long after its worker died
+RENEW_S = 1.0
+RESCAN_S = 30.0
+# A worker that must evict to load leaves a wish this long to workers with free room.
+EVICT_DEFER_S = 0.3
+LOADING_VALID_S = 10.0
+
+
+@dataclass
+class Held:
+    entry: Entry
+    loop: object  # the model's EngineLoop
+    thread: threading.Thread
+    loaded_at: float
+    last_busy: float = field(default_factory=time.time)
+
+    def busy(self) -> bool:
+        return bool(self.loop.active)
+
+
+class ModelManager:
+    def __init__(self, settings: Settings, worker: str):
+        self.settings, self.worker = settings, worker
+        self.client = engine_client(settings.redis_url_or_default(), settings.redis_sentinel_master)
+        self.keys = keys_for(settings)
+        self.budget = int(settings.model_memory_mb * (1 << 20))
+        self.default_keep_alive = keep_alive_seconds(settings.keep_alive, 300.0)
+        self.catalogue: dict[str, Entry] = {}
+        self.held: dict[str, Held] = {}
+        self.loading: str | None = None
+        self.seen: dict[str, float] = {}  # wish -> when this worker first saw it
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="llmq-models", daemon=True)
+        self._scanned = 0.0
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self.warm_imports()
+        self.rescan()
+        log.info(
+            "serving models on demand: %d in the catalogue, budget %s",
+            len(self.catalogue),
+            f"{self.budget / 2**20:.0f} MB" if self.budget else "unlimited",
+        )
+        self.thread.start()
+
+    @staticmethod
+    def warm_imports() -> None:
+        """What every load needs imported, at start: the first load then takes the time a
+        model's own load takes (the imports alone took 20 s on a busy 2-core host)."""
+        started = time.monotonic()
+        import torch  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        import llmq.worker.llm_engine  # noqa: F401
+        import llmq.worker.service  # noqa: F401
+
+        log.info("load phase: libraries imported in %.2f s", time.monotonic() - started)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop taking wishes; every loaded model's loop drains (``grace``) and stops."""
+        self.stopping.set()
+        self.thread.join(30)
+        for held in list(self.held.values()):
+            held.loop.stop(grace)
+        for held in list(self.held.values()):
+            held.thread.join((grace or 0) + 5)
+        try:
+            self.client.hdel(self.keys.resident, self.worker)
+        except Exception as exc:
+            log.debug("resident record not withdrawn: %s", exc)
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # Redis away: keep trying, the engines do too
+                log.warning("model manager: %s", exc)
+                self.stopping.wait(1.0)
+            self.stopping.wait(TICK_S)
+
+    # ---- one tick ------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.time()
+        if now - self._scanned > RESCAN_S:
+            self.rescan()
+        self._drop_dead()
+        self._expire(now)
+        self.publish(now)
+        wishes = decode(self.client.hgetall(self.keys.wanted))
+        for model in sorted(wishes, key=lambda m: wishes[m].get("since", 0)):
+            if self._take(model, wishes[model], now):
+                break
+        self.seen = {m: t for m, t in self.seen.items() if m in wishes}
+
+    def rescan(self) -> None:
+        self._scanned = time.time()
+        self.catalogue = scan(self.settings.catalogue)
+        if self.catalogue:
+            self.client.hset(
+                self.keys.catalogue, mapping={n: e.to_json() for n, e in self.catalogue.items()}
+            )
+
+    def held_bytes(self) -> int:
+        return sum(h.entry.size for h in self.held.values())
+
+    def keep_alive(self, model: str) -> float:
+        raw = self.client.hget(self.keys.keep_alive, model)
+        try:
+            return float(raw) if raw is not None else self.default_keep_alive
+        except ValueError:
+            return self.default_keep_alive
+
+    def publish(self, now: float) -> None:
+        """This worker's resident record: what it holds and until when, its budget."""
+        models = {}
+        for name, held in self.held.items():
+            keep = self.keep_alive(name)
+            until = None if keep == FOREVER or held.busy() else held.last_busy + keep
+            models[name] = {
+                "size": held.entry.size,
+                "expires_at": until,
+                "since": held.loaded_at,
+                "last_used": held.last_busy,
+                "busy": held.busy(),
+            }
+        record = {
+            "models": models,
+            "budget": self.budget,
+            "held": self.held_bytes(),
+            "loading": self.loading,
+            "updated": now,
+        }
+        self.client.hset(self.keys.resident, self.worker, json.dumps(record))
+
+    # ---- unloading -----------------------------------------------------------------------
+    def _drop_dead(self) -> None:
+        for name, held in list(self.held.items()):
+            if not held.thread.is_alive():
+                log.error("the engine loop of %s stopped; the model is dropped", name)
+                self.held.pop(name)
+
+    def _idle(self, name: str, held: Held, now: float) -> bool:
+        """Nothing running and nothing queued for it (its stream empty: finished entries are
+        deleted), as of now."""
+        if held.busy():
+            held.last_busy = now
+            return False
+        if self.client.xlen(self.keys.for_model(name).requests(name)) > 0:
+            held.last_busy = now
+            return False
+        return True
+
+    def _expire(self, now: float) -> None:
+        asked = {as_text(k): float(v) for k, v in self.client.hgetall(self.keys.unload).items()}
+        for name, held in list(self.held.items()):
+            if not self._idle(name, held, now):
+                continue
+            keep = self.keep_alive(name)
+            if name in asked and asked[name] >= held.loaded_at:
+                self.unload(name, "an unload was asked for")
+            elif keep != FOREVER and now - held.last_busy >= keep:
+                self.unload(name, f"idle past its keep-alive of {keep:g} s")
+
+    def unload(self, name: str, why: str) -> None:
+        from llmq.worker.runner.malloc_tuning import return_freed_memory
+
+        held = self.held.pop(name)
+        started = time.monotonic()
+        held.loop.stop(0.0)
+        held.thread.join(30)
+        del held
+        gc.collect()
+        return_freed_memory()
+        self.publish(time.time())
+        log.info(
+            "unloaded %s (%s) in %.2f s; %.0f MB held",
+            name,
+            why,
+            time.monotonic() - started,
+            self.held_bytes() / 2**20,
+        )
+        # A request queued as it unloaded: wished for again, so that a worker serves it.
+        if self.client.xlen(self.keys.for_model(name).requests(name)) > 0:
+            self.client.hsetnx(self.keys.wanted, name, json.dumps({"since": time.time()}))
+
+    def _evictions(self, size: int) -> list[str] | None:
+        """The idle models to unload (least recently used first) for ``size`` more bytes; None
+        where the busy ones leave no room."""
+        if not self.budget:
+            return []
+        free = self.budget - self.held_bytes()
+        out: list[str] = []
+        now = time.time()
+        idle = [n for n, h in self.held.items() if self._idle(n, h, now)]
+        for name in sorted(idle, key=lambda n: self.held[n].last_busy):
+            if free >= size:
+                break
+            out.append(name)
+            free += self.held[name].entry.size
+        return out if free >= size else None
+
+    def _evict_defer(self, victim: str) -> float:
+        """How long a wish waits before this worker evicts ``victim`` for it: EVICT_DEFER_S
+        where ``victim`` is the fleet's least recently used idle model, else longer (that
+        model's worker evicts first)."""
+        mine = self.held[victim].last_busy
+        for worker, record in fresh_residents(self.client.hgetall(self.keys.resident)).items():
+            if worker == self.worker:
+                continue
+            for other in record.get("models", {}).values():
+                if not other.get("busy") and float(other.get("last_used", mine)) < mine:
+                    return EVICT_DEFER_S * 4
+        return EVICT_DEFER_S
+
+    # ---- loading -------------------------------------------------------------------------
+    def _live(self, model: str) -> bool:
+        """Whether a live engine (on any worker) serves ``model``."""
+        for engine in self.client.zrange(self.keys.engines_index, 0, -1):
+            served = self.client.hget(self.keys.engine(as_text(engine)), "model")
+            if served is not None and as_text(served) == model:
+                return True
+        return False
+
+    def _take(self, model: str, wish: dict, now: float) -> bool:
+        """Load a wished-for model if this worker should; whether it tried."""
+        if model in self.held or model not in self.catalogue:
+            return False
+        if float(wish.get("until") or now + 1) < now:  # its waiters are gone
+            self.client.hdel(self.keys.wanted, model)
+            return False
+        if self._live(model):
+            self.client.hdel(self.keys.wanted, model)
+            return False
+        entry = self.catalogue[model]
+        if self.budget and entry.size > self.budget:
+            self._failed(
+                model,
+                f"it needs {entry.size / 2**20:.0f} MB, more than a worker's "
+                f"budget (LLMQ_MODEL_MEMORY_MB) of {self.budget / 2**20:.0f} MB",
+            )
+            return True
+        evict = self._evictions(entry.size)
+        first_seen = self.seen.setdefault(model, now)
+        if evict is None or (evict and now - first_seen < self._evict_defer(evict[0])):
+            return False
+        claim = self.keys.load_claim(model)
+        if not self.client.set(claim, self.worker, nx=True, px=CLAIM_TTL_MS):
+            return False
+        try:
+            for name in evict:
+                self.unload(name, f"evicted for {model}")
+            self.load(entry)
+        finally:
+            if as_text(self.client.get(claim) or b"") == self.worker:
+                self.client.delete(claim)
+        return True
+
+    def load(self, entry: Entry) -> None:
+        """Load ``entry`` on a thread of its own (which then runs its engine loop), renewing the
+        claim and the loading record while it loads."""
+        from llmq.worker.service import build_engine_loop
+
+        settings = self.settings.model_copy(
+            update={"model": entry.source, "served_model_name": entry.name, "lora_modules": ""}
+        )
+        built, box = threading.Event(), {}
+
+        def serve() -> None:
+            try:
+                box["loop"] = build_engine_loop(settings, f"{self.worker}/{entry.name}")
+            except BaseException as exc:
+                box["error"] = exc
+                return
+            finally:
+                built.set()
+            try:
+                box["loop"].run()
+            except BaseException:
+                log.exception("the engine loop of %s crashed", entry.name)
+
+        since = time.time()
+        log.info("loading %s (%s, %.0f MB)", entry.name, entry.source, entry.size / 2**20)
+        self.loading = entry.name
+        thread = threading.Thread(target=serve, name=f"llmq-engine-{entry.name}", daemon=True)
+        thread.start()
+        while True:
+            self._renew(entry, since)
+            if built.wait(RENEW_S):
+                break
+        self.loading = None
+        self.client.hdel(self.keys.loading, self.worker)
+        if "error" in box:
+            self._failed(entry.name, f"{type(box['error']).__name__}: {box['error']}")
+            return
+        self.held[entry.name] = Held(entry, box.pop("loop"), thread, time.time())
+        self.client.hdel(self.keys.wanted, entry.name)
+        self.client.hdel(self.keys.load_failed, entry.name)
+        self.publish(time.time())
+        log.info("loaded %s in %.2f s", entry.name, time.time() - since)
+
+    def _renew(self, entry: Entry, since: float) -> None:
+        record = {"model": entry.name, "source": entry.source, "since": since}
+        record["until"] = time.time() + LOADING_VALID_S
+        self.client.hset(self.keys.loading, self.worker, json.dumps(record))
+        self.client.pexpire(self.keys.load_claim(entry.name), CLAIM_TTL_MS)
+        self.publish(time.time())
+
+    def _failed(self, model: str, error: str) -> None:
+        log.error("loading %s failed: %s", model, error)
+        record = {"error": error, "at": time.time(), "worker": self.worker}
+        self.client.hset(self.keys.load_failed, model, json.dumps(record))
+        self.client.hdel(self.keys.wanted, model)
+
+
+def start_manager(settings: Settings, worker: str) -> ModelManager:
+    manager = ModelManager(settings, worker)
+    manager.start()
+    return manager
