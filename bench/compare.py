@@ -265,7 +265,7 @@ def main(argv=None) -> int:
 
     model = Path(args.model_dir)
     if not (model / "config.json").exists():
-        from llmq.common.model_factory import make_model
+        from llmq.tools.model_factory import make_model
 
         log(f"building the smollm2-135m-shaped model in {model}")
         make_model(model, arch="llama", size="smollm2-135m")

@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmq.common.model_factory import make_model  # noqa: E402
-from llmq.common.model_loader import load_causal_lm  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
+from llmq.tools.model_factory import make_model  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
 
 
 def timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float:

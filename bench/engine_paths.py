@@ -64,14 +64,14 @@ class Clock:
 def ensure_model(path: Path) -> Path:
     if (path / "config.json").exists():
         return path
-    from llmq.common.model_factory import make_model
+    from llmq.tools.model_factory import make_model
 
     log(f"building the smollm2-135m-shaped model in {path}")
     return make_model(path, arch="llama", size="smollm2-135m")
 
 
 def load(path: Path, dtype: str):
-    from llmq.common.model_loader import load_causal_lm
+    from llmq.worker.loading.model_loader import load_causal_lm
 
     return load_causal_lm(str(path), dtype, "cpu")
 

@@ -33,7 +33,7 @@ FAMILIES = ("llama", "qwen3", "gemma3")
 def ensure(root: Path, arch: str) -> Path:
     path = root / f"{arch}-smollm2-135m"
     if not (path / "config.json").exists():
-        from llmq.common.model_factory import make_model
+        from llmq.tools.model_factory import make_model
 
         log(f"building the smollm2-135m-shaped {arch} model in {path}")
         make_model(path, arch=arch, size="smollm2-135m")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.write_fp8 import block_tensors  # noqa: E402
-from llmq.common.quant_checkpoint.fp8_tensor import fp8_block_matmuls  # noqa: E402
+from llmq.worker.loading.quant_checkpoint.fp8_tensor import fp8_block_matmuls  # noqa: E402
 from llmq.worker.runner.dynamic_quantized import Fp8Linear  # noqa: E402
 from llmq.worker.runner.fp8_blocks import Fp8BlockLinear  # noqa: E402
 

@@ -33,8 +33,8 @@ FORMS = ("bfloat16", "int8", "int4", "lora", "gemma3")
 
 
 def engine_of(form: str, model_dir: Path, gemma_dir: Path, fused: bool):
-    from llmq.common.model_loader import load_causal_lm
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
+    from llmq.worker.loading.model_loader import load_causal_lm
 
     quantization = form if form in ("int8", "int4") else None
     path = gemma_dir if form == "gemma3" else model_dir
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from lora import TARGETS, make_adapters  # bench/lora.py, beside this file
 
-    from llmq.common.model_factory import make_model
+    from llmq.tools.model_factory import make_model
     from llmq.worker.engine.sequence import LoraRef
 
     model_dir = ensure_model(ROOT / "bench/out/models/smollm2-135m")

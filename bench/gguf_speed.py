@@ -18,9 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from llmq.common.model_loader import load_causal_lm  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
 from llmq.worker.runner import decoder_cpp_step  # noqa: E402
 from tests.real_models import float_folder, smollm2_gguf  # noqa: E402
 

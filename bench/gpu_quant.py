@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.cuda_graphs import timed  # noqa: E402
 from bench.write_fp8 import write_fp8  # noqa: E402
 from bench.write_gptq import write_gptq  # noqa: E402
-from llmq.common.model_factory import make_model  # noqa: E402
-from llmq.common.model_loader import load_causal_lm  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
+from llmq.tools.model_factory import make_model  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
 from llmq.worker.runner.quantize import quantized_bytes  # noqa: E402
 
 SCHEMES = {"bf16": "none", "int8": "int8", "int4": "int4", "fp8": "fp8"}

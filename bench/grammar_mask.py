@@ -86,7 +86,7 @@ def main() -> None:
     import torch
     from llguidance import LLMatcher
 
-    from llmq.common.model_loader import load_tokenizer
+    from llmq.common.model_files import load_tokenizer
     from llmq.common.sampling_params import SamplingParams
     from llmq.worker.constrained_sequences import ConstrainedSequences
     from llmq.worker.engine.sequence import Sequence

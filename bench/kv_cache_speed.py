@@ -26,10 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmq.common.model_factory import make_model  # noqa: E402
-from llmq.common.model_loader import load_causal_lm  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
+from llmq.tools.model_factory import make_model  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
 from llmq.worker.runner import cpu_kernels  # noqa: E402
 from llmq.worker.runner.kv_quant import code_dtype, quantize  # noqa: E402
 

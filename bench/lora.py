@@ -170,9 +170,9 @@ def interleaved_steps(make_engine, prompts, loras, steps: int) -> dict:
 def main(argv=None) -> int:
     import torch
 
-    from llmq.common.model_loader import load_causal_lm, resolve_dtype
     from llmq.worker.engine.sequence import LoraRef
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
+    from llmq.worker.loading.model_loader import load_causal_lm, resolve_dtype
 
     args = parse_args(argv)
     out_tokens = 16 if args.quick else args.output_tokens

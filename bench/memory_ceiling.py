@@ -55,8 +55,8 @@ def _tensor_bytes(tensors) -> int:
 
 def llmq_bytes(model_dir: str, quantization: str | None) -> int:
     """Bytes llmq's decode step reads a token: its layers' tensors and its head's."""
-    from llmq.common.model_loader import load_causal_lm
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
+    from llmq.worker.loading.model_loader import load_causal_lm
     from llmq.worker.runner import decoder_cpp_step
 
     engine = LLMEngine(load_causal_lm(model_dir, "bfloat16", "cpu", quantization), EngineConfig())

@@ -46,7 +46,7 @@ def _block(dtype):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from llmq.common.model_factory import SHAPES
+    from llmq.tools.model_factory import SHAPES
 
     config = Qwen3MoeConfig(**SHAPES["moe-1b"])
     config._experts_implementation = "grouped_mm"  # from_pretrained's default here
@@ -106,9 +106,9 @@ def layer(args) -> int:
 
 def _engine(model_dir: Path, fast: bool, batch: int):
     """An engine on the moe-1b model in float32 with ``batch`` sequences past their prefill."""
-    from llmq.common.model_loader import load_causal_lm
     from llmq.common.sampling_params import SamplingParams
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
+    from llmq.worker.loading.model_loader import load_causal_lm
 
     model = load_causal_lm(str(model_dir), "float32", "cpu")
     engine = LLMEngine(
@@ -157,7 +157,7 @@ def serve(rest: list[str]) -> int:
 
     model = Path(_option(rest, "--model-dir") or MODEL_DIR)
     if not (model / "config.json").exists():
-        from llmq.common.model_factory import make_model
+        from llmq.tools.model_factory import make_model
 
         print(f"building the moe-1b Qwen3-MoE model in {model}", flush=True)
         make_model(model, arch="qwen3_moe", size="moe-1b")

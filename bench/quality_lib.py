@@ -73,7 +73,7 @@ def served_log_probs(
 ) -> tuple[torch.Tensor, float]:
     """llmq's forward as the worker builds it for ``model`` (a folder or GGUF file) with
     ``quantization``: log-probabilities as ``reference_log_probs``' and the seconds taken."""
-    from llmq.common.model_loader import load_causal_lm
+    from llmq.worker.loading.model_loader import load_causal_lm
     from llmq.worker.runner import cpu_kernels
     from llmq.worker.runner.decoder_forward import build_forward
 
@@ -108,7 +108,7 @@ def compare(ref: torch.Tensor, got: torch.Tensor, ids: list[int], ctx: int = 512
 def terms_speed(model: str, rows_list=(1, 16, 64), rounds: int = 5) -> dict:
     """ms of llmq's whole forward over ``rows`` tokens of ``model`` (a GGUF file or folder) with
     the activations in 1 and 2 int8 terms, alternating, the best of ``rounds``."""
-    from llmq.common.model_loader import load_causal_lm
+    from llmq.worker.loading.model_loader import load_causal_lm
     from llmq.worker.runner import cpu_kernels
     from llmq.worker.runner.decoder_forward import build_forward
 

@@ -52,8 +52,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmq.common.model_factory import make_model  # noqa: E402
-from llmq.common.model_loader import load_causal_lm, load_tokenizer  # noqa: E402
+from llmq.common.model_files import load_tokenizer  # noqa: E402
+from llmq.tools.model_factory import make_model  # noqa: E402
+from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
 from llmq.worker.runner import cpu_kernels  # noqa: E402
 from llmq.worker.runner.decoder_forward import DecoderForward  # noqa: E402
 from llmq.worker.runner.kv_quant import code_dtype, dequantize, quantize  # noqa: E402

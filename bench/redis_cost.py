@@ -66,7 +66,7 @@ async def _loads(url: str, args: argparse.Namespace, streams: list[int]) -> None
     scripts are set up by a warm-up load first, not counted against the first measured one."""
     import redis
 
-    from llmq.common.model_loader import load_tokenizer
+    from llmq.common.model_files import load_tokenizer
     from llmq.common.pipeline import TokenGeneratorPipeline
     from llmq.common.redis_clients import async_client
     from llmq.common.transport import AsyncTransport, Keys
@@ -181,7 +181,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     if args.model is None:
-        from llmq.common.model_factory import make_model
+        from llmq.tools.model_factory import make_model
 
         path = Path(tempfile.gettempdir()) / "llmq-bench-tiny-llama"
         args.model = str(path if (path / "config.json").exists() else make_model(path))

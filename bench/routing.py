@@ -298,7 +298,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         if not args.model:
-            from llmq.common.model_factory import make_model
+            from llmq.tools.model_factory import make_model
 
             args.model = str(logs / "model")
             make_model(args.model, "llama", "tiny")

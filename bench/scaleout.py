@@ -30,11 +30,12 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmq.common.model_loader import load_tokenizer, resolve_dtype  # noqa: E402
+from llmq.common.model_files import load_tokenizer
 from llmq.common.pipeline import TokenGeneratorPipeline  # noqa: E402
 from llmq.common.redis_server import RedisServer  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.common.transport import AsyncTransport, Keys  # noqa: E402
+from llmq.worker.loading.model_loader import resolve_dtype  # noqa: E402
 from tests.harness import start_worker  # noqa: E402
 
 
@@ -163,7 +164,7 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model
     if model is None:
-        from llmq.common.model_factory import make_model
+        from llmq.tools.model_factory import make_model
 
         model = "bench/out/models/smollm2-135m"
         if not (Path(model) / "config.json").exists():

@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def ensure_model(path: Path, tiny: bool) -> Path:
     if (path / "config.json").exists():
         return path
-    from llmq.common.model_factory import make_model
+    from llmq.tools.model_factory import make_model
 
     size = "tiny" if tiny else "smollm2-135m"
     log(f"building a {size} llama in {path}")
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from llmq.common.model_loader import load_tokenizer
+    from llmq.common.model_files import load_tokenizer
     from llmq.common.redis_server import RedisServer
     from llmq.common.sampling_params import SamplingParams
     from llmq.common.settings import Settings

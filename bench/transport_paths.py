@@ -58,8 +58,9 @@ def _machine_busy() -> int:
 # ---- in-process ------------------------------------------------------------------------------
 class InProcess:
     def __init__(self, model_dir: Path, dtype: str, settings):
-        from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+        from llmq.common.model_files import load_tokenizer
         from llmq.worker.llm_engine import EngineConfig, LLMEngine
+        from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 
         model = load_causal_lm(str(model_dir), dtype, "cpu")
         tok = load_tokenizer(str(model_dir))

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> callable:
     """model_dir(arch) -> path of a tiny random model of that architecture, built once."""
-    from llmq.common.model_factory import make_model
+    from llmq.tools.model_factory import make_model
 
     root: Path = tmp_path_factory.mktemp("models")
     built: dict[str, Path] = {}

@@ -15,8 +15,8 @@ from llmq.common.catalogue import keep_alive_seconds
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest, ModelNotFound, ModelNotSupported, Unavailable
 from llmq.common.lora_adapters import AdapterRecord
+from llmq.common.model_files import load_tokenizer
 from llmq.common.model_ids import alias_candidates, resolve_alias
-from llmq.common.model_loader import load_tokenizer
 from llmq.common.on_demand import OnDemand
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.settings import Settings

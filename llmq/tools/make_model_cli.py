@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
-from llmq.common.model_factory import CLI_ARCHS, Size
+from llmq.tools.model_factory import CLI_ARCHS, Size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmq.common.model_factory import make_model
+    from llmq.tools.model_factory import make_model
 
     path = make_model(
         args.path, arch=args.arch, size=args.size, seed=args.seed, context=args.context

@@ -62,7 +62,7 @@ def resolve_model() -> str:
         )
         return str(path)
     if not (DEMO_DIR / "config.json").exists():
-        from llmq.common.model_factory import make_model
+        from llmq.tools.model_factory import make_model
 
         make_model(DEMO_DIR, arch="llama", size="tiny")
     print(

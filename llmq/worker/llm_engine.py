@@ -7,12 +7,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmq.common.model_loader import resolve_device
 from llmq.common.protocol import EngineError
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, LoraRef, Sequence, SequenceStatus
 from llmq.worker.kv_setup import block_manager, kv_pool_and_layout, served_features
+from llmq.worker.loading.model_loader import resolve_device
 from llmq.worker.lora_pool import LoraPool
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.prompt_logprobs import reduce_prompt_rows

@@ -39,14 +39,10 @@ def preload(settings: Settings) -> bool:
     global _preloaded
     import torch
 
-    from llmq.common.cross_encoder import cross_encoder_config
-    from llmq.common.model_loader import (
-        embedding_config,
-        load_causal_lm,
-        load_tokenizer,
-        resolve_device,
-    )
+    from llmq.common.model_files import load_tokenizer
     from llmq.worker.kv_setup import inspect_ahead
+    from llmq.worker.loading.cross_encoder import cross_encoder_config
+    from llmq.worker.loading.model_loader import embedding_config, load_causal_lm, resolve_device
     from llmq.worker.runner import cpu_kernels
     from llmq.worker.runner.decoder_forward import attach, build_forward
 

@@ -10,8 +10,8 @@ from llmq.worker.backends import EmbeddingBackend
 from llmq.worker.request_error import RequestError
 
 if TYPE_CHECKING:
-    from llmq.common.cross_encoder import CrossEncoderConfig
     from llmq.common.settings import Settings
+    from llmq.worker.loading.cross_encoder import CrossEncoderConfig
 
 
 class ScoreBackend(EmbeddingBackend):
@@ -50,7 +50,7 @@ def _check_token_types(types, inputs: list[list[int]], token_types: int) -> None
 def build_score_backend(settings: Settings, tokenizer, config: CrossEncoderConfig):
     """The backend, the model and the longest pair it takes (the model's positions, the
     tokenizer's limit and LLMQ_MAX_MODEL_LEN, whichever is least)."""
-    from llmq.common.cross_encoder import load_cross_encoder
+    from llmq.worker.loading.cross_encoder import load_cross_encoder
     from llmq.worker.runner.cross_encoder_runner import CrossEncoderRunner
 
     model = load_cross_encoder(settings.model, settings.dtype, settings.device)

@@ -25,10 +25,12 @@ def served_name(settings: Settings) -> str:
 def build_backend(settings: Settings):
     """The generation engine, the embeddings engine for a sentence-transformers model, or the
     scoring engine for a cross-encoder (a sequence-classification model of one label)."""
-    from llmq.common.cross_encoder import cross_encoder_config
-    from llmq.common.model_loader import embedding_config, load_tokenizer
+    from llmq.common.model_files import load_tokenizer
     from llmq.worker import preload
-    from llmq.worker.vision.families import refuse_unserved
+    from llmq.worker.loading.cross_encoder import cross_encoder_config
+    from llmq.worker.loading.model_loader import embedding_config
+    from llmq.worker.vision.families import refuse_unserved, served_vision
+    from llmq.worker.vision.serve import vision_backend
 
     refuse_unserved(settings.model)  # before anything loads: refused by name, not a traceback
     preloaded = preload.take(settings.model)  # `llmq worker --fork`: loaded before the fork
@@ -40,8 +42,8 @@ def build_backend(settings: Settings):
         return build_score_backend(settings, tokenizer, cross)
     emb = embedding_config(settings.model)
     if emb is not None:
-        from llmq.common.model_loader import load_encoder
         from llmq.worker.backends import EmbeddingBackend
+        from llmq.worker.loading.model_loader import load_encoder
         from llmq.worker.runner.embedding_runner import EmbeddingRunner
 
         model = load_encoder(settings.model, settings.dtype, settings.device)
@@ -56,11 +58,13 @@ def build_backend(settings: Settings):
         )
         return backend, model, max_len
 
-    from llmq.common.model_loader import eos_token_ids, load_causal_lm
     from llmq.worker.backends import GenerationBackend
     from llmq.worker.grammar_compiler import LazyTokenizer
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
+    from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 
+    if served_vision(settings.model):
+        return vision_backend(settings, tokenizer, served_name(settings))
     if preloaded is not None:
         model = preloaded.model
     else:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 from tests.api.api_stack import Reference, stack
 from tests.tool_model import with_tools_template
 

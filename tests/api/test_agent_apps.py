@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmq.common.model_factory import make_model
+from llmq.tools.model_factory import make_model
 from tests import netns
 from tests.api.agent_proxy import ANSWER, AgentProxy, Exchange, Steering
 from tests.api.api_stack import stack

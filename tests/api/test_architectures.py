@@ -1,7 +1,7 @@
 """Architectures beyond the fast families, through real processes: exact, or refused by name.
 
 One Redis, one `llmq api`, and one `llmq worker` per model, started side by side: tiny models
-(``llmq/common/model_archs.py``) of Gemma 3 (interleaved sliding windows), DeepSeek V2 (MLA's
+(``llmq/tools/model_archs.py``) of Gemma 3 (interleaved sliding windows), DeepSeek V2 (MLA's
 keys wider than its values) and gpt-oss (sinks and windows), each answering four prompts sent
 at once through the openai SDK with ``generate``'s greedy text; and a Llama whose config asks
 for chunked attention, which its worker refuses: it exits non-zero naming the feature, the API
@@ -22,9 +22,10 @@ import httpx
 import pytest
 import torch
 
-from llmq.common.model_factory import make_model
-from llmq.common.model_loader import load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.redis_server import RedisServer
+from llmq.tools.model_factory import make_model
+from llmq.worker.loading.model_loader import load_causal_lm
 from tests.api.api_stack import aclient, assert_error
 from tests.harness import LLMQ, base_env, kill_all, start_api, start_worker, wait_worker
 

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from llmq.common.model_loader import load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from tests.api.api_stack import MESSAGES, PROMPT, assert_error
 
 TOL = 1e-4
@@ -165,9 +165,9 @@ def test_lm_eval_generates_through_llmq_chat_as_the_engine_does(
 ):
     """A generate_until task through `local-chat-completions`: each answer is the greedy
     continuation of the chat-templated question, as the in-process engine generates it."""
-    from llmq.common.model_loader import eos_token_ids, load_causal_lm
     from llmq.common.sampling_params import SamplingParams
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
+    from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))

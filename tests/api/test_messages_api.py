@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmq.common.model_loader import load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from tests.api.api_stack import Reference, Stack, batch_results
 from tests.api.conftest import TOOLS_KEY as KEY
 

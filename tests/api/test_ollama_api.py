@@ -13,7 +13,7 @@ import jsonschema
 import ollama
 import pytest
 
-from llmq.common.model_loader import load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from tests.api.api_stack import client
 from tests.api.conftest import TOOLS_KEY as KEY
 

@@ -13,8 +13,9 @@ import redis
 import torch
 
 from llmq.common.generation.logprobs import token_text
-from llmq.common.model_loader import load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.transport import Keys
+from llmq.worker.loading.model_loader import load_causal_lm
 from tests.api.api_stack import MESSAGES, PROMPT, PROMPT2, assert_error
 
 TOL = 1e-4

@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
-from llmq.common.model_loader import load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from tests.api.api_stack import aclient, stack
 
 pytest.importorskip("compressed_tensors")  # the checkpoint writers' module imports it

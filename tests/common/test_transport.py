@@ -13,7 +13,7 @@ import time
 import pytest
 import redis
 
-from llmq.common.model_loader import load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys

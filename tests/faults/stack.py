@@ -14,11 +14,12 @@ from pathlib import Path
 import httpx
 import redis
 
-from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 from tests.harness import Proc, heartbeat, kill_all, start_api, start_worker, wait_worker
 
 

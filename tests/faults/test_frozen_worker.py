@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import redis
 
-from llmq.common.model_loader import load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.protocol import OutputMessage
 from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams

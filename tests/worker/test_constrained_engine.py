@@ -15,12 +15,13 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.protocol import EngineRequest
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.backends import GenerationBackend
 from llmq.worker.engine.sequence import FinishReason
 from llmq.worker.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.token_mask import TokenMask, apply_token_mask
 from tests.worker.test_engine_exact import reference_generate

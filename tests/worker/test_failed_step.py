@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.protocol import EngineRequest
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.backends import GenerationBackend
 from llmq.worker.failed_step import step_one_by_one
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 
 pytestmark = pytest.mark.unit
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-from llmq.common.gguf_model import _read_by_quantizer, float_dtype, load_gguf_model
-from llmq.common.model_loader import gguf_location, load_causal_lm, load_tokenizer
+from llmq.common.model_files import gguf_location, load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.gguf_model import _read_by_quantizer, float_dtype, load_gguf_model
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import gguf_blocks
 from llmq.worker.runner.gguf_weights import (
     GGUFTensors,
@@ -256,7 +257,7 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(gguf_dir, llama_dir)
 def test_the_api_reads_the_tokenizer_without_torch(gguf_dir):
     """The API process loads tokenizers and must never import torch."""
     code = (
-        "import sys; from llmq.common.model_loader import load_tokenizer; "
+        "import sys; from llmq.common.model_files import load_tokenizer; "
         f"load_tokenizer({str(gguf_dir)!r}); assert 'torch' not in sys.modules"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

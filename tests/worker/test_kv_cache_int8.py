@@ -21,10 +21,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.kv_sizing import kv_pool_size
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.kv_pool import KVPool
 from llmq.worker.runner.kv_quant import code_dtype, dequantize, quantize

@@ -8,10 +8,11 @@ import json
 import jsonschema
 import pytest
 
-from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.grammar_compiler import LazyTokenizer
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 from tests.worker.test_constrained_engine import (
     MAX_TOKENS,
     PERSON,

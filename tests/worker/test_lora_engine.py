@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.worker.backends import GenerationBackend
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.request_error import RequestError
 from tests.worker.lora_cases import (
     ADAPTERS,

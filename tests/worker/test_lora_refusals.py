@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.worker.engine.sequence import LoraRef
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner.lora_weights import PARTS
 from tests.worker.lora_cases import (
     EOS,

@@ -1,6 +1,6 @@
 """Every architecture llmq serves gives ``generate``'s greedy tokens, or is refused by name.
 
-Tiny random models of each architecture (``llmq/common/model_archs.py``: 2 layers, hidden 64,
+Tiny random models of each architecture (``llmq/tools/model_archs.py``: 2 layers, hidden 64,
 sliding windows of 8 tokens, Gemma 2's softcapping, gpt-oss's sinks, DeepSeek's MLA; norms,
 biases and sinks perturbed) are written by ``make_model`` and loaded as any folder is, then
 served in float32 by ``LLMEngine``: the longest prompt alone, four at once in chunks of 24 tokens and
@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from llmq.common.model_archs import ARCHS
-from llmq.common.model_factory import make_model
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
+from llmq.tools.model_archs import ARCHS
+from llmq.tools.model_factory import make_model
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner.decoder_forward import DecoderForward, supports
 from llmq.worker.runner.model_support import UnsupportedModel
 

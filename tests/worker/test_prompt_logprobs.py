@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.sequence import FinishReason
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 
 pytestmark = pytest.mark.unit
 

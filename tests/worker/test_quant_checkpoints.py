@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from llmq.common.model_loader import load_causal_lm
-from llmq.common.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
+from llmq.worker.loading.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
 from llmq.worker.runner.checkpoint_weights import (
     ConcatLinear,
     PermutedLinear,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from tests.worker.test_engine_exact import EOS, drive, make_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

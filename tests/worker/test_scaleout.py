@@ -15,11 +15,12 @@ import openai
 import pytest
 import redis
 
-from llmq.common.model_loader import eos_token_ids, load_causal_lm, load_tokenizer
+from llmq.common.model_files import load_tokenizer
 from llmq.common.redis_server import RedisServer, free_port, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 from tests import netns
 from tests.harness import (
     LLMQ,

@@ -19,8 +19,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from llmq.common.model_archs import perturb, tiny_config
 from llmq.common.sampling_params import SamplingParams
+from llmq.tools.model_archs import perturb, tiny_config
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

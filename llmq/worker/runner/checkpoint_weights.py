@@ -34,9 +34,9 @@ import math
 
 import torch
 
-from llmq.common.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
-from llmq.common.quant_checkpoint.fp8_tensor import FP8_BLOCK, Fp8Tensor, serves
-from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, kernel_group
+from llmq.worker.loading.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
+from llmq.worker.loading.quant_checkpoint.fp8_tensor import FP8_BLOCK, Fp8Tensor, serves
+from llmq.worker.loading.quant_checkpoint.quant_tensor import QuantTensor, kernel_group
 from llmq.worker.runner.dynamic_quantized import Fp8Linear
 from llmq.worker.runner.fp8_blocks import Fp8BlockLinear
 from llmq.worker.runner.quantized_linear import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from llmq.common.cross_encoder import CrossEncoderConfig
+from llmq.worker.loading.cross_encoder import CrossEncoderConfig
 from llmq.worker.runner.embedding_runner import padded_batch
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmq.common.model_loader import EmbeddingConfig
+from llmq.worker.loading.model_loader import EmbeddingConfig
 
 
 def padded_batch(

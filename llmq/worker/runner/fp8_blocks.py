@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmq.common.quant_checkpoint.fp8_tensor import FP8_BLOCK
+from llmq.worker.loading.quant_checkpoint.fp8_tensor import FP8_BLOCK
 from llmq.worker.runner.dynamic_quantized import FP8, quantize_rows
 from llmq.worker.runner.quantized_weights import round_up
 

@@ -1,6 +1,6 @@
 """A GGUF file's quantized tensors as llmq's quantized projections.
 
-The model comes without its quantized weights (``common/gguf_model.py``: ``lean``), or, where
+The model comes without its quantized weights (``worker/loading/gguf_model.py``: ``lean``), or, where
 that cannot be, dequantized to floats by transformers; either way this reads the file's own
 blocks for the kernels:
 
@@ -20,7 +20,7 @@ blocks for the kernels:
 - Q4_0, Q5_0, IQ4_NL, IQ4_XS, Q3_K, Q4_1 and Q5_1: ``gguf_blocks.py`` (int8, Q6_K's blocks,
   int4 and 6-bit blocks; which are exact, and the error of those that are not).
 - Float tensors (F32, F16, BF16) are kept float, in the model's dtype (a file of float weights
-  only is not quantized at all: ``common/gguf_model.py``'s ``float_dtype``).
+  only is not quantized at all: ``worker/loading/gguf_model.py``'s ``float_dtype``).
 - Q2_K, fused groups whose members differ otherwise (Q4_K_M's Q6_K ``attn_v`` beside Q4_K q,
   k), and the 6-bit forms where the 6-bit kernel does not serve (no AVX2, CUDA) are quantized
   again to int8 from their dequantized weights (group-32 scales on llmq's kernels, per
@@ -39,7 +39,7 @@ import logging
 import numpy as np
 import torch
 
-from llmq.common.gguf_model import EMBEDDING, FLOAT_TYPES, HEAD, ROLE_TENSORS, SERVED_TYPES
+from llmq.worker.loading.gguf_model import EMBEDDING, FLOAT_TYPES, HEAD, ROLE_TENSORS, SERVED_TYPES
 from llmq.worker.runner.gguf_blocks import (
     iq4_nl_weight,
     iq4_xs_weight,
@@ -158,7 +158,7 @@ class GGUFTensors:
 
     def __init__(self, path: str, num_heads: int, num_kv_heads: int, lean: bool = False):
         """``lean``: the model was loaded without the file's quantized weights
-        (``common/gguf_model.py``); they are read from the file here."""
+        (``worker/loading/gguf_model.py``); they are read from the file here."""
         import gguf
 
         self.lean, self.path = lean, path

@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import logging
 
-from llmq.common.model_loader import model_file
+from llmq.common.model_files import model_file
 from llmq.worker.runner.model_support import UnsupportedModel
 
 log = logging.getLogger(__name__)
 
-# model_type of the vision-language families served (none yet: each is added with its test
-# against transformers).
-SERVED: frozenset[str] = frozenset()
+# model_type of the vision-language families served (each added with its test against
+# transformers).
+SERVED: frozenset[str] = frozenset({"llava"})
 
 
 class UnservedVisionModel(UnsupportedModel):
@@ -50,6 +50,10 @@ def config_class_name(model_type: str) -> str:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     return CONFIG_MAPPING_NAMES.get(model_type, f"{model_type} configuration")
+
+
+def served_vision(model: str) -> bool:
+    return vision_model_type(model) in SERVED
 
 
 def refuse_unserved(model: str) -> None:

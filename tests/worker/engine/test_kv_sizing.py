@@ -8,7 +8,6 @@ import logging
 
 import pytest
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.settings import Settings
 from llmq.worker.engine.kv_sizing import (
     DEFAULT_KV_BUDGET_GB,
@@ -17,6 +16,7 @@ from llmq.worker.engine.kv_sizing import (
     kv_pool_size,
 )
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 
 GIB = 2**30
 # SmolLM2-135M in bfloat16: 30 layers x 3 KV heads x 64 dims, keys and values, 2 bytes.

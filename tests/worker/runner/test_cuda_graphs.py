@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from tests.worker.test_engine_exact import EOS, drive, reference_outputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llmq.common.model_archs import TINY_WINDOW, tiny_config
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
+from llmq.tools.model_archs import TINY_WINDOW, tiny_config
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import decoder_forward
 from llmq.worker.runner.decoder_families import family
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from llmq.common.model_archs import perturb, tiny_config
+from llmq.tools.model_archs import perturb, tiny_config
 from llmq.worker.runner.moe import from_block
 from llmq.worker.runner.moe_install import MoeBlock, install_moe
 
@@ -97,7 +97,7 @@ def test_the_fast_forward_takes_moe_layers_where_it_knows_the_attention():
 def test_the_moe_1b_shape_has_1b_parameters_a_quarter_of_them_active():
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from llmq.common.model_factory import SHAPES
+    from llmq.tools.model_factory import SHAPES
 
     config = Qwen3MoeConfig(**SHAPES["moe-1b"])
     with torch.device("meta"):

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import cpu_kernels, decoder_forward
 from llmq.worker.runner.packed_linear import (
     Linear,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmq.common.model_loader import load_causal_lm
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.decoder_forward import build_forward
 from llmq.worker.runner.quantized_linear import int_kernel_available

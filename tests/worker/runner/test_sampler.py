@@ -14,10 +14,10 @@ import random
 import pytest
 import torch
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.sequence import Sequence
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner.sampler import Sampler, _top_k_top_p
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner.sampler import Sampler
 from tests.worker.runner.test_sampler import EOS, seq_with
 

@@ -17,9 +17,9 @@ import shutil
 import pytest
 import torch
 
-from llmq.common.model_loader import load_causal_lm
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import decoder_forward
 
 pytestmark = pytest.mark.unit

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmq.common.quant_checkpoint.fp8_tensor import WHOLE, Fp8Tensor, fp8_tensor
+from llmq.worker.loading.quant_checkpoint.fp8_tensor import WHOLE, Fp8Tensor, fp8_tensor
 
 
 class Fp8Format:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
+from llmq.worker.loading.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
 
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> what to add to a stored zero
 

@@ -1,16 +1,17 @@
-"""Loading models and tokenizers: a Hugging Face id or a local folder, the same code path."""
+"""Loading models for the worker: a Hugging Face id or a local folder, the same code path (the
+tokenizer and the files themselves: ``common/model_files.py``)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmq.common.gguf_model import load_gguf_model
+from llmq.common.model_files import gguf_location, model_file, quiet_transformers
+from llmq.worker.loading.gguf_model import load_gguf_model
 
 if TYPE_CHECKING:
     import torch
@@ -60,63 +61,6 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-_TOKENIZER_LOAD = threading.Lock()
-
-
-def load_tokenizer(model: str):
-    """The model's tokenizer. A fast tokenizer (tokenizer.json) loads without the model
-    classes, so the API never imports torch; others go through AutoTokenizer. One load at a
-    time: transformers imports its classes lazily, and two threads importing at once (the
-    default model's preload and a first request for another model) made one of them fail
-    with "cannot import name 'PreTrainedTokenizerFast'"."""
-    with _TOKENIZER_LOAD:
-        started = time.monotonic()
-        tokenizer = _load_tokenizer(model)
-    if gguf_location(model) is None:  # a GGUF's tokenizer reports its own (cached or not)
-        log.info("load phase: tokenizer of %s in %.2f s", model, time.monotonic() - started)
-    return tokenizer
-
-
-def gguf_location(model: str) -> tuple[str, str] | None:
-    """(folder, file name) where ``model`` is a GGUF file, or a folder holding one GGUF file
-    and no transformers checkpoint; None otherwise."""
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return str(path.parent), path.name
-    if path.is_dir() and not (path / "config.json").exists():
-        found = sorted(p.name for p in path.glob("*.gguf"))
-        if len(found) == 1:
-            return str(path), found[0]
-        if found:
-            raise ValueError(f"{model} holds several GGUF files ({', '.join(found)}): name one")
-    return None
-
-
-def _load_tokenizer(model: str):
-    from transformers import PreTrainedTokenizerFast
-
-    _quiet_transformers()
-    gguf = gguf_location(model)
-    if gguf is not None:  # the tokenizer and chat template from the file's metadata
-        from llmq.common.gguf_tokenizer import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(Path(gguf[0]) / gguf[1])
-    if model_file(model, "tokenizer.json") is not None:
-        try:
-            return PreTrainedTokenizerFast.from_pretrained(model)
-        except Exception as exc:  # an unusual tokenizer config: let AutoTokenizer handle it
-            log.debug("fast tokenizer load failed for %s: %s", model, exc)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
-
-
 def load_causal_lm(
     model: str, dtype: str = "auto", device: str = "auto", quantization: str = "none"
 ):
@@ -125,7 +69,7 @@ def load_causal_lm(
     (``gguf_location``), and a quantized checkpoint whose layout a kernel here takes, are served
     as the file is: ``quantization`` does not apply. A quantized checkpoint served as float (an
     FP8 one on a CPU, say) is quantized by ``quantization`` as a float checkpoint would be."""
-    _quiet_transformers()
+    quiet_transformers()
     started = time.monotonic()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -210,8 +154,8 @@ def load_quantized_checkpoint(
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from llmq.common.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
-    from llmq.common.quant_checkpoint.fp8_tensor import serves
+    from llmq.worker.loading.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
+    from llmq.worker.loading.quant_checkpoint.fp8_tensor import serves
 
     fmt = checkpoint_format(quantized)  # refuses what is not implemented, naming it
     files = _weight_files(model)
@@ -261,20 +205,6 @@ class EmbeddingConfig:
     normalize: bool = False
     max_seq_length: int | None = None
     matryoshka: bool = False  # whether truncating the vector (`dimensions`) is meaningful
-
-
-def model_file(model: str, name: str) -> str | None:
-    from transformers.utils import cached_file
-
-    try:
-        return cached_file(
-            model,
-            name,
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-        )
-    except Exception:
-        return None
 
 
 def embedding_config(model: str) -> EmbeddingConfig | None:
@@ -329,7 +259,7 @@ def load_float32_auto(auto_class, what: str, model: str, dtype: str, device: str
     otherwise (encoders' outputs are compared closely, where bfloat16 rounding shows)."""
     import torch
 
-    _quiet_transformers()
+    quiet_transformers()
     device = resolve_device(device)
     torch_dtype = torch.float32 if dtype == "auto" else resolve_dtype(dtype, device)
     log.info("loading %s %s (%s on %s)", what, model, torch_dtype, device)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
+from llmq.worker.loading.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
 
 PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble holds
 UNPACK_ORDER = torch.tensor([PACK_ORDER.index(c) for c in range(8)])  # the nibble of each column

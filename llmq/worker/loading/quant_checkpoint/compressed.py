@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from llmq.common.quant_checkpoint.fp8_tensor import WHOLE, Fp8Tensor, fp8_tensor
-from llmq.common.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
+from llmq.worker.loading.quant_checkpoint.fp8_tensor import WHOLE, Fp8Tensor, fp8_tensor
+from llmq.worker.loading.quant_checkpoint.quant_tensor import QuantTensor, unpack_int32
 
 log = logging.getLogger(__name__)
 

@@ -208,7 +208,7 @@ def _config(arch: str, size: Size, shape: dict, ids: dict):
     """The transformers config of ``arch`` at ``size`` (``shape``), with the tokenizer's ids."""
     from transformers import LlamaConfig, Qwen2Config
 
-    from llmq.common.model_archs import ARCHS, tiny_config
+    from llmq.tools.model_archs import ARCHS, tiny_config
 
     if size == "moe-1b":
         return _moe_config(arch, shape, ids)
@@ -242,7 +242,7 @@ def make_model(
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from llmq.common.model_archs import perturb
+    from llmq.tools.model_archs import perturb
 
     arch = "gemma3_text" if arch == "gemma3" else arch
     path = Path(path)

@@ -13,12 +13,12 @@ from collections import Counter, defaultdict
 
 import torch
 
-from llmq.common.quant_checkpoint.awq import AWQFormat
-from llmq.common.quant_checkpoint.compressed import CompressedFormat
-from llmq.common.quant_checkpoint.fp8 import Fp8Format
-from llmq.common.quant_checkpoint.fp8_tensor import FP8, Fp8Tensor
-from llmq.common.quant_checkpoint.gptq import GPTQFormat
-from llmq.common.quant_checkpoint.quant_tensor import QuantTensor
+from llmq.worker.loading.quant_checkpoint.awq import AWQFormat
+from llmq.worker.loading.quant_checkpoint.compressed import CompressedFormat
+from llmq.worker.loading.quant_checkpoint.fp8 import Fp8Format
+from llmq.worker.loading.quant_checkpoint.fp8_tensor import FP8, Fp8Tensor
+from llmq.worker.loading.quant_checkpoint.gptq import GPTQFormat
+from llmq.worker.loading.quant_checkpoint.quant_tensor import QuantTensor
 
 log = logging.getLogger(__name__)
 

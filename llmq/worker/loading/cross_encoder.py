@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from llmq.common.model_loader import load_float32_auto, model_file
+from llmq.common.model_files import model_file
+from llmq.worker.loading.model_loader import load_float32_auto
 
 # Position ids of these start after the padding index: two fewer positions than the table has.
 _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "xlm-roberta-xl"}

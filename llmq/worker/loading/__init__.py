@@ -1,0 +1,1 @@
+"""Model loading for the worker: checkpoints, GGUF files, quantized checkpoints, encoders."""
