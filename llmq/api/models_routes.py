@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from llmq.common.catalogue import holders
 from llmq.common.errors import ModelNotFound
 from llmq.common.generation.model_cards import loading_card_named, with_loading
-from llmq.common.generation.responses import ModelList
+from llmq.common.generation.responses import ModelCard, ModelList
+from llmq.common.on_demand import OnDemand
 
 router = APIRouter()
 
@@ -17,7 +19,7 @@ async def list_models(request: Request) -> dict:
     service = request.app.state.service
     loading = await service.registry.loading()
     listed = with_loading(await service.models(), loading)
-    return (await service.registry.on_demand.cards(listed, loading)).model_dump()
+    return (await catalogue_cards(service.registry.on_demand, listed, loading)).model_dump()
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -29,8 +31,27 @@ async def get_model(model_id: str, request: Request) -> dict:
         loading = await service.registry.loading()
         card = loading_card_named(model_id, loading)
         if card is None:  # a catalogue model no worker holds
-            listed = await service.registry.on_demand.cards(ModelList(data=[]), loading)
+            listed = await catalogue_cards(service.registry.on_demand, ModelList(data=[]), loading)
             card = next((c for c in listed.data if c.id == model_id.removesuffix(":latest")), None)
         if card is None:
             raise
         return card.model_dump()
+
+
+async def catalogue_cards(on_demand: OnDemand, listed: ModelList, loading: list[dict]) -> ModelList:
+    """``listed`` with each catalogue model's card: ``workers`` holding it, or its state
+    (loading, available) where none does."""
+    catalogue = await on_demand.catalogue()
+    if not catalogue:
+        return listed
+    residents = await on_demand.residents()
+    cards = {c.id: c for c in listed.data}
+    for card in cards.values():
+        if card.id in catalogue:
+            card.workers = holders(residents, card.id)
+    loading_names = {r["model"] for r in loading}
+    for name, entry in catalogue.items():
+        if name not in cards:
+            state = "loading" if name in loading_names else "available"
+            cards[name] = ModelCard(id=name, created=0, root=entry["source"], state=state)
+    return ModelList(data=sorted(cards.values(), key=lambda m: m.id))

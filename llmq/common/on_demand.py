@@ -1,6 +1,6 @@
 """The API's side of models on demand (``common/catalogue``): the catalogue workers published,
 a request for a model no worker holds waiting for a worker to load it, keep-alives and unloads
-asked for, and the catalogue's models in /v1/models with their state."""
+asked for."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import json
 import time
 from contextvars import ContextVar
 
-from llmq.common.catalogue import FAILED_LOAD_HOLD_S, decode, fresh_residents, holders
+from llmq.common.catalogue import FAILED_LOAD_HOLD_S, decode, fresh_residents
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import DeadlineExceeded, LLMQError
-from llmq.common.generation.responses import ModelCard, ModelList
 from llmq.common.transport import Keys
 
 # The keep_alive the request being handled gave (Ollama's routes), for every model lookup it
@@ -95,21 +94,3 @@ class OnDemand:
             await asyncio.sleep(POLL_S)
             error = await self.failure(model, started)
         raise ModelLoadFailed(f"the model {model!r} could not be loaded: {error}")
-
-    async def cards(self, listed: ModelList, loading: list[dict]) -> ModelList:
-        """``listed`` with each catalogue model's card: ``workers`` holding it, or its state
-        (loading, available) where none does."""
-        catalogue = await self.catalogue()
-        if not catalogue:
-            return listed
-        residents = await self.residents()
-        cards = {c.id: c for c in listed.data}
-        for card in cards.values():
-            if card.id in catalogue:
-                card.workers = holders(residents, card.id)
-        loading_names = {r["model"] for r in loading}
-        for name, entry in catalogue.items():
-            if name not in cards:
-                state = "loading" if name in loading_names else "available"
-                cards[name] = ModelCard(id=name, created=0, root=entry["source"], state=state)
-        return ModelList(data=sorted(cards.values(), key=lambda m: m.id))

@@ -16,6 +16,7 @@ from llmq.common.redis_clients import keys_for, tool_client
 from llmq.common.settings import Settings
 from llmq.common.transport import GROUP, Keys
 from llmq.common.webhooks import deliveries_key
+from llmq.tools import inspect_models
 
 # Hash fields that are text even when they look like numbers (a model named "7", an id).
 _TEXT_FIELDS = frozenset({"id", "name", "model", "kind", "status", "endpoint", "hostname"})
@@ -92,6 +93,7 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
             for _, raw in sorted(client.hgetall(keys.loras).items())
         ],
         "webhooks": [json.loads(raw) for raw in client.lrange(deliveries_key(keys.prefix), 0, 9)],
+        "on_demand": inspect_models.snapshot(client, keys),
     }
 
 
@@ -143,6 +145,8 @@ def render(snap: dict) -> str:
     for a in snap.get("adapters", []):
         owner = f", owner {a['owner']}" if a.get("owner") else ""
         out.append(f"  ADAPTER {a['name']} on {a['base']} (rank {a['rank']}{owner}): {a['path']}")
+    if snap.get("on_demand"):
+        out.extend(inspect_models.render(snap["on_demand"]))
     out.append("BATCHES IN PROGRESS")
     if not snap["batches"]:
         out.append("  (none)")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ import redis
 from llmq.common.catalogue import fresh_residents, model_size
 from llmq.common.redis_server import RedisServer
 from llmq.common.transport import Keys
-from tests.harness import kill_all, start_api, start_worker, wait_for
+from tests.harness import LLMQ, kill_all, start_api, start_worker, wait_for
 
 KEYS = Keys("llmq")
 NAMES = ("alpha", "beta", "gamma")
@@ -60,7 +62,7 @@ def fleet(model_dir, tmp_path_factory):
             idle = {p.proc.pid: rss(p.proc.pid) for p in procs}
             api, base = start_api(server.url, folder / "alpha", logs)
             procs.append(api)
-            yield dict(r=r, base=base, workers=procs[:2], idle=idle, dirs=sources, folder=folder)
+            yield dict(r=r, url=server.url, base=base, workers=procs[:2], idle=idle, dirs=sources)
         finally:
             kill_all(procs)
 
@@ -121,7 +123,16 @@ def test_three_models_on_two_workers(fleet, model_dir):
     assert listed["gamma"]["state"] == "ready" and len(listed["gamma"]["workers"]) == 1
     assert listed["alpha"]["state"] == "available"
     logs = "".join(w.log(100_000) for w in fleet["workers"])
-    assert "unloaded alpha (evicted for gamma)" in logs
+    assert "unloaded alpha (evicted for gamma)" in logs and "loaded gamma in" in logs
+    shown = subprocess.run(
+        [LLMQ, "inspect"],
+        env={**os.environ, "LLMQ_REDIS_URL": fleet["url"]},
+        text=True,
+        capture_output=True,
+        check=True,
+    ).stdout
+    assert re.search(r"gamma \(\d+ MB\): ready on w[12]", shown), shown
+    assert re.search(r"alpha \(\d+ MB\): available", shown), shown
 
 
 def test_ollama_ps_generate_load_and_unload(fleet):
