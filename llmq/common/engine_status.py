@@ -26,6 +26,8 @@ class EngineStatus:
     dimensions: int = 0  # embedding models
     matryoshka: bool = False
     images: bool = False  # it takes image input (a vision-language model)
+    image_token_id: int = 0  # the token a prompt holds at each image position
+    image_tokens: int = 0  # image tokens per image
     # How it is doing (each heartbeat).
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
@@ -35,6 +37,7 @@ class EngineStatus:
     tokens_total: int = 0
     requests_total: int = 0
     prefix_cache_hit_tokens: int = 0
+    images_encoded: int = 0  # images its vision encoder ran on (a kept or cached one: not again)
     # Prompt tokens of the requests it finished: served from its prefix cache, and computed.
     prompt_tokens_cached: int = 0
     prompt_tokens_computed: int = 0

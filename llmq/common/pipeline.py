@@ -187,13 +187,15 @@ class TokenGeneratorPipeline:
         model: str | None = None,
         queue_slots: int = 1,
         attach: bool = False,
+        images: list[str] | None = None,
     ) -> RequestStream:
         """Enqueue a request (subscribed to its output first); raises QueueFull when the queue
         has no room for ``queue_slots`` requests (the first choice of an HTTP request counts
         all of its prompts x n; the later ones, 0, skip the check, so that a request the queue
         admitted is never refused half-way through). ``attach``: a
         request with this id that exists already is followed, not started again (a batch
-        line run a second time); such requests skip the queue limit.
+        line run a second time); such requests skip the queue limit. ``images``: the
+        content hashes of the prompt's images (stored in Redis), in order.
         Iterate the returned stream for its output; ``aclose()`` it when done."""
         request_id = request_id or uuid.uuid4().hex
         timeout = timeout or self.request_timeout
@@ -206,6 +208,7 @@ class TokenGeneratorPipeline:
             priority=priority,
             deadline=started + timeout,
             created=started,
+            images=list(images or ()),
         )
         if self.adapter is not None:
             request.lora_name, request.lora_path = self.adapter.name, self.adapter.path

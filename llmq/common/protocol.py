@@ -43,6 +43,9 @@ class EngineRequest:
     # the PEFT folder the worker reads it from); empty: the base model.
     lora_name: str = ""
     lora_path: str = ""
+    # The content hashes of the prompt's images, in order (their bytes in Redis under
+    # Keys.image): each fills one run of the model's image token.
+    images: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -43,6 +43,7 @@ from llmq.common.generation.tool_grammar import tool_grammar
 from llmq.common.generation.tool_parsers import FORCED_ARRAY, choose_format
 from llmq.common.generation.tool_request import forced_tool_name
 from llmq.common.images.decode import CheckedImage
+from llmq.common.images.prompt import expand_images
 from llmq.common.images.request import chat_image_refs, checked_images, store_images
 from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.request_stream import GenerationChunk
@@ -54,7 +55,7 @@ async def chat_choices(
 ) -> tuple[list[Choice], int]:
     """The request's choices, and its prompt tokens."""
     vocab = engine.vocab_size
-    await request_images(pipeline, engine, body)
+    images = await request_images(pipeline, engine, body)
     effort = reasoning_template_kwargs(
         body.reasoning_effort, getattr(pipeline.tokenizer, "chat_template", None)
     )
@@ -64,12 +65,15 @@ async def chat_choices(
         {**body.template_kwargs(), **effort},
         prompt_limits(body, engine.max_model_len),
     )
+    if images:
+        prompt_ids = expand_images(prompt_ids, engine, len(images))
     prompt_ids = truncated(body, prompt_ids, engine.max_model_len)
     limit = max_tokens(body, len(prompt_ids), engine.max_model_len)
     logprobs = body.wanted_logprobs()
     group = PromptGroup(body.n)
+    digests = [i.digest for i in images]
     choices = [
-        Choice(i, prompt_ids, choice_params(body, limit, logprobs, i, vocab), group)
+        Choice(i, prompt_ids, choice_params(body, limit, logprobs, i, vocab), group, images=digests)
         for i in range(body.n)
     ]
     grammar = answer_grammar(

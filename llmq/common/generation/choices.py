@@ -40,6 +40,7 @@ class Choice:
     cached_tokens: int = 0
     text_offset: int = 0  # completions' streamed logprobs: where the next token's text starts
     prompt_logprobs: list[dict | None] | None = None  # as the engine sent them, when asked for
+    images: list[str] = field(default_factory=list)  # the prompt's images' content hashes
 
     def add(self, chunk: GenerationChunk) -> None:
         """Gather a chunk of this choice's output (usage from its last chunk)."""

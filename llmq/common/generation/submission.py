@@ -60,6 +60,7 @@ async def submit_all(
                     request_id=options.request_id(k),
                     priority=options.priority,
                     attach=options.attach,
+                    images=c.images,
                 )
             )
     except BaseException:

@@ -71,6 +71,8 @@ class ModelRunner:
         """``features``: what the model's attention needs (``model_support.inspect_model``);
         None: nothing beyond causal softmax attention. ``layout``: KV groups (sliding windows)."""
         self.layout = layout
+        # A vision-language model's image runtime (``worker/vision``), set by its backend.
+        self.vision = None
         self._take_features(features or ModelFeatures(), max_model_len)
         self.small_step_threads = small_step_threads
         self._spare_cores = SpareCores(len(os.sched_getaffinity(0)))
@@ -183,6 +185,8 @@ class ModelRunner:
         the compiled decode step)."""
         # The decode kernel reads the decodes in any order: those of one adapter together.
         batch = pack_step(out.scheduled, self.block_size, self.scratch_slot, self.decode_kernel)
+        if self.vision is not None and self.vision.rows(batch):
+            return self._run_packed(batch)  # image embeddings: transformers' forward
         lora = None
         if adapters:
             lora = step_adapters(batch, adapters, self.forward.loras.slots)
@@ -202,8 +206,12 @@ class ModelRunner:
     def _run_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, list[int], list[PromptRows]]:
         meta = self.steps.build(batch, self.decode_kernel and bool(batch.decodes))
         keep_rows = torch.tensor(batch.keep, dtype=torch.long, device=self.device)
+        images = self.vision.rows(batch) if self.vision is not None else None
         with self._threads_for(len(batch.input_ids)):
-            logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta)
+            if images:
+                logits = self.vision.forward(self.model, batch, images, keep_rows, meta)
+            else:
+                logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta)
         return logits.float(), batch.sampled_entries, batch.prompt_rows
 
     def _fits_graphs(self, batch: PackedBatch) -> bool:

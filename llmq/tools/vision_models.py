@@ -1,0 +1,92 @@
+"""Tiny random-weight vision-language models for tests (`make_llava`): the
+text model of ``model_factory`` with a small vision tower, a projector, an image token in the
+tokenizer, a chat template that places images, and the processor saved beside them (its PIL
+image processor: no torchvision), all built offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+IMAGE_TOKEN = "<image>"
+# ChatML whose content may be parts: an image part becomes the image token where it stands.
+VISION_CHAT_TEMPLATE = """
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.content is string %}{{ message.content }}
+{%- else %}{% for part in message.content %}
+{%- if part.type == "image" %}<image>{% else %}{{ part.text }}{% endif %}
+{%- endfor %}{% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+# CLIP's tower at a tiny size: 30 x 30 images in 6 x 6 patches, 25 image tokens each.
+_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=30,
+    patch_size=6,
+    projection_dim=32,
+)
+
+
+def vision_tokenizer(path: Path, base):
+    """``base`` (model_factory's tokenizer) with the image token and the vision template,
+    loaded from its own copy (the trained one is cached and must stay as it is)."""
+    from transformers import AutoTokenizer
+
+    base.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tok.chat_template = VISION_CHAT_TEMPLATE
+    return tok
+
+
+def make_llava(path: Path, shape: dict, ids: dict, base_tokenizer, seed: int) -> Path:
+    """A LLaVA-1.5 of the tiny text shape: CLIP tower, its second-to-last layer without the
+    CLS token, a two-layer GELU projector."""
+    import torch
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = vision_tokenizer(path, base_tokenizer)
+    text = LlamaConfig(**{**shape, "vocab_size": len(tok)}, **ids)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**_VISION),
+        text_config=text,
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    config.llmq_random_weights = True
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).float()
+    with torch.no_grad():  # wide weights: an image that changes nothing would hide a bug
+        for p in model.model.multi_modal_projector.parameters():
+            p.normal_(0.0, 0.5)
+    model.generation_config = GenerationConfig(**ids)
+    model.save_pretrained(path)
+    side = _VISION["image_size"]
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=_VISION["patch_size"],
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=VISION_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

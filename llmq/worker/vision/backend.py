@@ -1,0 +1,54 @@
+"""The generation backend of a vision-language model: a request's images registered with the
+runner's vision runtime as it arrives (its prefix-cache root folding in their hashes), dropped
+when it ends; the heartbeat says the model takes images, how many tokens an image is, and how
+many images were encoded."""
+
+from __future__ import annotations
+
+from llmq.common.protocol import EngineRequest, OutputMessage
+from llmq.worker.backends import GenerationBackend
+from llmq.worker.vision.runtime import VisionRuntime, image_root
+
+
+class VisionBackend(GenerationBackend):
+    def __init__(self, engine, vision: VisionRuntime):
+        super().__init__(engine)
+        self.vision = vision
+        engine.runner.vision = vision
+
+    def add(self, request: EngineRequest, prior_tokens: list[int]) -> None:
+        if not request.images:
+            return super().add(request, prior_tokens)
+        self.vision.register(request.id, request.prompt_token_ids, request.images)
+        try:
+            super().add(request, prior_tokens)
+        except BaseException:
+            self.vision.drop(request.id)
+            raise
+        seq = self.engine.requests[request.id]
+        seq.hash_root = image_root(seq.hash_root, request.images)
+
+    def abort(self, request_id: str) -> OutputMessage | None:
+        self.vision.drop(request_id)
+        return super().abort(request_id)
+
+    def take(self, request_id: str) -> list[int] | None:
+        self.vision.drop(request_id)
+        return super().take(request_id)
+
+    def step(self) -> list[tuple[str, OutputMessage]]:
+        out = super().step()
+        for request_id, message in out:
+            if message.done:
+                self.vision.drop(request_id)
+        return out
+
+    def stats(self) -> dict:
+        enc = self.vision.encoder
+        return {
+            **super().stats(),
+            "images": True,
+            "image_token_id": enc.image_token_id,
+            "image_tokens": enc.tokens_per_image,
+            "images_encoded": self.vision.images_encoded,
+        }

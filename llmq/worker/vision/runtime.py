@@ -1,0 +1,137 @@
+"""Image embeddings placed at a step's image-token rows.
+
+A request's images are registered when it arrives: its prompt's runs of the image token, one
+per image in order, each of the family's token count, with the image's content hash; the
+bytes are read from Redis then (where the API stored them once). An image is encoded only when
+a step computes one of its rows, all of a step's images in one batched tower call, and its
+embeddings are kept (a few, least recently used dropped) so that the same image in a later
+turn, or a request preempted and computed again, is not encoded again. Rows whose KV the
+prefix cache holds are never computed, so an image found there is never encoded."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llmq.worker.request_error import RequestError
+
+# Images whose embeddings are kept after their step.
+KEPT_IMAGES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    digest: str
+    start: int  # the prompt position of its first token
+    count: int
+
+
+def image_spans(prompt: list[int], token: int, digests: list[str], count: int) -> list[ImageSpan]:
+    """The runs of ``token`` in ``prompt``, one per image, each ``count`` long."""
+    runs: list[tuple[int, int]] = []
+    for p, t in enumerate(prompt):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    if len(runs) != len(digests) or any(n != count for _, n in runs):
+        raise RequestError(
+            f"the prompt holds {len(runs)} image runs for {len(digests)} images (each run "
+            f"{count} image tokens)"
+        )
+    return [ImageSpan(d, start, n) for d, (start, n) in zip(digests, runs, strict=True)]
+
+
+def image_root(root: int, digests: list[str]) -> int:
+    """A prompt's first block's parent folding in its images, so two different images never
+    share a block: the same images, in order, hash alike."""
+    if not digests:
+        return root
+    h = hashlib.blake2b(str(root).encode(), digest_size=8)
+    for d in digests:
+        h.update(d.encode())
+    return int.from_bytes(h.digest(), "little", signed=True) or 1
+
+
+class VisionRuntime:
+    def __init__(self, encoder, fetch: Callable[[str], bytes | None]):
+        self.encoder = encoder
+        self.fetch = fetch
+        self.spans: dict[str, list[ImageSpan]] = {}
+        self.pending: dict[str, bytes] = {}  # digest -> bytes not yet encoded
+        self.kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.images_encoded = 0
+
+    def register(self, request_id: str, prompt: list[int], digests: list[str]) -> list[ImageSpan]:
+        enc = self.encoder
+        spans = image_spans(prompt, enc.image_token_id, digests, enc.tokens_per_image)
+        for d in digests:
+            if d not in self.kept and d not in self.pending:
+                self.pending[d] = self._bytes(d)
+        self.spans[request_id] = spans
+        return spans
+
+    def drop(self, request_id: str) -> None:
+        self.spans.pop(request_id, None)
+        if not self.spans:
+            self.pending.clear()
+
+    def rows(self, batch) -> list[tuple[int, str, int]]:
+        """(packed row, image digest, index of the image's token) of the step's image rows."""
+        if not self.spans:
+            return []
+        found = []
+        chunks = [(item, row) for row, item in enumerate(batch.decodes)] + batch.prefills
+        for item, row in chunks:
+            spans = self.spans.get(item.seq.request_id)
+            for span in spans or ():
+                lo = max(span.start, item.start)
+                hi = min(span.start + span.count, item.start + item.num_new_tokens)
+                found += [
+                    (row + p - item.start, span.digest, p - span.start) for p in range(lo, hi)
+                ]
+        return found
+
+    def embeddings(self, digests: set[str]) -> dict[str, torch.Tensor]:
+        """Each image's embeddings: kept ones as they are, the others encoded in one call."""
+        missing = [d for d in digests if d not in self.kept]
+        if missing:
+            encoded = self.encoder.encode([self._bytes(d) for d in missing])
+            self.kept.update(zip(missing, encoded, strict=True))
+            self.images_encoded += len(missing)
+        out = {}
+        for d in digests:
+            self.kept.move_to_end(d)
+            out[d] = self.kept[d]
+        while len(self.kept) > KEPT_IMAGES:
+            self.kept.popitem(last=False)
+        return out
+
+    def _bytes(self, digest: str) -> bytes:
+        data = self.pending.pop(digest, None) or self.fetch(digest)
+        if data is None:
+            raise RequestError(f"image {digest[:12]}... expired before its request ran")
+        return data
+
+    def forward(self, model, batch, rows, keep_rows: torch.Tensor, meta) -> torch.Tensor:
+        """transformers' forward of the step (llmq's paged attention), the image rows'
+        embeddings replaced by the images'."""
+        dev = keep_rows.device
+        ids = torch.tensor(batch.input_ids, device=dev)
+        embeds = model.get_input_embeddings()(ids)
+        feats = self.embeddings({d for _, d, _ in rows})
+        index = torch.tensor([r for r, _, _ in rows], device=dev)
+        embeds[index] = torch.stack([feats[d][i] for _, d, i in rows]).to(embeds.dtype)
+        return model(
+            inputs_embeds=embeds[None],
+            position_ids=torch.tensor([batch.positions], device=dev),
+            use_cache=False,
+            logits_to_keep=keep_rows,
+            llmq_step=meta,
+        ).logits[0]
