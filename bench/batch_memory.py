@@ -71,7 +71,7 @@ def batch_input(model: str, lines: int) -> bytes:
 def run(lines: int, concurrency: int, workdir: Path) -> dict:
     import openai
 
-    from llmq.common.redis_server import RedisServer
+    from llmq.common.transport.redis_server import RedisServer
     from llmq.tools.model_factory import make_model
     from tests.harness import start_api, start_worker
 

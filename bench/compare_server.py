@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from compare_procs import Sampler, cores, proc_stat
 
-from llmq.common.redis_server import free_port
+from llmq.common.transport.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"

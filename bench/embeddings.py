@@ -177,7 +177,7 @@ class Direct:
 def start_stack(args, model: str, log_dir: Path, threads: int):
     import httpx
 
-    from llmq.common.redis_server import RedisServer, free_port
+    from llmq.common.transport.redis_server import RedisServer, free_port
     from tests.harness import LLMQ, Proc, base_env, wait_for, wait_worker
 
     server = RedisServer().start()

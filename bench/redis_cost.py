@@ -39,7 +39,7 @@ IDLE_S = 3.0
 def child(args: argparse.Namespace) -> None:
     """Runs inside one tree (its root first on sys.path): one worker, every load in turn."""
 
-    from llmq.common.redis_server import RedisServer
+    from llmq.common.transport.redis_server import RedisServer
     from tests.harness import start_worker
 
     logs = Path(tempfile.mkdtemp(prefix="llmq-redis-cost-"))
@@ -68,8 +68,8 @@ async def _loads(url: str, args: argparse.Namespace, streams: list[int]) -> None
 
     from llmq.common.model_files import load_tokenizer
     from llmq.common.pipeline import TokenGeneratorPipeline
-    from llmq.common.redis_clients import async_client
     from llmq.common.transport import AsyncTransport, Keys
+    from llmq.common.transport.redis_clients import async_client
 
     client = async_client(url, 64)  # a blocking pool, as the API's: 256 streams share it
     transport = AsyncTransport(client, Keys())

@@ -43,7 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmq.common.redis_server import RedisServer  # noqa: E402
+from llmq.common.transport.redis_server import RedisServer  # noqa: E402
 from tests.harness import Proc, heartbeat, start_api, start_worker, wait_for  # noqa: E402
 
 SETTINGS = dict(torch_threads=1, inactivity_timeout=300, request_timeout=3600)

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmq.common.model_files import load_tokenizer
 from llmq.common.pipeline import TokenGeneratorPipeline  # noqa: E402
-from llmq.common.redis_server import RedisServer  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.common.transport import AsyncTransport, Keys  # noqa: E402
+from llmq.common.transport.redis_server import RedisServer  # noqa: E402
 from llmq.worker.loading.model_loader import resolve_dtype  # noqa: E402
 from tests.harness import start_worker  # noqa: E402
 

@@ -114,9 +114,9 @@ def main(argv=None) -> int:
     import torch
 
     from llmq.common.model_files import load_tokenizer
-    from llmq.common.redis_server import RedisServer
     from llmq.common.sampling_params import SamplingParams
     from llmq.common.settings import Settings
+    from llmq.common.transport.redis_server import RedisServer
     from tests.harness import start_worker
 
     threads = args.threads or cores()

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from llmq.common.redis_clients import tool_client
-from llmq.common.redis_cluster import is_cluster_url
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_clients import tool_client
+from llmq.common.transport.redis_cluster import is_cluster_url
 
 LLMQ = str(Path(sys.executable).parent / "llmq")
 
@@ -158,7 +158,7 @@ def start_api(
     /health answers."""
     import httpx
 
-    from llmq.common.redis_server import free_port
+    from llmq.common.transport.redis_server import free_port
 
     port = free_port()
     env = base_env(redis_url, model, **settings)

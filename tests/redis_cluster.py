@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from llmq.common.redis_server import RedisServer, redis_cli_binary
+from llmq.common.transport.redis_server import RedisServer, redis_cli_binary
 from tests.harness import wait_for
 
 

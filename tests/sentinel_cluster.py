@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from llmq.common.redis_server import RedisServer, free_port, redis_server_binary
+from llmq.common.transport.redis_server import RedisServer, free_port, redis_server_binary
 from tests.harness import wait_for
 
 MASTER_NAME = "mymaster"

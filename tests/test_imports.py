@@ -53,6 +53,15 @@ def _imports_of(module: str, path: Path, tree: ast.Module, modules: dict) -> set
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 found.add(full if full in modules else _resolve(base, modules))
+    # Importing a.b.c runs a.b's __init__ first: a package above the target and not above
+    # this module is imported too.
+    own = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for target in list(found):
+        parts = target.split(".")
+        for depth in range(2, len(parts)):
+            package = ".".join(parts[:depth])
+            if package in modules and not (own == package or own.startswith(package + ".")):
+                found.add(package)
     found.discard(module)
     found.discard("")
     return found
@@ -175,7 +184,7 @@ def test_no_module_uses_another_modules_private_names():
 
 def test_the_checks_see_lazy_type_checking_and_private_uses(tmp_path):
     """The checkers themselves, on a made-up package: a cycle closed by a TYPE_CHECKING import and
-    one closed by a lazy relative import are named; a private import and a private method called
+    one closed by a lazy relative import and one closed by a package's __init__ are named; a private import and a private method called
     from another module are caught, a module's own privates and torch's are not."""
     root = tmp_path / "llmq"
     (root / "common").mkdir(parents=True)
@@ -193,12 +202,18 @@ def test_the_checks_see_lazy_type_checking_and_private_uses(tmp_path):
             "    torch._C\n    c._own()\n"
         ),
         "common/e.py": "class E:\n    def _mine(self):\n        pass\ndef h(e):\n    e._mine()\n",
+        # importing pkg.sub runs pkg's __init__, which imports f back
+        "common/f.py": "from llmq.common.pkg.sub import x\n",
+        "common/pkg/__init__.py": "from llmq.common.f import x\n",
+        "common/pkg/sub.py": "x = 1\n",
     }
+    (root / "common" / "pkg").mkdir()
     for name, text in files.items():
         (root / name).write_text(text)
     assert import_cycles(import_graph(root)) == [
         ["llmq.common.a", "llmq.common.b", "llmq.common.a"],
         ["llmq.common.c", "llmq.common.d", "llmq.common.c"],
+        ["llmq.common.f", "llmq.common.pkg", "llmq.common.f"],
     ]
     assert private_uses(root) == [
         "llmq/common/c.py:1 imports llmq.common.d._hidden",

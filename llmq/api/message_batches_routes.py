@@ -13,7 +13,6 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from llmq.common.celery_client import dispatch_batch
 from llmq.common.errors import InvalidRequest, NotFound
 from llmq.common.message_batches import (
     ENDPOINT,
@@ -26,6 +25,7 @@ from llmq.common.message_batches import (
     result_line,
 )
 from llmq.common.store import Store
+from llmq.common.transport.celery_client import dispatch_batch
 from llmq.common.validation import validation_error
 
 router = APIRouter()

@@ -25,8 +25,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from celery import Celery
 
-from llmq.common.celery_client import BATCH_QUEUE, make_celery
 from llmq.common.settings import Settings
+from llmq.common.transport.celery_client import BATCH_QUEUE, make_celery
 from llmq.common.transport.keys import Keys
 
 BACKGROUND_TASK = "llmq.responses.background"

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from llmq.common.embedded_redis import embedded_redis_url
+from llmq.common.transport.embedded_redis import embedded_redis_url
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -25,8 +25,8 @@ from typing import Any
 from celery import Celery
 from pydantic import BaseModel, TypeAdapter
 
-from llmq.common.celery_client import BATCH_QUEUE, make_celery
 from llmq.common.settings import Settings
+from llmq.common.transport.celery_client import BATCH_QUEUE, make_celery
 
 WEBHOOK_TASK = "llmq.webhooks.deliver"
 EVENTS = (

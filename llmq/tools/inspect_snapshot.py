@@ -12,9 +12,9 @@ import redis
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.lora_adapters import AdapterRecord
-from llmq.common.redis_clients import keys_for, tool_client
 from llmq.common.settings import Settings
 from llmq.common.transport import GROUP, Keys
+from llmq.common.transport.redis_clients import keys_for, tool_client
 from llmq.common.webhooks import deliveries_key
 from llmq.tools import inspect_models
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from llmq.common.settings import DEFAULT_MODEL, Settings, get_settings
 
 if TYPE_CHECKING:
-    from llmq.common.redis_server import RedisServer
+    from llmq.common.transport.redis_server import RedisServer
 
 DEMO_DIR = Path.home() / ".cache" / "llmq" / "demo-model"
 
@@ -212,8 +212,8 @@ def start_embedded_redis() -> tuple[RedisServer, Path]:
     (in the state file, mode 0600, through which `llmq inspect` and friends find it; never in
     a command line): without one any local user could read every answer or inject work.
     Returns the running server and the state file's path."""
-    from llmq.common.embedded_redis import publish_embedded_redis
-    from llmq.common.redis_server import RedisServer
+    from llmq.common.transport.embedded_redis import publish_embedded_redis
+    from llmq.common.transport.redis_server import RedisServer
 
     password = secrets.token_urlsafe(24)
     # AOF fsynced once a second, not at every write: each write is in the file (the page cache)
@@ -229,7 +229,7 @@ def start_embedded_redis() -> tuple[RedisServer, Path]:
 
 
 def run_up(log_level: str = "INFO") -> int:
-    from llmq.common.embedded_redis import publish_embedded_redis
+    from llmq.common.transport.embedded_redis import publish_embedded_redis
 
     settings = get_settings()
     model = resolve_model()

@@ -138,7 +138,7 @@ class LoadingAnnouncement:
     RENEW, VALID = 2.0, 10.0
 
     def __init__(self, settings: Settings, worker: str):
-        from llmq.common.redis_clients import keys_for, tool_client
+        from llmq.common.transport.redis_clients import keys_for, tool_client
 
         self.worker, self.keys = worker, keys_for(settings)
         self.model, self.source = settings.served_name, settings.model

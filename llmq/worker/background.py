@@ -31,9 +31,9 @@ from llmq.common.generation import GenerationService, SubmitOptions
 from llmq.common.generation.responses_api.request import ResponsesRequest
 from llmq.common.generation.responses_api.run import ResponsesRun
 from llmq.common.model_registry import ModelRegistry
-from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import Settings, get_settings
 from llmq.common.transport import AsyncTransport
+from llmq.common.transport.redis_clients import async_client, keys_for
 from llmq.common.webhooks import announce
 from llmq.worker.celery_app import app
 

@@ -1,5 +1,5 @@
 """The Celery app of llmq workers: the broker, backend and serializers of
-``llmq.common.celery_client`` (shared with the API, which sends batch tasks by name), plus the
+``llmq.common.transport.celery_client`` (shared with the API, which sends batch tasks by name), plus the
 worker's own settings.
 
 A worker-level bootstep loads the model and runs the engine loop in its own thread from worker
@@ -20,8 +20,8 @@ import threading
 
 from celery import Celery, bootsteps
 
-from llmq.common.celery_client import BATCH_QUEUE, make_celery
 from llmq.common.settings import get_settings
+from llmq.common.transport.celery_client import BATCH_QUEUE, make_celery
 
 log = logging.getLogger("llmq.worker")
 

@@ -26,9 +26,9 @@ from llmq.common.catalogue import (
     keep_alive_seconds,
     scan,
 )
-from llmq.common.redis_clients import engine_client, keys_for
 from llmq.common.settings import Settings
 from llmq.common.transport.keys import as_text
+from llmq.common.transport.redis_clients import engine_client, keys_for
 
 log = logging.getLogger("llmq.worker.models")
 

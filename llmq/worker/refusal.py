@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import logging
 
-from llmq.common.redis_clients import engine_client, keys_for
 from llmq.common.settings import Settings
+from llmq.common.transport.redis_clients import engine_client, keys_for
 
 log = logging.getLogger(__name__)
 

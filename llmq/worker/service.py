@@ -10,9 +10,9 @@ import time
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.lora_adapters import AdapterError, AdapterRecord, check_adapter, parse_lora_modules
-from llmq.common.redis_clients import engine_client, keys_for
 from llmq.common.settings import Settings
 from llmq.common.transport import EngineTransport
+from llmq.common.transport.redis_clients import engine_client, keys_for
 from llmq.worker.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)

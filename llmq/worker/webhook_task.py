@@ -15,8 +15,8 @@ import logging
 import httpx
 from celery import Task
 
-from llmq.common.redis_clients import tool_client
 from llmq.common.settings import Settings, get_settings
+from llmq.common.transport.redis_clients import tool_client
 from llmq.common.webhooks import (
     WEBHOOK_TASK,
     deliveries_key,

@@ -124,7 +124,7 @@ class AgentProxy:
     exchanges: list[Exchange] = field(default_factory=list)
 
     def __post_init__(self):
-        from llmq.common.redis_server import free_port
+        from llmq.common.transport.redis_server import free_port
 
         self.port = free_port()
         self.base = f"http://{self.host}:{self.port}"

@@ -16,9 +16,9 @@ import httpx
 import openai
 import redis
 
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer
 from llmq.worker.llm_engine import LLMEngine
 from tests.harness import (
     Proc,

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from llmq.common.model_files import load_tokenizer
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from llmq.tools.model_factory import make_model
 from llmq.worker.loading.model_loader import load_causal_lm
 from tests.api.api_stack import aclient, assert_error

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from tests.api.embedding_texts import LONG_TEXT, make_texts
 from tests.harness import kill_all, start_api, start_worker, wait_worker
 

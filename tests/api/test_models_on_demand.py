@@ -24,8 +24,8 @@ import pytest
 import redis
 
 from llmq.common.catalogue import fresh_residents, model_size
-from llmq.common.redis_server import RedisServer
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import LLMQ, kill_all, start_api, start_worker, wait_for
 
 KEYS = Keys("llmq")

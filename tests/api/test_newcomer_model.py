@@ -20,8 +20,8 @@ import openai
 import pytest
 import redis
 
-from llmq.common.redis_server import free_port
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import free_port
 from llmq.tools import newcomer_model
 from tests.api.api_stack import assert_error, batch_results, client
 from tests.api.test_up import kill_up

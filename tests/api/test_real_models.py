@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from tests import real_models
 from tests.api.api_stack import aclient
 from tests.harness import kill_all, start_api, start_worker, wait_worker

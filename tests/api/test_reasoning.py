@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import kill_all, start_api, start_worker, wait_worker
 from tests.reasoning_model import as_reasoning_model
 

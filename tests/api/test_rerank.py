@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from tests.api.api_stack import Stack, assert_error, batch_results
 from tests.harness import kill_all, start_worker, wait_worker
 

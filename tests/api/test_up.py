@@ -17,7 +17,7 @@ import openai
 import psutil
 import redis
 
-from llmq.common.redis_server import free_port
+from llmq.common.transport.redis_server import free_port
 from llmq.tools.up import plan_workers
 from tests.api.api_stack import MESSAGES, client
 from tests.harness import (

@@ -11,9 +11,9 @@ import time
 import redis
 
 from llmq.common.background_responses import BackgroundResponses
-from llmq.common.redis_server import RedisServer
 from llmq.common.settings import Settings
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer
 from llmq.worker.background import BackgroundRun
 
 RESPONSE_ID = "resp_" + "a" * 32

@@ -9,8 +9,8 @@ import asyncio
 
 import httpx
 
-from llmq.common.redis_server import RedisServer
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer
 from tests.faults.stack import complete, completion, greedy_texts
 from tests.harness import kill_all, start_api, start_worker, wait_worker
 from tests.redis_cluster import RedisClusterNodes

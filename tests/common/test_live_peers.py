@@ -11,9 +11,9 @@ import redis
 
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineRequest
-from llmq.common.redis_server import RedisServer
 from llmq.common.transport import EngineTransport, Keys
 from llmq.common.transport.keys import ENQUEUE_SCRIPT, GROUP
+from llmq.common.transport.redis_server import RedisServer
 
 KEYS = Keys()
 

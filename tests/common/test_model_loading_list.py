@@ -10,9 +10,9 @@ import time
 import redis.asyncio as aioredis
 
 from llmq.common.model_registry import ModelRegistry
-from llmq.common.redis_server import RedisServer
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport, Keys
+from llmq.common.transport.redis_server import RedisServer
 
 
 def test_loading_records_list_until_served_or_expired():

@@ -13,9 +13,9 @@ import redis.asyncio as aioredis
 from llmq.common.block_hashes import prompt_hashes
 from llmq.common.engine_status import EngineStatus
 from llmq.common.protocol import EngineRequest
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import GROUP, AsyncTransport, EngineTransport, Keys
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import wait_for
 
 MODEL = "m"

@@ -8,9 +8,9 @@ import asyncio
 import redis
 
 from llmq.common.protocol import EngineRequest, OutputMessage
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Emission, EngineTransport, Keys, PulledRequest
+from llmq.common.transport.redis_server import RedisServer
 from tests.pipeline_client import open_pipeline
 
 

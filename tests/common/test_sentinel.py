@@ -12,10 +12,10 @@ import openai
 import pytest
 from flower.utils.broker import Broker
 
-from llmq.common.celery_client import make_celery
-from llmq.common.redis_clients import async_client
-from llmq.common.redis_sentinel import SentinelAddress, parse_sentinel_url
 from llmq.common.settings import Settings
+from llmq.common.transport.celery_client import make_celery
+from llmq.common.transport.redis_clients import async_client
+from llmq.common.transport.redis_sentinel import SentinelAddress, parse_sentinel_url
 from tests.faults.stack import completion, greedy_texts
 from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for
 from tests.sentinel_cluster import SentinelCluster

@@ -11,11 +11,11 @@ import pytest
 import redis
 
 from llmq.common.protocol import EngineRequest, OutputMessage
-from llmq.common.redis_server import RedisServer
 from llmq.common.transport import Emission, EngineTransport, Keys
 from llmq.common.transport import step_writer as step_writer_module
 from llmq.common.transport.keys import ENQUEUE_SCRIPT, GROUP
 from llmq.common.transport.output_log import decode_frame
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import recorded_tokens
 
 CHANNEL = "llmq:replies:test"

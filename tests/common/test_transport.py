@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from llmq.common.model_files import load_tokenizer
-from llmq.common.redis_server import RedisServer, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer, redis_cli_binary
 from tests import harness
 from tests.harness import LLMQ, heartbeat, recorded_tokens, start_worker, start_workers, wait_for
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of

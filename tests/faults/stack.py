@@ -15,9 +15,9 @@ import httpx
 import redis
 
 from llmq.common.model_files import load_tokenizer
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 from tests.harness import Proc, heartbeat, kill_all, start_api, start_worker, wait_worker

@@ -15,8 +15,8 @@ import redis
 
 from llmq.common.errors import EngineFailure
 from llmq.common.protocol import EngineRequest
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import kill_all, recorded_tokens, start_worker, wait_for
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 

@@ -10,9 +10,9 @@ import redis
 import redis.asyncio as aioredis
 
 from llmq.common.protocol import EngineRequest
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import AsyncTransport, Keys
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import heartbeat, kill_all, start_worker, wait_for
 from tests.pipeline_client import stream_of
 

@@ -16,9 +16,9 @@ import redis
 
 from llmq.common.model_files import load_tokenizer
 from llmq.common.protocol import OutputMessage
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport.output_log import decode_frame
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import heartbeat, kill_all, recorded_tokens, start_worker, wait_for, wait_worker
 from tests.pipeline_client import open_pipeline, prompts, stream_of
 

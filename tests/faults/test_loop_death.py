@@ -9,8 +9,8 @@ import sys
 import redis
 
 from llmq.common.protocol import EngineRequest
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import Proc, base_env, wait_for, wait_worker
 from tests.pipeline_client import stream_of
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 import redis
 
-from llmq.common.redis_server import RedisServer
 from llmq.common.transport import GROUP, Keys
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import (
     heartbeat,
     kill_all,

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from llmq.common.errors import DeadlineExceeded
-from llmq.common.redis_server import RedisServer
 from llmq.common.sampling_params import SamplingParams
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for, wait_worker
 from tests.pipeline_client import GREEDY, greedy_reference, open_pipeline, prompts, stream_of
 

@@ -18,9 +18,9 @@ import redis
 import redis.asyncio as aioredis
 
 from llmq.common.batch_checkpoint import LineCheckpoint
-from llmq.common.redis_server import RedisServer
 from llmq.common.store import Store
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer
 from llmq.worker.batch.finalize import finalize
 from tests.harness import start_api
 

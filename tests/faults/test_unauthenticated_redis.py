@@ -15,7 +15,7 @@ import psutil
 import pytest
 import redis
 
-from llmq.common.embedded_redis import (
+from llmq.common.transport.embedded_redis import (
     _embedded_redis_file,
     embedded_redis_url,
     publish_embedded_redis,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import kill_all, start_api, start_worker, wait_worker
 from tests.lora_model import make_adapter
 from tests.tool_model import with_tools_template

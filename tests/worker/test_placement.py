@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from llmq.common.block_hashes import prompt_hashes
-from llmq.common.redis_server import RedisServer
 from llmq.common.transport import GROUP, Keys
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import (
     Proc,
     heartbeat,

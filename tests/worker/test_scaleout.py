@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from llmq.common.model_files import load_tokenizer
-from llmq.common.redis_server import RedisServer, free_port, redis_cli_binary
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import RedisServer, free_port, redis_cli_binary
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm
 from tests import netns

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from transformers import Gemma3Config, Idefics3Config, LlavaConfig, Qwen2_5_VLConfig
 
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from llmq.worker.vision.families import UnservedVisionModel, refuse_unserved
 from tests.harness import kill_all, start_api, start_worker
 

@@ -16,9 +16,9 @@ from llmq.common.errors import BodyTooLarge
 from llmq.common.generation import GenerationService, SubmitOptions
 from llmq.common.model_registry import ModelRegistry
 from llmq.common.protocol import PRIORITY_BATCH
-from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport
+from llmq.common.transport.redis_clients import async_client, keys_for
 
 
 class LineExecutor(Protocol):

@@ -16,10 +16,10 @@ import uuid
 from celery import Task
 
 from llmq.common.batch_checkpoint import LineCheckpoint
-from llmq.common.redis_clients import async_client, keys_for
 from llmq.common.settings import get_settings
 from llmq.common.store import FINAL_STATES, Store
 from llmq.common.tenants import current_owner
+from llmq.common.transport.redis_clients import async_client, keys_for
 from llmq.common.webhooks import announce
 from llmq.worker.batch.executor import open_executor
 from llmq.worker.batch.feed import run_lines

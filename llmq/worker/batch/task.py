@@ -6,7 +6,7 @@ import asyncio
 
 from celery import Task
 
-from llmq.common.celery_client import BATCH_TASK
+from llmq.common.transport.celery_client import BATCH_TASK
 from llmq.worker.batch.run import BatchRun
 from llmq.worker.celery_app import app
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import redis
 
-from llmq.common.redis_server import RedisServer
+from llmq.common.transport.redis_server import RedisServer
 from tests.harness import (
     LLMQ,
     Proc,

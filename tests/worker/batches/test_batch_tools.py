@@ -11,8 +11,8 @@ import time
 import httpx
 import psutil
 
-from llmq.common.redis_server import free_port
 from llmq.common.transport import Keys
+from llmq.common.transport.redis_server import free_port
 from tests.harness import (
     LLMQ,
     Proc,

@@ -10,9 +10,9 @@ import redis.asyncio as aioredis
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
 
-from llmq.common.redis_cluster import is_cluster_url, parse_cluster_url
-from llmq.common.redis_sentinel import is_sentinel_url, parse_sentinel_url
 from llmq.common.transport.keys import Keys
+from llmq.common.transport.redis_cluster import is_cluster_url, parse_cluster_url
+from llmq.common.transport.redis_sentinel import is_sentinel_url, parse_sentinel_url
 
 DEFAULT_SENTINEL_MASTER = "mymaster"
 # Retries of a command on a connection error: about 0.7 s against one server (a restart);

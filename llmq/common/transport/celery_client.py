@@ -11,9 +11,9 @@ import threading
 
 from celery import Celery
 
-from llmq.common.redis_cluster import is_cluster_url
-from llmq.common.redis_sentinel import is_sentinel_url
 from llmq.common.settings import Settings
+from llmq.common.transport.redis_cluster import is_cluster_url
+from llmq.common.transport.redis_sentinel import is_sentinel_url
 
 BATCH_TASK = "llmq.batch.run"
 BATCH_QUEUE = "llmq.batch"
