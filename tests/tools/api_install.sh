@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The API's install without torch: a fresh virtualenv gets `pip install .` (no `worker` extra),
+# then runs `llmq api --help` and builds the API app with torch absent. Needs PyPI; about a
+# minute or two, so it is run by hand (`tests/tools/api_install.sh`), not by `make test`.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+venv=$(mktemp -d)/venv
+trap 'rm -rf "$(dirname "$venv")"' EXIT
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q --upgrade pip
+"$venv/bin/pip" install -q "$repo"
+cd "$(dirname "$venv")"  # away from the checkout: the installed package is what runs
+if "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "FAIL: torch was installed without the worker extra" >&2
+  exit 1
+fi
+"$venv/bin/llmq" api --help >/dev/null
+"$venv/bin/python" - <<'PY'
+import sys
+
+import llmq.api.app
+
+llmq.api.app.create_app()
+heavy = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith("llmq.worker"))
+assert not heavy, f"the API app loaded {heavy[:5]}"
+print("ok: `llmq api --help` runs and the API app builds without torch installed")
+PY
