@@ -47,7 +47,7 @@ async def catalogue_cards(on_demand: OnDemand, listed: ModelList, loading: list[
     residents = await on_demand.residents()
     cards = {c.id: c for c in listed.data}
     for card in cards.values():
-        if card.id in catalogue:
+        if card.id in catalogue and card.state == "ready":
             card.workers = holders(residents, card.id)
     loading_names = {r["model"] for r in loading}
     for name, entry in catalogue.items():

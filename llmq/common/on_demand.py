@@ -61,8 +61,9 @@ class OnDemand:
         """Have the workers holding ``model`` unload it once idle."""
         await self.r.hset(self.keys.unload, model, repr(time.time()))
 
-    async def wish(self, model: str, until: float) -> None:
-        record = {"since": time.time(), "until": until}
+    async def wish(self, model: str, since: float, until: float) -> None:
+        """Ask for ``model`` for a request waiting since ``since``, until ``until``."""
+        record = {"since": since, "until": until}
         await self.r.hset(self.keys.wanted, model, json.dumps(record))
 
     async def failure(self, model: str, since: float) -> str | None:
@@ -89,7 +90,7 @@ class OnDemand:
                     "LLMQ_CATALOGUE and room for it are needed"
                 )
             if time.monotonic() - wished >= REWISH_S:
-                await self.wish(model, deadline)
+                await self.wish(model, started, deadline)
                 wished = time.monotonic()
             await asyncio.sleep(POLL_S)
             error = await self.failure(model, started)

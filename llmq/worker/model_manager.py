@@ -33,7 +33,11 @@ from llmq.common.transport.redis_clients import engine_client, keys_for
 log = logging.getLogger("llmq.worker.models")
 
 TICK_S = 0.1
-CLAIM_TTL_MS = 5000  # a load's claim lapses this long after its worker died
+# A load's claim lapses this many heartbeat TTLs after its worker died (20 s by default).
+# Renewed every RENEW_S, but a load can hold the GIL for seconds at a time (a 262k-token
+# tokenizer parsed in Rust): at 5 s a claim lapsed during a load on a busy host and a second
+# worker loaded the same model.
+CLAIM_TTLS = 4
 RENEW_S = 1.0
 RESCAN_S = 30.0
 # A worker that must evict to load leaves a wish this long to workers with free room.
@@ -59,6 +63,7 @@ class ModelManager:
         self.client = engine_client(settings.redis_url_or_default(), settings.redis_sentinel_master)
         self.keys = keys_for(settings)
         self.budget = int(settings.model_memory_mb * (1 << 20))
+        self.claim_ms = int(settings.heartbeat_ttl * CLAIM_TTLS * 1000)
         self.default_keep_alive = keep_alive_seconds(settings.keep_alive, 300.0)
         self.catalogue: dict[str, Entry] = {}
         self.held: dict[str, Held] = {}
@@ -280,7 +285,7 @@ class ModelManager:
         if evict is None or (evict and now - first_seen < self._evict_defer(evict[0])):
             return False
         claim = self.keys.load_claim(model)
-        if not self.client.set(claim, self.worker, nx=True, px=CLAIM_TTL_MS):
+        if not self.client.set(claim, self.worker, nx=True, px=self.claim_ms):
             return False
         try:
             for name in evict:
@@ -338,7 +343,7 @@ class ModelManager:
         record = {"model": entry.name, "source": entry.source, "since": since}
         record["until"] = time.time() + LOADING_VALID_S
         self.client.hset(self.keys.loading, self.worker, json.dumps(record))
-        self.client.pexpire(self.keys.load_claim(entry.name), CLAIM_TTL_MS)
+        self.client.pexpire(self.keys.load_claim(entry.name), self.claim_ms)
         self.publish(time.time())
 
     def _failed(self, model: str, error: str) -> None:

@@ -40,7 +40,7 @@ from llmq.common.on_demand import requested_keep_alive
 _LATEST = ":latest"
 
 
-def keep_alive(body: GenerationBody) -> float | None:
+def keep_alive(body: GenerationBody | EmbedBody) -> float | None:
     """The body's keep_alive in seconds (-1: for good), None where it gives none; 400 for a
     value that is no duration."""
     try:
@@ -140,6 +140,7 @@ class OllamaService:
 
     async def embed(self, body: EmbedBody) -> EmbedAnswer:
         started = time.monotonic_ns()
+        requested_keep_alive.set(keep_alive(body))
         text = body.input
         inputs = ([text] if text else []) if isinstance(text, str) else list(text)
         model, vectors, tokens = await self._vectors(
