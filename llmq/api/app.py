@@ -18,9 +18,9 @@ from llmq.api.streaming import watch_shutdown
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
 from llmq.common.generation import GenerationService
 from llmq.common.model_registry import ModelRegistry
-from llmq.common.responses_store import ResponsesStore
 from llmq.common.settings import Settings, get_settings
-from llmq.common.store import Store
+from llmq.common.storage.responses_store import ResponsesStore
+from llmq.common.storage.store import Store
 from llmq.common.tenants import ANONYMOUS, current_owner, owner_id
 from llmq.common.transport import AsyncTransport
 from llmq.common.transport.redis_clients import async_client, keys_for

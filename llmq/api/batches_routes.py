@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmq.api.uploads import FILE_PURPOSES, Limits, receive_file
 from llmq.common.errors import InvalidRequest, NotFound
-from llmq.common.store import BATCH_ENDPOINTS, Store
+from llmq.common.storage.store import BATCH_ENDPOINTS, Store
 from llmq.common.transport.celery_client import dispatch_batch
 
 router = APIRouter()

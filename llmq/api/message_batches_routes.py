@@ -1,4 +1,4 @@
-"""Anthropic's Message Batches API on the Batch API's runner (common/message_batches.py):
+"""Anthropic's Message Batches API on the Batch API's runner (common/storage/message_batches.py):
 POST /v1/messages/batches, GET /v1/messages/batches (a page), GET, POST .../cancel, DELETE,
 and GET .../results (JSONL). Tenancy as the OpenAI batches have it: another tenant's batch is a
 404, the same as a missing one. Errors leave in Anthropic's shape (the /v1/messages prefix)."""
@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from llmq.common.errors import InvalidRequest, NotFound
-from llmq.common.message_batches import (
+from llmq.common.storage.message_batches import (
     ENDPOINT,
     MARK,
     MessageBatchCreate,
@@ -24,7 +24,7 @@ from llmq.common.message_batches import (
     processing_status,
     result_line,
 )
-from llmq.common.store import Store
+from llmq.common.storage.store import Store
 from llmq.common.transport.celery_client import dispatch_batch
 from llmq.common.validation import validation_error
 

@@ -12,11 +12,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 
 from llmq.api.streaming import typed_events, whole_answer
-from llmq.common.background_responses import (
-    BackgroundResponses,
-    dispatch_background,
-    is_final,
-)
 from llmq.common.errors import InvalidRequest, LLMQError, NotFound
 from llmq.common.generation.responses_api.answer import chat_request, echoed_fields
 from llmq.common.generation.responses_api.events import Event
@@ -24,7 +19,12 @@ from llmq.common.generation.responses_api.items import input_items
 from llmq.common.generation.responses_api.objects import new_response
 from llmq.common.generation.responses_api.request import ResponsesRequest
 from llmq.common.generation.responses_api.run import ResponsesRun
-from llmq.common.responses_store import ResponsesStore, is_response_id
+from llmq.common.storage.background_responses import (
+    BackgroundResponses,
+    dispatch_background,
+    is_final,
+)
+from llmq.common.storage.responses_store import ResponsesStore, is_response_id
 
 router = APIRouter()
 _FINAL = ("response.completed", "response.incomplete", "response.failed")

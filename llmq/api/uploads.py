@@ -13,9 +13,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
 from llmq.common.errors import InvalidRequest, LLMQError, QuotaExceeded
-from llmq.common.file_chunks import ChunkWriter
-from llmq.common.jsonl_lines import LineSplitter
-from llmq.common.store import Store
+from llmq.common.storage.file_chunks import ChunkWriter
+from llmq.common.storage.jsonl_lines import LineSplitter
+from llmq.common.storage.store import Store
 from llmq.common.tenants import ANONYMOUS
 
 FILE_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")  # OpenAI's

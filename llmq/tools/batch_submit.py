@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from llmq.common.store import BATCH_ENDPOINTS, FINAL_STATES
+from llmq.common.storage.store import BATCH_ENDPOINTS, FINAL_STATES
 
 
 def _bar(done: int, failed: int, total: int, status: str, width: int = 30) -> str:

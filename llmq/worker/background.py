@@ -3,7 +3,7 @@
 It generates through the one generation service with request ids derived from the response
 id, so a run queued again after its worker died attaches to the request its first run started
 (whose tokens survive in Redis) and replays the same text. Its events go to the response's
-event stream (common/background_responses.py); a re-run sends only what its first run had not
+event stream (common/storage/background_responses.py); a re-run sends only what its first run had not
 (``Resumed``), with the same item ids, so a follower sees one uninterrupted stream. A lease
 keeps a second run off a response while one runs; the batch supervisor's round
 (batch/supervisor.py) queues again a response whose run holds no lease.
@@ -19,19 +19,19 @@ import time
 import uuid
 from typing import Any
 
-from llmq.common.background_responses import (
-    BACKGROUND_TASK,
-    FINAL_EVENTS,
-    FINAL_STATUSES,
-    BackgroundResponses,
-    is_final,
-)
 from llmq.common.errors import LLMQError
 from llmq.common.generation import GenerationService, SubmitOptions
 from llmq.common.generation.responses_api.request import ResponsesRequest
 from llmq.common.generation.responses_api.run import ResponsesRun
 from llmq.common.model_registry import ModelRegistry
 from llmq.common.settings import Settings, get_settings
+from llmq.common.storage.background_responses import (
+    BACKGROUND_TASK,
+    FINAL_EVENTS,
+    FINAL_STATUSES,
+    BackgroundResponses,
+    is_final,
+)
 from llmq.common.transport import AsyncTransport
 from llmq.common.transport.redis_clients import async_client, keys_for
 from llmq.common.webhooks import announce

@@ -10,8 +10,8 @@ import time
 
 import redis
 
-from llmq.common.background_responses import BackgroundResponses
 from llmq.common.settings import Settings
+from llmq.common.storage.background_responses import BackgroundResponses
 from llmq.common.transport import Keys
 from llmq.common.transport.redis_server import RedisServer
 from llmq.worker.background import BackgroundRun

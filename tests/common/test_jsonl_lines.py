@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from llmq.common.jsonl_lines import InputLine, LineSplitter, iter_lines
+from llmq.common.storage.jsonl_lines import InputLine, LineSplitter, iter_lines
 
 pytestmark = pytest.mark.unit
 

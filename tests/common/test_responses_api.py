@@ -23,7 +23,7 @@ from llmq.common.generation.responses_api.events import ResponseEvents
 from llmq.common.generation.responses_api.items import chat_messages
 from llmq.common.generation.responses_api.objects import new_response
 from llmq.common.generation.responses_api.request import ResponsesRequest
-from llmq.common.responses_store import is_response_id
+from llmq.common.storage.responses_store import is_response_id
 
 pytestmark = pytest.mark.unit
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}

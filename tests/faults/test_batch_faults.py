@@ -164,7 +164,7 @@ def test_files_past_their_retention_are_swept_with_their_bytes_given_back(main):
     batch's window; every key has a TTL."""
     import redis.asyncio as aioredis
 
-    from llmq.common.store import Store
+    from llmq.common.storage.store import Store
 
     keys = Keys("llmqretain")
 

@@ -17,8 +17,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from llmq.common.batch_checkpoint import LineCheckpoint
-from llmq.common.store import Store
+from llmq.common.storage.batch_checkpoint import LineCheckpoint
+from llmq.common.storage.store import Store
 from llmq.common.transport import Keys
 from llmq.common.transport.redis_server import RedisServer
 from llmq.worker.batch.finalize import finalize

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from llmq.common.jsonl_lines import InputLine
+from llmq.common.storage.jsonl_lines import InputLine
 from llmq.worker.batch.feed import run_lines
 from llmq.worker.batch.lines import LineRunner, RetryPolicy
 from llmq.worker.batch.retry import Backoff, is_temporary

@@ -153,12 +153,12 @@ class Keys:
     def dead(self) -> str:
         return f"{self._g}:dead"
 
-    # OpenAI Batch API objects (common/store.py)
+    # OpenAI Batch API objects (common/storage/store.py)
     def file(self, file_id: str) -> str:
         return f"{self._g}:files:{file_id}"
 
     def file_content(self, file_id: str) -> str:
-        """List: the file's content in pieces (common/file_chunks.py)."""
+        """List: the file's content in pieces (common/storage/file_chunks.py)."""
         return f"{self._g}:files:{file_id}:content"
 
     @property
@@ -190,7 +190,7 @@ class Keys:
         """Set of batches not yet in a final state (for re-dispatch when a lease expires)."""
         return f"{self._g}:batches:active"
 
-    # Stored responses of the Responses API (common/responses_store.py)
+    # Stored responses of the Responses API (common/storage/responses_store.py)
     def response(self, response_id: str) -> str:
         return f"{self._g}:responses:{response_id}"
 

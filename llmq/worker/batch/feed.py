@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Container
 
-from llmq.common.jsonl_lines import InputLine
+from llmq.common.storage.jsonl_lines import InputLine
 
 
 async def run_lines(

@@ -8,10 +8,10 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-from llmq.common.batch_checkpoint import LineCheckpoint
-from llmq.common.file_chunks import FileGone
-from llmq.common.jsonl_lines import InputLine
-from llmq.common.store import Store
+from llmq.common.storage.batch_checkpoint import LineCheckpoint
+from llmq.common.storage.file_chunks import FileGone
+from llmq.common.storage.jsonl_lines import InputLine
+from llmq.common.storage.store import Store
 from llmq.worker.batch.input_lines import input_lines
 from llmq.worker.batch.results import is_output_row, unrun_row
 

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from llmq.common.errors import InvalidRequest
-from llmq.common.file_chunks import FileGone
-from llmq.common.jsonl_lines import InputLine, iter_lines
-from llmq.common.store import Store
+from llmq.common.storage.file_chunks import FileGone
+from llmq.common.storage.jsonl_lines import InputLine, iter_lines
+from llmq.common.storage.store import Store
 
 MAX_ERRORS = 100  # of a refused file, as many as its batch object lists
 

@@ -14,7 +14,7 @@ from typing import Protocol
 import redis
 
 from llmq.common.errors import InvalidRequest, LLMQError
-from llmq.common.jsonl_lines import InputLine
+from llmq.common.storage.jsonl_lines import InputLine
 from llmq.worker.batch.executor import LineExecutor
 from llmq.worker.batch.input_lines import LineRefused, LineRequest, parse_line
 from llmq.worker.batch.results import LineResponse, ResultRow, RowError

@@ -6,7 +6,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from llmq.common.jsonl_lines import InputLine
+from llmq.common.storage.jsonl_lines import InputLine
 from llmq.worker.batch.input_lines import custom_id_of
 
 

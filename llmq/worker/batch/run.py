@@ -15,9 +15,9 @@ import uuid
 
 from celery import Task
 
-from llmq.common.batch_checkpoint import LineCheckpoint
 from llmq.common.settings import get_settings
-from llmq.common.store import FINAL_STATES, Store
+from llmq.common.storage.batch_checkpoint import LineCheckpoint
+from llmq.common.storage.store import FINAL_STATES, Store
 from llmq.common.tenants import current_owner
 from llmq.common.transport.redis_clients import async_client, keys_for
 from llmq.common.webhooks import announce

@@ -11,9 +11,13 @@ import logging
 import threading
 import time
 
-from llmq.common.background_responses import BackgroundResponses, dispatch_background, is_final
 from llmq.common.settings import Settings, get_settings
-from llmq.common.store import FINAL_STATES, Store
+from llmq.common.storage.background_responses import (
+    BackgroundResponses,
+    dispatch_background,
+    is_final,
+)
+from llmq.common.storage.store import FINAL_STATES, Store
 from llmq.common.transport.celery_client import dispatch_batch
 from llmq.common.transport.redis_clients import async_client, keys_for
 

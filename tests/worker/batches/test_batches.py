@@ -208,7 +208,7 @@ def test_cancel_landing_after_the_last_line_ends_cancelled(main):
     a key prefix no worker watches, so nothing else touches the batch."""
     import redis.asyncio as aioredis
 
-    from llmq.common.store import Store
+    from llmq.common.storage.store import Store
     from llmq.worker.batch.run import BatchRun
 
     async def run() -> tuple[dict, list[str]]:
@@ -246,7 +246,7 @@ def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error_file(
     ends expired, and every line it did not run is in the error file as batch_expired."""
     import redis.asyncio as aioredis
 
-    from llmq.common.store import Store
+    from llmq.common.storage.store import Store
     from llmq.worker.batch.run import BatchRun
 
     async def run() -> tuple[dict, list[dict]]:

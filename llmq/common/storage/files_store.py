@@ -1,5 +1,5 @@
 """Files of the OpenAI Files API in Redis: an object hash (with its ``owner``, kept out of the
-object clients see) plus the content as a list of pieces (common/file_chunks.py), written and
+object clients see) plus the content as a list of pieces (common/storage/file_chunks.py), written and
 read a piece at a time.
 
 Each tenant's files are indexed apart and their bytes counted against its quota as they are
@@ -19,8 +19,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from llmq.common.errors import QuotaExceeded
-from llmq.common.file_chunks import ChunkWriter, read_chunks
 from llmq.common.ids import is_id, new_id, text
+from llmq.common.storage.file_chunks import ChunkWriter, read_chunks
 from llmq.common.tenants import ANONYMOUS
 from llmq.common.transport.keys import RELEASE_FILE_SCRIPT, RESERVE_BYTES_SCRIPT, Keys
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from llmq.common.batches_store import FINAL_STATES, Batches
-from llmq.common.files_store import DEFAULT_RETENTION, Files
 from llmq.common.ids import is_id, new_id
+from llmq.common.storage.batches_store import FINAL_STATES, Batches
+from llmq.common.storage.files_store import DEFAULT_RETENTION, Files
 from llmq.common.transport.keys import Keys
 
 BATCH_ENDPOINTS = (
