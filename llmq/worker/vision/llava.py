@@ -14,13 +14,11 @@ class LlavaEncoder:
     """Images -> one [tokens_per_image, hidden] tensor each, in one batched tower call; the
     preprocessing is the checkpoint's own image processor (its PIL form: no torchvision)."""
 
-    def __init__(self, llava, path: str):
-        from transformers import AutoImageProcessor
-
+    def __init__(self, llava, processor):
         self.model = llava.model
         self.config = llava.config
         self.image_token_id = int(llava.config.image_token_id)
-        self.processor = AutoImageProcessor.from_pretrained(path)
+        self.processor = processor
         vision = llava.config.vision_config
         side = vision.image_size // vision.patch_size
         cls = 1 if llava.config.vision_feature_select_strategy == "full" else 0
@@ -42,7 +40,7 @@ class LlavaEncoder:
 
 def load_llava(path: str, dtype: torch.dtype, device: str):
     """(the text model as a causal LM sharing the checkpoint's modules, the image encoder)."""
-    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForCausalLM, LlavaForConditionalGeneration
 
     llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
     text_config = llava.config.text_config
@@ -55,4 +53,4 @@ def load_llava(path: str, dtype: torch.dtype, device: str):
     lm.config.llmq_random_weights = getattr(llava.config, "llmq_random_weights", False)
     lm.config.name_or_path = path
     lm.eval()
-    return lm, LlavaEncoder(llava, path)
+    return lm, LlavaEncoder(llava, AutoImageProcessor.from_pretrained(path))

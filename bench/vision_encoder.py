@@ -1,0 +1,87 @@
+"""The vision encoder's time per image on this machine: LLaVA-1.5's image encoder (CLIP
+ViT-L/14 at 336 x 336, its second-to-last layer, the two-layer projector to 4096) with random
+weights, run by llmq's LlavaEncoder (the image processor's PIL path included) on batches of
+1 and 4 images; the median of ``--rounds`` runs per batch.
+
+    .venv/bin/python bench/vision_encoder.py                    # float32, 1 and 4 images
+    .venv/bin/python bench/vision_encoder.py --dtype bfloat16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import time
+
+import torch
+from PIL import Image
+
+
+def encoder(dtype: torch.dtype):
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    from llmq.worker.vision.llava import LlavaEncoder
+
+    vision = CLIPVisionConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=336,
+        patch_size=14,
+        projection_dim=768,
+    )
+    # The text model is tiny: only the tower and the projector (to 4096) are timed.
+    text = LlamaConfig(hidden_size=4096, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=32, vocab_size=64)  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=63)
+    model = LlavaForConditionalGeneration(config).to(dtype).eval()
+    size = {"shortest_edge": 336}
+    processor = CLIPImageProcessorPil(size=size, crop_size={"height": 336, "width": 336})
+    return LlavaEncoder(model, processor)
+
+
+def png(seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (480, 640, 3), generator=g, dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    enc = encoder(getattr(torch, args.dtype))
+    images = [png(s) for s in range(4)]
+    enc.encode(images[:1])  # warm
+    report = {
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "tokens": enc.tokens_per_image,
+    }
+    for n in (1, 4):
+        times = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            feats = enc.encode(images[:n])
+            times.append(time.perf_counter() - start)
+        assert len(feats) == n and feats[0].shape == (enc.tokens_per_image, 4096)
+        median = statistics.median(times)
+        report[f"batch_{n}_s"] = round(median, 3)
+        report[f"batch_{n}_per_image_s"] = round(median / n, 3)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
