@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import EngineFailure, InvalidRequest, QueueFull, Unavailable
 from llmq.common.lora_adapters import AdapterRecord
-from llmq.common.placer import Placer
+from llmq.common.placement.placer import Placer
 from llmq.common.prompt_encoder import (
     PromptEncoder,
     PromptLimits,

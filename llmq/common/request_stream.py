@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llmq.common.errors import EngineFailure, LLMQError
-from llmq.common.placer import Placer
+from llmq.common.placement.placer import Placer
 from llmq.common.protocol import EngineRequest
 from llmq.common.request_output import OutputReader
 from llmq.common.tokenizer import IncrementalDetokenizer, StopStringMatcher

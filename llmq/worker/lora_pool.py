@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from llmq.common.block_hashes import adapter_root
+from llmq.common.placement.block_hashes import adapter_root
 from llmq.worker.engine.sequence import LoraRef, Sequence
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner import lora_linear

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from llmq.common.block_hashes import adapter_root, prompt_hashes
 from llmq.common.engine_status import EngineStatus
 from llmq.common.generation.model_cards import find_model, model_list
 from llmq.common.lora_adapters import (
@@ -21,8 +20,9 @@ from llmq.common.lora_adapters import (
     check_adapter,
     parse_lora_modules,
 )
-from llmq.common.placement import Candidate, choose
-from llmq.common.placer import ADAPTER_LOAD_TOKENS, _adapter_cost
+from llmq.common.placement.block_hashes import adapter_root, prompt_hashes
+from llmq.common.placement.placer import ADAPTER_LOAD_TOKENS, _adapter_cost
+from llmq.common.placement.policy import Candidate, choose
 from tests.lora_model import make_adapter
 
 pytestmark = pytest.mark.unit
@@ -122,7 +122,7 @@ def test_an_adapter_roots_its_own_block_chain_the_same_in_every_process():
     chat = prompt_hashes(tokens, 16, adapter_root("chat"))
     assert adapter_root("") == 0 and prompt_hashes(tokens, 16, 0) == base
     assert not set(base) & set(sql) and not set(sql) & set(chat)
-    code = "from llmq.common.block_hashes import adapter_root; print(adapter_root('sql'))"
+    code = "from llmq.common.placement.block_hashes import adapter_root; print(adapter_root('sql'))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(other.stdout) == adapter_root("sql")  # str hashes are salted per process
 

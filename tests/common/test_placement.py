@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from llmq.common.block_hashes import chain_hashes, prompt_hashes
-from llmq.common.placement import RECENT_S, Candidate, RecentPlacements, choose
+from llmq.common.placement.block_hashes import chain_hashes, prompt_hashes
+from llmq.common.placement.policy import RECENT_S, Candidate, RecentPlacements, choose
 from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.sequence import Sequence
 

@@ -10,8 +10,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from llmq.common.block_hashes import prompt_hashes
 from llmq.common.engine_status import EngineStatus
+from llmq.common.placement.block_hashes import prompt_hashes
 from llmq.common.protocol import EngineRequest
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import GROUP, AsyncTransport, EngineTransport, Keys

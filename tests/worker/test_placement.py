@@ -13,7 +13,7 @@ import openai
 import pytest
 import redis
 
-from llmq.common.block_hashes import prompt_hashes
+from llmq.common.placement.block_hashes import prompt_hashes
 from llmq.common.transport import GROUP, Keys
 from llmq.common.transport.redis_server import RedisServer
 from tests.harness import (

@@ -1,6 +1,6 @@
 """The worker's side of cache-aware placement (mixed into ``EngineTransport``).
 
-The API names in each entry the worker it chose (field ``target``: ``common/placement.py``).
+The API names in each entry the worker it chose (field ``target``: ``common/placement/policy.py``).
 Entries stay in the model's one stream and consumer group, so every guarantee of the queue
 holds as it is: whichever worker reads an entry placed on another hands it over, moving it from
 its own pending list into the target's (``HANDOVER_SCRIPT``, one XCLAIM) and telling it on the

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from llmq.common.block_hashes import chain_hashes
+from llmq.common.placement.block_hashes import chain_hashes
 from llmq.worker.engine.sequence import Sequence
 
 

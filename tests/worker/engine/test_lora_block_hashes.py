@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.common.block_hashes import adapter_root, prompt_hashes
+from llmq.common.placement.block_hashes import adapter_root, prompt_hashes
 from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.sequence import LoraRef, Sequence
 from llmq.worker.lora_pool import LoraPool

@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.exceptions
 
-from llmq.common.block_hashes import adapter_root, prompt_hashes
 from llmq.common.engine_status import EngineStatus
-from llmq.common.placement import Candidate, RecentPlacements, choose, cost
+from llmq.common.placement.block_hashes import adapter_root, prompt_hashes
+from llmq.common.placement.policy import Candidate, RecentPlacements, choose, cost
 from llmq.common.protocol import EngineRequest
 from llmq.common.transport import AsyncTransport
 
