@@ -98,16 +98,23 @@ def name_suffix(wheels: list[Path], wheel: Path) -> str:
 
 def float_folder(gguf_file: Path) -> Path:
     """The GGUF's weights as a float32 Hugging Face folder (config, tokenizer, safetensors),
-    dequantized by transformers' own GGUF loader and saved once beside the file."""
+    dequantized by transformers' own GGUF loader and saved once beside the file. The tokenizer
+    is llmq's conversion of the same metadata, cached by the file's hash: the workers and the
+    API serving the file read it from there instead of parsing the vocabulary again (Gemma 3's
+    262k entries take tens of seconds each time)."""
     out = gguf_file.parent / "float32"
     if (out / "config.json").exists():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from llmq.common.gguf_tokenizer import load_gguf_tokenizer
+    from llmq.worker.loading.gguf_model import gguf_read_once
 
     folder, name = str(gguf_file.parent), gguf_file.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with gguf_read_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = load_gguf_tokenizer(gguf_file)
     # The loaded model is plain float32; only transformers' GGUF marker stops its save.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)

@@ -16,6 +16,8 @@ tensors leave unset.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from pathlib import Path
 
@@ -43,6 +45,32 @@ QUANTIZER_TENSORS = frozenset(name for names in ROLE_TENSORS.values() for name i
 # transformers' processors that leave quantized projections as they are but for llama's
 # query/key rows, which the quantizer puts back itself (gguf_weights.unpermute_rows).
 LEAN_PROCESSORS = frozenset(("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor"))
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """While transformers reads GGUF files: one reader per file, and gguf's tensor name map
+    built once per architecture and layer count. transformers parses a file's metadata again
+    for its config and for its weights (Gemma 3's 262k-entry vocabulary each time), and its
+    ``get_gguf_hf_weights_map`` builds the same name map once per module of the model (397 for
+    SmolLM2-135M); together most of a GGUF start's time."""
+    import gguf
+
+    name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared_reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=4)(name_map)
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = name_map, reader
 
 
 def float_dtype(reader, native_bfloat16: bool) -> str | None:

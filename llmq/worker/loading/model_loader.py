@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmq.common.model_files import gguf_location, model_file, quiet_transformers
-from llmq.worker.loading.gguf_model import load_gguf_model
+from llmq.worker.loading.gguf_model import gguf_read_once, load_gguf_model
 
 if TYPE_CHECKING:
     import torch
@@ -96,9 +96,12 @@ def _causal_lm(
         # where that cannot be, dequantized by transformers and read again by the forward; a
         # file of float weights in its own dtype where none was set.
         native = auto and cpu_has_native_bfloat16()
-        lm = load_gguf_model(*gguf, torch_dtype, auto, native) if device == "cpu" else None
-        if lm is None:
-            lm = AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], dtype=torch_dtype)
+        with gguf_read_once():
+            lm = load_gguf_model(*gguf, torch_dtype, auto, native) if device == "cpu" else None
+            if lm is None:
+                lm = AutoModelForCausalLM.from_pretrained(
+                    gguf[0], gguf_file=gguf[1], dtype=torch_dtype
+                )
         lm.config.llmq_gguf_path = str(Path(gguf[0]) / gguf[1])
         # a file of float weights is served as a float folder is
         quantization = quantization if getattr(lm.config, "llmq_gguf_float", False) else "gguf"
