@@ -68,7 +68,7 @@ def main() -> None:
     report = {
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "tokens": enc.tokens_per_image,
+        "tokens": enc.layout["tokens"],
     }
     for n in (1, 4):
         times = []
@@ -76,7 +76,7 @@ def main() -> None:
             start = time.perf_counter()
             feats = enc.encode(images[:n])
             times.append(time.perf_counter() - start)
-        assert len(feats) == n and feats[0].shape == (enc.tokens_per_image, 4096)
+        assert len(feats) == n and feats[0].shape == (enc.layout["tokens"], 4096)
         median = statistics.median(times)
         report[f"batch_{n}_s"] = round(median, 3)
         report[f"batch_{n}_per_image_s"] = round(median / n, 3)

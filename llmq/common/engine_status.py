@@ -27,7 +27,7 @@ class EngineStatus:
     matryoshka: bool = False
     images: bool = False  # it takes image input (a vision-language model)
     image_token_id: int = 0  # the token a prompt holds at each image position
-    image_tokens: int = 0  # image tokens per image
+    image_layout: str = ""  # JSON: how many tokens an image is (common/images/tokens.py)
     # How it is doing (each heartbeat).
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 # `llmq make-model --arch`; the coverage tests build every architecture of model_archs.ARCHS.
-CLI_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "llava")
+CLI_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "llava", "llava_next")
 Arch = str
 Size = Literal["tiny", "smollm2-135m", "moe-1b", "llama-1b", "llama-8b"]
 
@@ -235,7 +235,7 @@ def make_model(
 ) -> Path:
     """Write a random-weight model and its tokenizer to ``path``; return the path. ``arch``:
     llama, qwen2, qwen3 or gemma3 at either size, or any architecture of ``model_archs.ARCHS``
-    (gemma3 is gemma3_text) or llava (a LLaVA-1.5 and its processor) at the tiny size.
+    (gemma3 is gemma3_text), llava or llava_next (with its processor) at the tiny size.
     ``device``: where the random weights are drawn (a GPU draws the 8B shape's in seconds;
     other weights than the CPU's). ``context``: the
     model's longest sequence in tokens (its ``max_position_embeddings``), instead of the size's
@@ -255,12 +255,12 @@ def make_model(
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    if arch == "llava":  # a vision-language model: its tower, processor and template too
+    if arch in ("llava", "llava_next"):  # vision-language: its tower, processor and template
         from llmq.tools.vision_models import make_llava
 
         if size != "tiny":
-            raise ValueError("llava is built at the tiny size only")
-        return make_llava(path, shape, ids, tokenizer, seed)
+            raise ValueError(f"{arch} is built at the tiny size only")
+        return make_llava(path, shape, ids, tokenizer, seed, anyres=arch == "llava_next")
     config = _config(arch, size, shape, ids)
     if context is not None:
         config.max_position_embeddings = context

@@ -1,7 +1,7 @@
-"""Tiny random-weight vision-language models for tests (`make_llava`): the
-text model of ``model_factory`` with a small vision tower, a projector, an image token in the
-tokenizer, a chat template that places images, and the processor saved beside them (its PIL
-image processor: no torchvision), all built offline."""
+"""Tiny random-weight vision-language models for tests (`llmq make-model --arch llava` or
+`--arch llava_next`): the text model of ``model_factory`` with a small vision tower, a
+projector, an image token in the tokenizer, a chat template that places images, and the
+processor saved beside them (its PIL image processor: no torchvision), all built offline."""
 
 from __future__ import annotations
 
@@ -42,45 +42,46 @@ def vision_tokenizer(path: Path, base):
     return tok
 
 
-def make_llava(path: Path, shape: dict, ids: dict, base_tokenizer, seed: int) -> Path:
+# LLaVA-NeXT's grid at the tiny tile: one, two or four tiles besides the base one.
+_GRID = [[30, 60], [60, 30], [60, 60]]
+
+
+def make_llava(
+    path: Path, shape: dict, ids: dict, base_tokenizer, seed: int, anyres: bool = False
+) -> Path:
     """A LLaVA-1.5 of the tiny text shape: CLIP tower, its second-to-last layer without the
-    CLS token, a two-layer GELU projector."""
+    CLS token, a two-layer GELU projector; with ``anyres`` a LLaVA-NeXT (tiles of a grid
+    besides the base image, unpadded, a newline embedding per row)."""
     import torch
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        GenerationConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+    from transformers import GenerationConfig, LlamaConfig
 
     path.mkdir(parents=True, exist_ok=True)
     tok = vision_tokenizer(path, base_tokenizer)
     text = LlamaConfig(**{**shape, "vocab_size": len(tok)}, **ids)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(**_VISION),
+    config_class, model_class, processor_class, images = _classes(anyres)
+    options = {"image_grid_pinpoints": _GRID} if anyres else {}
+    config = config_class(
+        vision_config=_vision_config(),
         text_config=text,
         image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
+        **options,
     )
     config.llmq_random_weights = True
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).float()
+    model = model_class(config).float()
     with torch.no_grad():  # wide weights: an image that changes nothing would hide a bug
         for p in model.model.multi_modal_projector.parameters():
             p.normal_(0.0, 0.5)
     model.generation_config = GenerationConfig(**ids)
     model.save_pretrained(path)
     side = _VISION["image_size"]
-    images = CLIPImageProcessorPil(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    )
-    processor = LlavaProcessor(
-        image_processor=images,
+    processor = processor_class(
+        image_processor=images(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}, **options
+        ),
         tokenizer=tok,
         patch_size=_VISION["patch_size"],
         vision_feature_select_strategy="default",
@@ -90,3 +91,20 @@ def make_llava(path: Path, shape: dict, ids: dict, base_tokenizer, seed: int) ->
     processor.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def _vision_config():
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(**_VISION)
+
+
+def _classes(anyres: bool) -> tuple:
+    """(config, model, processor, image processor) classes of LLaVA-1.5 or LLaVA-NeXT."""
+    import transformers as t
+
+    if anyres:
+        return (t.LlavaNextConfig, t.LlavaNextForConditionalGeneration, t.LlavaNextProcessor,
+                t.LlavaNextImageProcessorPil)  # fmt: skip
+    return (t.LlavaConfig, t.LlavaForConditionalGeneration, t.LlavaProcessor,
+            t.CLIPImageProcessorPil)  # fmt: skip

@@ -66,7 +66,7 @@ async def chat_choices(
         prompt_limits(body, engine.max_model_len),
     )
     if images:
-        prompt_ids = expand_images(prompt_ids, engine, len(images))
+        prompt_ids = expand_images(prompt_ids, engine, images)
     prompt_ids = truncated(body, prompt_ids, engine.max_model_len)
     limit = max_tokens(body, len(prompt_ids), engine.max_model_len)
     logprobs = body.wanted_logprobs()

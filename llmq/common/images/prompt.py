@@ -1,30 +1,37 @@
 """A vision-language model's prompt: each image token the chat template placed becomes the
-run of image tokens the model reads the image's embeddings at (the count the worker's
-heartbeat gives), so the context check and ``usage`` count an image as the model does."""
+run of image tokens the model reads the image's embeddings at (counted from the image's size
+and the layout the worker's heartbeat gives), so the context check and ``usage`` count an
+image as the model does."""
 
 from __future__ import annotations
 
+from llmq.common.prompt_encoder import context_exceeded
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
-from llmq.common.prompt_encoder import context_exceeded
+from llmq.common.images.decode import CheckedImage
+from llmq.common.images.tokens import image_token_count, parse_layout
 
 
-def expand_images(prompt_ids: list[int], engine: EngineStatus, count: int) -> list[int]:
-    """``prompt_ids`` with each image token repeated ``engine.image_tokens`` times; a 400 where
-    the template placed another number of images than the request sent, or where the prompt
-    then passes the context."""
-    token, each = engine.image_token_id, engine.image_tokens
+def expand_images(
+    prompt_ids: list[int], engine: EngineStatus, images: list[CheckedImage]
+) -> list[int]:
+    """``prompt_ids`` with each image token repeated as many times as the model reads its
+    image; a 400 where the template placed another number of images than the request sent, or
+    where the prompt then passes the context."""
+    token = engine.image_token_id
     placed = prompt_ids.count(token)
-    if placed != count:
+    if placed != len(images):
         raise InvalidRequest(
-            f"the chat template placed {placed} images for the {count} sent (an image token "
-            "typed in the text, or a template that drops images)",
+            f"the chat template placed {placed} images for the {len(images)} sent (an image "
+            "token typed in the text, or a template that drops images)",
             "messages",
         )
+    layout = parse_layout(engine.image_layout)
+    counts = iter([image_token_count(layout, i.width, i.height) for i in images])
     out: list[int] = []
     for t in prompt_ids:
         if t == token:
-            out.extend([token] * each)
+            out.extend([token] * next(counts))
         else:
             out.append(t)
     if len(out) >= engine.max_model_len:

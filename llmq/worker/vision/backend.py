@@ -5,6 +5,8 @@ many images were encoded."""
 
 from __future__ import annotations
 
+import json
+
 from llmq.common.protocol import EngineRequest, OutputMessage
 from llmq.worker.backends import GenerationBackend
 from llmq.worker.vision.runtime import VisionRuntime, image_root
@@ -49,6 +51,6 @@ class VisionBackend(GenerationBackend):
             **super().stats(),
             "images": True,
             "image_token_id": enc.image_token_id,
-            "image_tokens": enc.tokens_per_image,
+            "image_layout": json.dumps(enc.layout, separators=(",", ":")),
             "images_encoded": self.vision.images_encoded,
         }

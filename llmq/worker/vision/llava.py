@@ -1,4 +1,4 @@
-"""LLaVA-1.5 on the worker: the checkpoint split into its text model, served by the engine as
+"""LLaVA-1.5 and LLaVA-NeXT on the worker: the checkpoint split into its text model, served by the engine as
 any Llama (the fast path for text), and its image encoder (the CLIP tower and the projector),
 which turns images into the embeddings placed at the prompt's image tokens."""
 
@@ -9,40 +9,56 @@ import io
 import torch
 from PIL import Image
 
+from llmq.common.images.tokens import image_token_count
+
 
 class LlavaEncoder:
-    """Images -> one [tokens_per_image, hidden] tensor each, in one batched tower call; the
-    preprocessing is the checkpoint's own image processor (its PIL form: no torchvision)."""
+    """Images -> one [tokens, hidden] tensor each, in one batched tower call; the
+    preprocessing is the checkpoint's own image processor (its PIL form: no torchvision).
+    LLaVA-NeXT's tiles ("anyres") are packed as transformers packs them: unpadded, a newline
+    embedding per row, after the base tile."""
 
     def __init__(self, llava, processor):
         self.model = llava.model
-        self.config = llava.config
-        self.image_token_id = int(llava.config.image_token_id)
+        self.config = config = llava.config
+        self.image_token_id = int(config.image_token_id)
         self.processor = processor
-        vision = llava.config.vision_config
-        side = vision.image_size // vision.patch_size
-        cls = 1 if llava.config.vision_feature_select_strategy == "full" else 0
-        self.tokens_per_image = side * side + cls
+        vision = config.vision_config
+        cls = 1 if config.vision_feature_select_strategy == "full" else 0
+        self.anyres = config.model_type == "llava_next"
+        if self.anyres:
+            grid = [list(map(int, hw)) for hw in config.image_grid_pinpoints]
+            self.layout = {"family": "llava_next", "tile": vision.image_size,
+                           "patch": vision.patch_size, "grid": grid, "cls": cls}  # fmt: skip
+        else:
+            side = vision.image_size // vision.patch_size
+            self.layout = {"family": "llava", "tokens": side * side + cls}
+
+    def token_count(self, data: bytes) -> int:
+        with Image.open(io.BytesIO(data)) as image:
+            return image_token_count(self.layout, *image.size)
 
     @torch.inference_mode()
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
         pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
         tower = self.model.vision_tower
-        pixels = self.processor(pil, return_tensors="pt")["pixel_values"]
-        pixels = pixels.to(device=tower.device, dtype=tower.dtype)
+        inputs = self.processor(pil, return_tensors="pt")
+        extra = {"image_sizes": inputs["image_sizes"]} if self.anyres else {}
         out = self.model.get_image_features(
-            pixel_values=pixels,
+            pixel_values=inputs["pixel_values"].to(device=tower.device, dtype=tower.dtype),
             vision_feature_layer=self.config.vision_feature_layer,
             vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+            **extra,
         )
         return list(out.pooler_output)
 
 
 def load_llava(path: str, dtype: torch.dtype, device: str):
-    """(the text model as a causal LM sharing the checkpoint's modules, the image encoder)."""
-    from transformers import AutoImageProcessor, AutoModelForCausalLM, LlavaForConditionalGeneration
+    """(the text model as a causal LM sharing the checkpoint's modules, the image encoder) of
+    a LLaVA-1.5 or LLaVA-NeXT folder."""
+    from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    llava = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
     text_config = llava.config.text_config
     # The wrapper is built on the meta device: its own weights are replaced at once.
     with torch.device("meta"):

@@ -30,8 +30,10 @@ class ImageSpan:
     count: int
 
 
-def image_spans(prompt: list[int], token: int, digests: list[str], count: int) -> list[ImageSpan]:
-    """The runs of ``token`` in ``prompt``, one per image, each ``count`` long."""
+def image_spans(
+    prompt: list[int], token: int, digests: list[str], counts: list[int]
+) -> list[ImageSpan]:
+    """The runs of ``token`` in ``prompt``, one per image, of ``counts`` tokens each."""
     runs: list[tuple[int, int]] = []
     for p, t in enumerate(prompt):
         if t != token:
@@ -40,10 +42,10 @@ def image_spans(prompt: list[int], token: int, digests: list[str], count: int) -
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((p, 1))
-    if len(runs) != len(digests) or any(n != count for _, n in runs):
+    if [n for _, n in runs] != counts:
         raise RequestError(
-            f"the prompt holds {len(runs)} image runs for {len(digests)} images (each run "
-            f"{count} image tokens)"
+            f"the prompt's image runs ({[n for _, n in runs]} tokens) do not fit its "
+            f"{len(digests)} images ({counts} tokens)"
         )
     return [ImageSpan(d, start, n) for d, (start, n) in zip(digests, runs, strict=True)]
 
@@ -70,12 +72,13 @@ class VisionRuntime:
 
     def register(self, request_id: str, prompt: list[int], digests: list[str]) -> list[ImageSpan]:
         enc = self.encoder
-        spans = image_spans(prompt, enc.image_token_id, digests, enc.tokens_per_image)
+        counts = []
         for d in digests:
-            if d not in self.kept and d not in self.pending:
+            if d not in self.pending:
                 self.pending[d] = self._bytes(d)
-        self.spans[request_id] = spans
-        return spans
+            counts.append(enc.token_count(self.pending[d]))
+        self.spans[request_id] = image_spans(prompt, enc.image_token_id, digests, counts)
+        return self.spans[request_id]
 
     def drop(self, request_id: str) -> None:
         self.spans.pop(request_id, None)
