@@ -66,8 +66,8 @@ async def _loads(url: str, args: argparse.Namespace, streams: list[int]) -> None
     scripts are set up by a warm-up load first, not counted against the first measured one."""
     import redis
 
+    from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
     from llmq.common.model_files import load_tokenizer
-    from llmq.common.pipeline import TokenGeneratorPipeline
     from llmq.common.transport import AsyncTransport, Keys
     from llmq.common.transport.redis_clients import async_client
 

@@ -30,8 +30,8 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline  # noqa: E402
 from llmq.common.model_files import load_tokenizer
-from llmq.common.pipeline import TokenGeneratorPipeline  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.common.transport import AsyncTransport, Keys  # noqa: E402
 from llmq.common.transport.redis_server import RedisServer  # noqa: E402

@@ -110,7 +110,7 @@ class ThroughWorker:
     def __init__(self, model_dir: Path, redis_url: str, tokenizer, served: str):
         import redis.asyncio as aioredis
 
-        from llmq.common.pipeline import TokenGeneratorPipeline
+        from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
         from llmq.common.transport import AsyncTransport, Keys
 
         self.client = aioredis.Redis.from_url(redis_url)

@@ -9,8 +9,8 @@ import random
 
 import redis.asyncio as aioredis
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.model_files import load_tokenizer
-from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.sampling_params import SamplingParams
 from llmq.common.transport import AsyncTransport, Keys
 from llmq.worker.loading.model_loader import eos_token_ids, load_causal_lm

@@ -15,9 +15,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmq.api.errors import error_response, install_error_handlers
 from llmq.api.metrics import Metrics
 from llmq.api.streaming import watch_shutdown
+from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
 from llmq.common.generation import GenerationService
-from llmq.common.model_registry import ModelRegistry
 from llmq.common.settings import Settings, get_settings
 from llmq.common.storage.responses_store import ResponsesStore
 from llmq.common.storage.store import Store

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import Unavailable
-from llmq.common.pipeline import TokenGeneratorPipeline
 
 pytestmark = pytest.mark.unit
 

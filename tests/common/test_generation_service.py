@@ -12,8 +12,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.generation import GenerationService, SubmitOptions
-from llmq.common.model_registry import ModelRegistry
 from llmq.common.protocol import PRIORITY_BATCH
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport, Keys

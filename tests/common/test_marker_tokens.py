@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from llmq.common.engine_client.request_stream import GenerationChunk
+from llmq.common.engine_client.tokenizer import IncrementalDetokenizer
 from llmq.common.generation.marker_tokens import MarkerKeepingStream, skipped_markers
-from llmq.common.request_stream import GenerationChunk
-from llmq.common.tokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from llmq.common.model_registry import ModelRegistry
+from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport, Keys
 from llmq.common.transport.redis_server import RedisServer

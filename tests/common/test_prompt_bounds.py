@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmq.common.engine_client.prompt_bounds import NFD_MAX, NFKD_MAX, tokenizer_profile
+from llmq.common.engine_client.prompt_encoder import FIRST_PIECE, PromptEncoder, TooManyTokens
+from llmq.common.engine_client.tokenize_pool import TokenizePool, TokenizerBusy
 from llmq.common.model_files import load_tokenizer
-from llmq.common.prompt_bounds import NFD_MAX, NFKD_MAX, tokenizer_profile
-from llmq.common.prompt_encoder import FIRST_PIECE, PromptEncoder, TooManyTokens
-from llmq.common.tokenize_pool import TokenizePool, TokenizerBusy
 
 pytestmark = pytest.mark.unit
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from llmq.common import request_output
+from llmq.common.engine_client import request_output
+from llmq.common.engine_client.request_output import OutputReader
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import DeadlineExceeded
 from llmq.common.protocol import EngineRequest, OutputMessage
-from llmq.common.request_output import OutputReader
 from llmq.common.sampling_params import SamplingParams
 
 TIMEOUT = 0.2  # seconds of inactivity

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.errors import InvalidRequest, LLMQError, NotFound
 from llmq.common.lora_adapters import AdapterError, AdapterRecord, check_adapter
-from llmq.common.model_registry import ModelRegistry
 from llmq.common.tenants import current_owner
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmq.common.engine_client.request_stream import GenerationChunk
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.request_bodies import SamplingFields
-from llmq.common.request_stream import GenerationChunk
 from llmq.common.sampling_params import SamplingParams
 
 

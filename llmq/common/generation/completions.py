@@ -3,6 +3,8 @@ text_completion answer and chunks (echo included)."""
 
 from __future__ import annotations
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
+from llmq.common.engine_client.request_stream import GenerationChunk
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.choices import (
@@ -28,8 +30,6 @@ from llmq.common.generation.responses import (
     CompletionLogprobs,
 )
 from llmq.common.generation.run import Generation
-from llmq.common.pipeline import TokenGeneratorPipeline
-from llmq.common.request_stream import GenerationChunk
 
 
 async def _encoded_prompts(

@@ -8,15 +8,15 @@ from typing import Any
 
 import numpy as np
 
+from llmq.common.engine_client.pipeline import EmbeddingResult, TokenGeneratorPipeline
+from llmq.common.engine_client.prompt_encoder import FIRST_PIECE, TooManyTokens
+from llmq.common.engine_client.text_input import check_text
+from llmq.common.engine_client.tokenize_pool import utf8_size
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.request_bodies import MAX_INPUTS, EmbeddingRequest
 from llmq.common.generation.responses import Embedding, EmbeddingList, EmbeddingUsage
 from llmq.common.generation.submission import SubmitOptions
-from llmq.common.pipeline import EmbeddingResult, TokenGeneratorPipeline
-from llmq.common.prompt_encoder import FIRST_PIECE, TooManyTokens
-from llmq.common.text_input import check_text
-from llmq.common.tokenize_pool import utf8_size
 
 _SHAPE = "a string, an array of strings, an array of token ids or an array of arrays of token ids"
 

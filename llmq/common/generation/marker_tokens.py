@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
+from llmq.common.engine_client.request_stream import GenerationChunk, RequestStream
 from llmq.common.errors import LLMQError
-from llmq.common.request_stream import GenerationChunk, RequestStream
 
 
 def skipped_markers(tokenizer, markers: tuple[str, ...]) -> dict[int, str]:

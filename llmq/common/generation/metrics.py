@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from llmq.common.engine_client.request_stream import GenerationChunk
 from llmq.common.generation.choices import Choice
-from llmq.common.request_stream import GenerationChunk
 
 
 class GenerationMetrics(Protocol):

@@ -3,8 +3,8 @@ context and ``truncate_prompt_tokens``, as ``choices.truncated`` keeps them."""
 
 from __future__ import annotations
 
+from llmq.common.engine_client.prompt_encoder import PromptLimits
 from llmq.common.generation.request_bodies import SamplingFields
-from llmq.common.prompt_encoder import PromptLimits
 
 
 def prompt_limits(body: SamplingFields, context: int, extra: int = 0) -> PromptLimits:

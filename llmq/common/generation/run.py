@@ -11,13 +11,13 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
+from llmq.common.engine_client.request_stream import GenerationChunk, RequestStream
 from llmq.common.errors import LLMQError
 from llmq.common.generation.choices import Choice
 from llmq.common.generation.logprobs import vllm_prompt_logprobs
 from llmq.common.generation.metrics import ChoiceRecorder
 from llmq.common.generation.request_bodies import SamplingFields
 from llmq.common.generation.responses import PromptTokensDetails, Usage, WireModel
-from llmq.common.request_stream import GenerationChunk, RequestStream
 
 
 class Generation(ABC):

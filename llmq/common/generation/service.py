@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 import redis
 from pydantic import BaseModel, ValidationError
 
+from llmq.common.engine_client.model_registry import ModelRegistry
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import LLMQError, redis_failure
 from llmq.common.generation import tokenization
@@ -59,8 +61,6 @@ from llmq.common.generation.tokenization import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from llmq.common.model_registry import ModelRegistry
-from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.validation import validation_error
 
 PrepareChoices = Callable[

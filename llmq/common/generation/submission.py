@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
+from llmq.common.engine_client.request_stream import RequestStream
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.choices import Choice
 from llmq.common.generation.request_bodies import CompletionRequest, SamplingFields
-from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.protocol import PRIORITY_INTERACTIVE
-from llmq.common.request_stream import RequestStream
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.responses import WireModel
-from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.validation import validation_error
 
 # The tokenizer's own settings that /tokenizer_info shows (vLLM shows its tokenizer config).

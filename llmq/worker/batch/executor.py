@@ -12,9 +12,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.errors import BodyTooLarge
 from llmq.common.generation import GenerationService, SubmitOptions
-from llmq.common.model_registry import ModelRegistry
 from llmq.common.protocol import PRIORITY_BATCH
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.messages_api.context_edits import (
     cleared,
@@ -31,7 +32,6 @@ from llmq.common.generation.messages_api.request import (
 from llmq.common.generation.messages_api.tools import chat_tool_choice
 from llmq.common.generation.reasoning import reasoning_template_kwargs
 from llmq.common.generation.reasoning.template import KNOB
-from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.validation import validation_error
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmq.common.engine_client.text_input import check_text
 from llmq.common.errors import InvalidRequest
-from llmq.common.text_input import check_text
 
 MAX_DOCUMENTS = 1000  # documents (or pairs) per request: Cohere's bound
 

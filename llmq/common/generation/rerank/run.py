@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+from llmq.common.engine_client.model_registry import ModelRegistry
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
 from llmq.common.generation.embeddings import embed
@@ -30,8 +32,6 @@ from llmq.common.generation.rerank.bodies import RerankRequest, ScoreRequest
 from llmq.common.generation.rerank.pairs import encode_pairs
 from llmq.common.generation.submission import SubmitOptions
 from llmq.common.ids import new_id
-from llmq.common.model_registry import ModelRegistry
-from llmq.common.pipeline import TokenGeneratorPipeline
 
 _SCORING_KINDS = ("score", "embed")
 

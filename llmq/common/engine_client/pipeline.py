@@ -17,21 +17,21 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from llmq.common.engine_status import EngineStatus
-from llmq.common.errors import EngineFailure, InvalidRequest, QueueFull, Unavailable
-from llmq.common.lora_adapters import AdapterRecord
-from llmq.common.placement.placer import Placer
-from llmq.common.prompt_encoder import (
+from llmq.common.engine_client.prompt_encoder import (
     PromptEncoder,
     PromptLimits,
     TooManyTokens,
     context_exceeded,
 )
+from llmq.common.engine_client.request_output import OutputReader
+from llmq.common.engine_client.request_stream import GenerationChunk, RequestStream
+from llmq.common.engine_client.text_input import check_text
+from llmq.common.engine_status import EngineStatus
+from llmq.common.errors import EngineFailure, InvalidRequest, QueueFull, Unavailable
+from llmq.common.lora_adapters import AdapterRecord
+from llmq.common.placement.placer import Placer
 from llmq.common.protocol import PRIORITY_INTERACTIVE, EngineRequest
-from llmq.common.request_output import OutputReader
-from llmq.common.request_stream import GenerationChunk, RequestStream
 from llmq.common.sampling_params import SamplingParams
-from llmq.common.text_input import check_text
 from llmq.common.transport import AsyncTransport
 
 _KIND_NAMES = {"generate": "a generation", "embed": "an embedding", "score": "a cross-encoder"}

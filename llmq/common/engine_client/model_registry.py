@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 from llmq.common.catalogue import keep_alive_seconds
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest, ModelNotFound, ModelNotSupported, Unavailable
 from llmq.common.lora_adapters import AdapterRecord
 from llmq.common.model_files import load_tokenizer
 from llmq.common.model_ids import alias_candidates, resolve_alias
 from llmq.common.on_demand import OnDemand
-from llmq.common.pipeline import TokenGeneratorPipeline
 from llmq.common.settings import Settings
 from llmq.common.tenants import current_owner
 from llmq.common.transport import AsyncTransport

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmq.common.errors import InvalidRequest
-from llmq.common.prompt_bounds import (
+from llmq.common.engine_client.prompt_bounds import (
     TokenizerProfile,
     cut_at_or_after,
     cut_at_or_before,
     tokenizer_profile,
 )
+from llmq.common.engine_client.tokenize_pool import TokenizePool, shared_pool, utf8_size
+from llmq.common.errors import InvalidRequest
 from llmq.common.settings import get_settings
-from llmq.common.tokenize_pool import TokenizePool, shared_pool, utf8_size
 
 # Texts up to this many characters are tokenized whole at once: cutting them saves nothing.
 FIRST_PIECE = 16 * 1024

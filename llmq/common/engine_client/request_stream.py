@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmq.common.engine_client.request_output import OutputReader
+from llmq.common.engine_client.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from llmq.common.errors import EngineFailure, LLMQError
 from llmq.common.placement.placer import Placer
 from llmq.common.protocol import EngineRequest
-from llmq.common.request_output import OutputReader
-from llmq.common.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from llmq.common.transport import AsyncTransport
 
 
