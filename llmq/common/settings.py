@@ -62,6 +62,28 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(
         64, ge=1, description="Largest LoRA rank an adapter may have; a larger one is refused."
     )
+    speculative_method: Literal["off", "ngram"] = Field(
+        "off",
+        description="Speculative decoding: `ngram` proposes the tokens that followed the last "
+        "few tokens' latest earlier occurrence in the request's prompt and output, checked by "
+        "the model several at a time; output is unchanged (a request turns it off with "
+        '`"speculative": false`).',
+    )
+    speculative_tokens: int = Field(
+        4, ge=0, description="Most proposed tokens a sequence has checked in one step."
+    )
+    speculative_ngram_min: int = Field(
+        2, ge=1, description="Shortest run of last tokens the n-gram proposer looks up."
+    )
+    speculative_ngram_max: int = Field(
+        4, ge=1, description="Longest run of last tokens the n-gram proposer looks up."
+    )
+    speculative_max_batch: int = Field(
+        8,
+        ge=0,
+        description="Decoding sequences past which a step proposes nothing: in a large batch "
+        "checking proposals costs more than it saves.",
+    )
     max_loras: int = Field(
         8,
         ge=1,
