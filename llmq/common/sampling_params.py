@@ -29,6 +29,8 @@ class SamplingParams:
     # Constrained decoding: an llguidance grammar (the JSON text LLMatcher.grammar_from_*
     # returns), built and validated by the API; None: unconstrained.
     grammar: str | None = None
+    # False: no speculative decoding for this request (the worker's proposer skips it).
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:

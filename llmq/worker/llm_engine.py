@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from llmq.common.protocol import EngineError
 from llmq.common.sampling_params import SamplingParams
-from llmq.worker.engine.scheduler import Scheduler
+from llmq.worker.engine.scheduler import Scheduler, SchedulerOutput
 from llmq.worker.engine.sequence import FinishReason, LoraRef, Sequence, SequenceStatus
 from llmq.worker.kv_setup import block_manager, kv_pool_and_layout, served_features
 from llmq.worker.loading.model_loader import resolve_device
@@ -17,6 +17,7 @@ from llmq.worker.lora_pool import LoraPool
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.prompt_logprobs import reduce_prompt_rows
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
+from llmq.worker.spec.config import SpecConfig
 
 if TYPE_CHECKING:
     from llmq.common.settings import Settings
@@ -54,6 +55,7 @@ class EngineConfig:
     cpu_kernels: bool = True  # llmq's C++ kernels on CPU (decode attention, small steps)
     max_loras: int = 8  # LoRA adapters loaded at once
     max_lora_rank: int = 64
+    speculative: SpecConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -81,6 +83,7 @@ class EngineConfig:
             cpu_kernels=settings.cpu_kernels,
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
+            speculative=SpecConfig.from_settings(settings),
         )
 
 
@@ -154,6 +157,12 @@ class LLMEngine:
             max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
         )
         self.sampler = Sampler(eos_token_ids)
+        # Not with KV groups: their windowed tables have no tail to trim after a rejection.
+        self.speculator = (
+            config.speculative.speculator(self.max_model_len)
+            if config.speculative is not None and self.kv_layout is None
+            else None
+        )
         self.constrained = (
             _constrained_sequences(tokenizer, self.vocab_size, eos_token_ids, config)
             if tokenizer is not None
@@ -239,6 +248,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         if self._discard(seq):  # it was still waiting for its adapter or its matcher
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         else:
@@ -265,6 +276,8 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         failed = self._admit_waiting() if self._num_building else []
+        if self.speculator is not None:
+            self.speculator.prepare(self.scheduler.running)
         out = self.scheduler.schedule()
         if not out:
             if self._num_building and not failed:
@@ -277,31 +290,69 @@ class LLMEngine:
         if prompt_rows:
             reduce_prompt_rows(logits[len(entries) :], prompt_rows)
             logits = logits[: len(entries)]
+        if self.speculator is not None and any(s.draft for s in out.scheduled):
+            return failed + self._verify_drafts(out, logits, entries)
         seqs = [out.scheduled[i].seq for i in entries]
         mask = None
         if self.constrained is not None and self.constrained.matchers:
             mask = self.constrained.mask(seqs)
         sampled = self.sampler(logits, seqs, mask) if seqs else None
         tokens: list[int | None] = [None] * len(out.scheduled)
-        logprobs: dict[int, TokenLogprobs | None] = {}
+        logprobs: dict[int, list[TokenLogprobs | None]] = {}
         for row, i in enumerate(entries):
             tokens[i] = sampled.token_ids[row]
-            logprobs[id(out.scheduled[i].seq)] = sampled.logprobs[row]
+            logprobs[id(out.scheduled[i].seq)] = sampled.logprobs[row : row + 1]
         grammar = None
         if mask is not None:
             grammar = self.constrained.advance(seqs, sampled.token_ids, mask.rows)
         updates = self.scheduler.update(out, tokens, grammar.complete if grammar else ())
+        return failed + self._outputs(updates, logprobs, grammar)
+
+    def _verify_drafts(
+        self, out: SchedulerOutput, logits, entries: list[int]
+    ) -> list[RequestOutput]:
+        """A step that checked drafts: the sampler draws every row (a drafted entry has one per
+        position), the speculator keeps the run of drafts the draws agree with. Constrained
+        sequences have no draft: their single rows are masked and advanced as in ``step``."""
+        rows: list = []
+        firsts: list[int] = []
+        for i in entries:
+            item = out.scheduled[i]
+            firsts.append(len(rows))
+            rows.extend(self.speculator.rows(item) if item.draft else [item.seq])
+        mask = None
+        if self.constrained is not None and self.constrained.matchers:
+            mask = self.constrained.mask(rows)
+        sampled = self.sampler(logits, rows, mask)
+        runs: list[list[int] | None] = [None] * len(out.scheduled)
+        logprobs: dict[int, list[TokenLogprobs | None]] = {}
+        for first, i in zip(firsts, entries, strict=True):
+            item = out.scheduled[i]
+            draws = sampled.token_ids[first : first + 1 + len(item.draft)]
+            runs[i] = self.speculator.verify(item, draws) if item.draft else draws
+            logprobs[id(item.seq)] = sampled.logprobs[first : first + len(runs[i])]
+        grammar = None
+        if mask is not None:
+            grammar = self.constrained.advance(rows, sampled.token_ids, mask.rows)
+        updates = self.scheduler.update_runs(out, runs, grammar.complete if grammar else ())
+        return self._outputs(updates, logprobs, grammar)
+
+    def _outputs(self, updates, logprobs, grammar) -> list[RequestOutput]:
+        """A step's outputs from the scheduler's updates; ``logprobs``: per sequence (by id)
+        those of the tokens it yields."""
         self.num_steps += 1
-        self.num_generated += len(updates)
-        outputs = failed
+        outputs = []
         for u in updates:
+            self.num_generated += 1 + len(u.accepted)
             if grammar is not None and u.seq in grammar.failed:
                 u.seq.token_ids.pop()  # the token its grammar refused is not output
                 u.seq.output_token_ids.pop()
                 outputs.append(self._fail(u.seq, grammar.failed[u.seq], "grammar_error"))
                 continue
-            lp = logprobs.get(id(u.seq)) if u.token_id is not None else None
-            tokens = [u.token_id] if u.token_id is not None else []
+            tokens = u.accepted + [u.token_id] if u.token_id is not None else []
+            lp = logprobs.get(id(u.seq)) if tokens else None
+            if lp is not None:
+                lp = lp[: len(tokens)] if lp[0] is not None else None
             outputs.append(self._output(u.seq, tokens, u.finish_reason, lp))
             if u.finish_reason is not None:
                 self._forget(u.seq)
@@ -344,6 +395,8 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self._discard(seq)
 
     def _discard(self, seq: Sequence) -> bool:
@@ -373,7 +426,7 @@ class LLMEngine:
             request_id=seq.request_id,
             token_ids=tokens,
             finish_reason=reason,
-            logprobs=[logprobs] if logprobs is not None else None,
+            logprobs=logprobs,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,

@@ -92,6 +92,11 @@ class SamplingFields(BaseModel):
         description="Keep only the prompt's last k tokens; -1: as many as leave room for "
         "max_tokens in the context.",
     )
+    speculative: SkipJsonSchema[bool] = Field(
+        True,
+        description="False: no speculative decoding for this request, where the worker runs "
+        "it (llmq's option; the output is the same either way).",
+    )
     # Structured output (structured_output.py): at most one of these; out of the OpenAPI schema,
     # as vLLM's options, so that a generated request does not trip over their rules.
     response_format: SkipJsonSchema[ResponseFormat | None] = None
@@ -219,6 +224,7 @@ class SamplingFields(BaseModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             grammar=self.grammar(),
             prompt_logprobs=self.wanted_prompt_logprobs(),
+            speculative=self.speculative,
         )
 
 

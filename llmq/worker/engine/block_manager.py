@@ -236,6 +236,17 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0  # num_cached_tokens stays: the finished request's usage
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those ``seq``'s tokens need (the tail a rejected draft
+        took): unregistered, they go to the front of the free queue."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                self._free.move_to_end(block.block_id, last=False)
+
     def _evict(self, block: Block) -> None:
         if block.hash is not None:
             if self._cached.get(block.hash) == block.block_id:

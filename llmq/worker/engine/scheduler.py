@@ -28,12 +28,14 @@ from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     start: int  # tokens already in the KV cache before this step
-    num_new_tokens: int
+    num_new_tokens: int  # the draft's tokens included
+    # Draft tokens checked after the sequence's last token (its last ``len(draft)`` new ones)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens and so yields a token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -56,6 +58,8 @@ class SequenceUpdate:
     seq: Sequence
     token_id: int | None  # None: the request ended at its prompt (max_tokens 0)
     finish_reason: FinishReason | None
+    # Draft tokens the step accepted, output before ``token_id`` (speculative decoding)
+    accepted: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -65,6 +69,7 @@ class _StepBuilder:
 
     tokens_left: int
     prompt_tokens_left: int
+    draft_tokens_left: int = 0  # what drafts may take: the budget less a token per stream
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
     deferred: list[Sequence] = field(default_factory=list)
 
@@ -75,6 +80,13 @@ class _StepBuilder:
         self.tokens_left -= num_new
         if prompt:
             self.prompt_tokens_left -= num_new
+
+    def take_draft(self, seq: Sequence, draft: list[int]) -> None:
+        """Schedule ``seq``'s last token and ``draft`` after it (blocks allocated)."""
+        num_new = 1 + len(draft)
+        self.out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, draft))
+        self.tokens_left -= num_new
+        self.draft_tokens_left -= len(draft)
 
 
 class Scheduler:
@@ -129,6 +141,7 @@ class Scheduler:
             prompt_tokens_left=(
                 self.max_prefill_tokens_with_decodes if decoding else self.max_batch_tokens
             ),
+            draft_tokens_left=self.max_batch_tokens - len(self.running),
         )
         self._schedule_running(step)
         first_priority = self._admit_waiting(step)
@@ -155,10 +168,28 @@ class Scheduler:
                 if num_new < 1:  # this step's prompt tokens are spent: decodes only
                     i += 1
                     continue
+            elif seq.draft and self._schedule_draft(seq, step, len(self.running) - i - 1):
+                i += 1
+                continue
             num_new = min(num_new, step.tokens_left)
             if self._allocate_or_preempt(seq, num_new, next_victim, step.out):
                 step.take(seq, num_new, prompt=num_new > 1)
                 i += 1
+
+    def _schedule_draft(self, seq: Sequence, step: _StepBuilder, after: int) -> bool:
+        """Schedule a decoding ``seq`` with its draft (taken off it) where the budgets allow
+        its tokens and blocks while leaving a token and a free block for each of the ``after``
+        running sequences behind it: a draft never preempts, nor crowds out a decode."""
+        draft, seq.draft = seq.draft, []
+        draft = draft[: max(0, min(step.draft_tokens_left, step.tokens_left - 1 - after))]
+        if not draft:
+            return False
+        bm = self.block_manager
+        if bm.free_blocks_taken(seq, 1 + len(draft)) + after > bm.num_free_blocks:
+            return False
+        bm.allocate(seq, 1 + len(draft))
+        step.take_draft(seq, draft)
+        return True
 
     def _admit_waiting(self, step: _StepBuilder) -> int | None:
         """Admit waiting requests, best first, while the budgets and the pool allow; returns
@@ -315,6 +346,49 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
             updates.append(SequenceUpdate(seq, token, reason))
+        return updates
+
+    def update_runs(
+        self,
+        out: SchedulerOutput,
+        runs: list[list[int] | None],
+        complete: Collection[Sequence] = (),
+    ) -> list[SequenceUpdate]:
+        """``update`` for a step that checked drafts: ``runs[i]`` is the tokens entry i yields
+        (its accepted drafts, then the target's own token), appended one by one up to the first
+        that ends the sequence. Only accepted tokens count as computed, so the prefix cache
+        hashes no rejected draft, and the blocks past the sequence's tokens go back to the pool
+        (their rejected KV is never read: the next step writes over the same positions)."""
+        plain = SchedulerOutput()
+        tokens: list[int | None] = []
+        drafted: list[tuple[ScheduledSequence, list[int]]] = []
+        for item, run in zip(out.scheduled, runs, strict=True):
+            if item.draft:
+                drafted.append((item, run))
+            else:
+                plain.scheduled.append(item)
+                tokens.append(run[0] if run else None)
+        updates = self.update(plain, tokens, complete)
+        bm = self.block_manager
+        for item, run in drafted:
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            kept: list[int] = []
+            reason = None
+            for token in run:
+                seq.append_token(token)
+                kept.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = seq.num_tokens - 1
+            bm.cache_full_blocks(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+            else:
+                bm.trim(seq)
+            updates.append(SequenceUpdate(seq, kept[-1], reason, kept[:-1]))
         return updates
 
     # ---- internals -----------------------------------------------------------------------

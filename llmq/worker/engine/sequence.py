@@ -54,6 +54,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     lora: LoraRef | None = None  # the adapter applied to it; None: the base model
     hash_root: int = 0  # the parent of its first block's hash (its adapter's; 0: the base's)
+    # Tokens a proposer guessed to follow (speculative decoding), for the next step to check;
+    # the scheduler takes them.
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)

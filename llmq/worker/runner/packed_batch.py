@@ -11,7 +11,8 @@ from llmq.worker.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class PackedBatch:
-    """One step's new tokens packed into one row, and where each scheduled entry sits in it."""
+    """One step's new tokens packed into one row, and where each scheduled entry sits in it. An
+    entry with a draft keeps all its rows (one per position), in order, where others keep one."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -77,7 +78,11 @@ def pack_step(
         batch.prefills.append((item, len(batch.input_ids)))
         _keep_prompt_rows(batch, item, len(batch.input_ids))
         _pack_prefill(batch, item, block_size)
-        if item.samples:
+        if item.draft:  # every position's logits: the target's token after each draft token
+            end = len(batch.input_ids)
+            batch.keep.extend(range(end - item.num_new_tokens, end))
+            batch.sampled_entries.append(i)
+        elif item.samples:
             batch.keep.append(len(batch.input_ids) - 1)
             batch.sampled_entries.append(i)
     batch.keep.extend(batch._prompt_keep)
@@ -107,6 +112,7 @@ def _pack_prefill(batch: PackedBatch, item: ScheduledSequence, block_size: int) 
     seq, start, n = item.seq, item.start, item.num_new_tokens
     table = seq.block_table
     batch.input_ids.extend(seq.token_ids[start : start + n])
+    batch.input_ids.extend(item.draft)  # a decode's draft, after its last token
     batch.positions.extend(range(start, start + n))
     first, last = start // bs, (start + n - 1) // bs
     for b in range(first, last + 1):

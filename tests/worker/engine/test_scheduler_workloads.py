@@ -1,6 +1,7 @@
 """Scheduler: pure, no torch. A hypothesis state machine and 200 seeded random workloads that
 drive the scheduler with random arrivals, aborts, pools and budgets while simulating the runner,
-including what each KV slot holds.
+including what each KV slot holds; with speculation, drafts (partly right) checked in the step
+and the rejected ones' KV left behind.
 """
 
 from __future__ import annotations
@@ -22,12 +23,36 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.block_manager import BlockManager
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from llmq.worker.spec.speculator import Speculator
 
 pytestmark = pytest.mark.unit
 
 
 DOCS = [[(i * 7 + d * 3) % 5 + 1 for i in range(120)] for d in range(3)]
 EOS = 0
+
+
+def model_token(seq: Sequence, context_len: int) -> int:
+    """The simulated model's token after ``context_len`` tokens of ``seq``."""
+    return (context_len * 3 + len(seq.request_id)) % 6
+
+
+class GuessingProposer:
+    """Drafts the simulated model's tokens, each wrong with probability 1/4; none at times."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        drafts = []
+        for seq, k in zip(seqs, limits, strict=True):
+            n = self.rng.randint(0, k)
+            draft = [model_token(seq, seq.num_tokens + j) for j in range(n)]
+            drafts.append([t if self.rng.random() < 0.75 else (t + 1) % 6 for t in draft])
+        return drafts
+
+    def forget(self, seq: Sequence) -> None:
+        pass
 
 
 class Workload:
@@ -46,7 +71,9 @@ class Workload:
         prefill_cap=None,
         cache_share=None,
         cache_floor=0,
+        spec=0,
     ):
+        """``spec``: most draft tokens per sequence and step (0: no speculation)."""
         self.bm = BlockManager(num_blocks, block_size, caching, cache_share, cache_floor)
         # As LLMEngine does: one sequence alone always fits, every decode fits the budget.
         self.max_model_len = min(model_len_cap, num_blocks * block_size)
@@ -65,7 +92,13 @@ class Workload:
             "partial prefill chunk": 0,
             "prefix cache hit": 0,
             "whole sequence cached": 0,
+            "draft accepted": 0,
+            "draft rejected": 0,
         }
+        self.speculator = None
+        if spec:
+            proposer = GuessingProposer(num_blocks * 1000 + max_batch_tokens)
+            self.speculator = Speculator(proposer, spec, max_batch_size, self.max_model_len)
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
@@ -96,6 +129,8 @@ class Workload:
         sched, bm = self.sched, self.bm
         had_work = sched.has_unfinished()
         before = {id(s): s.num_computed_tokens for s in sched.running}
+        if self.speculator is not None:
+            self.speculator.prepare(sched.running)
         out = sched.schedule()
         if had_work:
             assert out, "unfinished work but an empty step: the scheduler is stuck"
@@ -123,7 +158,9 @@ class Workload:
                 if item.start and item.start == seq.num_tokens - 1 and item.start % bs:
                     self.stats["whole sequence cached"] += 1
             end = item.start + item.num_new_tokens
-            assert end <= seq.num_tokens
+            context = seq.token_ids + item.draft
+            assert end <= len(context) <= self.max_model_len
+            assert not item.draft or item.start == seq.num_tokens - 1
             assert len(seq.block_table) == bm.blocks_needed(end)
             # The runner writes the new tokens' KV into the sequence's own blocks, except a
             # token whose registered block holds it already (it writes that one nowhere)...
@@ -134,26 +171,50 @@ class Workload:
                     assert self.kv.get((block, p % bs)) == seq.token_ids[p]
                     continue
                 assert bm.blocks[block].ref_count == 1, "writing into a shared block"
-                self.kv[(block, p % bs)] = seq.token_ids[p]
+                self.kv[(block, p % bs)] = context[p]
         for item in out.scheduled:
             # ...and reads the whole context back: cached blocks must hold the right tokens.
             seq = item.seq
             end = item.start + item.num_new_tokens
             held = [self.kv.get((seq.block_table[p // bs], p % bs)) for p in range(end)]
-            assert held == seq.token_ids[:end], f"{seq.request_id} reads stale KV"
+            assert held == (seq.token_ids + item.draft)[:end], f"{seq.request_id} reads stale KV"
         self.stats["preemption"] += bool(out.preempted)
         self.stats["partial prefill chunk"] += any(not i.samples for i in out.scheduled)
-        sampled = [
-            (len(i.seq.token_ids) * 3 + len(i.seq.request_id)) % 6 if i.samples else None
-            for i in out.scheduled
-        ]
         if abort_index is not None and out.scheduled:
             sched.abort(out.scheduled[abort_index % len(out.scheduled)].seq)
-        updates = sched.update(out, sampled)
+        if self.speculator is None:
+            sampled = [
+                model_token(i.seq, i.seq.num_tokens) if i.samples else None for i in out.scheduled
+            ]
+            updates = sched.update(out, sampled)
+        else:
+            updates = sched.update_runs(out, [self._run(i) for i in out.scheduled])
         for u in updates:
-            assert u.seq.output_token_ids[-1] == u.token_id
+            tokens = u.accepted + [u.token_id]
+            assert u.seq.output_token_ids[-len(tokens) :] == tokens
             if u.finish_reason is not None:
                 assert u.seq.is_finished and u.seq.block_table == []
+            elif u.accepted or any(i.draft for i in out.scheduled if i.seq is u.seq):
+                # a rejected draft's blocks went back; only computed tokens are registered
+                held = len(u.seq.block_table)
+                assert held <= bm.blocks_needed(u.seq.num_tokens)
+                assert held >= bm.blocks_needed(u.seq.num_computed_tokens)
+                assert u.seq.num_computed_tokens == u.seq.num_tokens - 1
+                assert u.seq.num_registered_blocks * bs <= u.seq.num_computed_tokens
+
+    def _run(self, item) -> list[int] | None:
+        """The tokens a scheduled entry yields: its draws at each position, checked against
+        its draft."""
+        if not item.samples:
+            return None
+        n = item.seq.num_tokens
+        draws = [model_token(item.seq, n + j) for j in range(len(item.draft) + 1)]
+        if not item.draft:
+            return draws
+        run = self.speculator.verify(item, draws)
+        self.stats["draft accepted"] += len(run) - 1
+        self.stats["draft rejected"] += len(run) <= len(item.draft)
+        return run
 
     def check(self) -> None:
         live = self.live()
@@ -202,6 +263,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         cache_share=st.none() | st.sampled_from([0.0, 0.5, 1.0]),
         cache_floor=st.sampled_from([0, 3, 8]),
+        spec=st.sampled_from([0, 0, 3]),
     )
     def setup(self, **kw):
         self.w = Workload(**kw)
@@ -265,6 +327,7 @@ def test_random_workloads_seeded():
             prefill_cap=[None, 1, 3, 16][trial % 4],
             cache_share=[None, 0.0, 1.0][trial % 3],
             cache_floor=[0, 5][trial % 2],
+            spec=[0, 0, 4][trial % 3] if trial % 5 else 1,
         )
         for _ in range(40):
             x = r.random()

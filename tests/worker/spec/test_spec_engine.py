@@ -1,0 +1,140 @@
+"""Speculative decoding is lossless in the engine: the same tokens (and logprobs) as without it,
+greedy and seeded sampling with penalties, batched, chunked, preempted, from the prefix cache,
+stopping exactly at a stop token or max_tokens inside an accepted run. Drafts come from a
+proposer that knows the output and gets every fourth token wrong (tests/worker/spec/oracle.py),
+so steps accept and reject; each test checks that both happened. Prompt lookup itself runs
+once, on outputs of a random model long enough to repeat themselves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llmq.common.sampling_params import SamplingParams
+from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.loading.model_loader import load_causal_lm
+from llmq.worker.spec.ngram import NgramProposer
+from llmq.worker.spec.speculator import Speculator
+from tests.worker.spec.oracle import OracleProposer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = dict(temperature=0, ignore_eos=True, logprobs=2)
+# Seeded draws with every kind of processing: the same uniforms with or without speculation.
+SAMPLED = dict(
+    temperature=0.9,
+    top_k=40,
+    top_p=0.95,
+    min_p=0.02,
+    repetition_penalty=1.2,
+    presence_penalty=0.3,
+    frequency_penalty=0.2,
+    ignore_eos=True,
+    logprobs=1,
+)
+
+
+@pytest.fixture(scope="module")
+def case(llama_dir):
+    rng = random.Random(55)
+    vocab = 1024
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 70))] for _ in range(6)]
+    prompts += [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (2, 9)]
+    max_tokens = [rng.randint(12, 30) for _ in prompts]
+    return str(llama_dir), prompts, max_tokens
+
+
+def run(path, prompts, max_tokens, params, proposer=None, repeat=1, **config):
+    """Each prompt's tokens and logprobs (the last of ``repeat`` rounds), and the engine."""
+    engine = LLMEngine(load_causal_lm(path, "float32", "cpu"), EngineConfig(**config))
+    if proposer is not None:
+        engine.speculator = Speculator(proposer, 4, 64, engine.max_model_len)
+    for r in range(repeat):
+        ids = []
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            p = SamplingParams(max_tokens=n, seed=i, **params)
+            ids.append(engine.add_request(f"{r}-{i}", prompt, p).request_id)
+        tokens = {i: [] for i in ids}
+        logprobs = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+                logprobs[out.request_id] += [lp.logprob for lp in out.logprobs or []]
+                assert len(logprobs[out.request_id]) == len(tokens[out.request_id])
+            engine.block_manager.check_invariants(list(engine.requests.values()))
+    assert engine.block_manager.num_used_blocks == 0
+    return [tokens[i] for i in ids], [logprobs[i] for i in ids], engine
+
+
+def assert_same(base, spec, engine):
+    (b_tokens, b_logprobs), (s_tokens, s_logprobs) = base, spec
+    assert s_tokens == b_tokens
+    for b, s in zip(b_logprobs, s_logprobs, strict=True):
+        assert s == pytest.approx(b, abs=1e-4)
+    stats = engine.speculator.stats
+    assert 0 < stats.accepted < stats.proposed, stats  # drafts were kept, and some rejected
+
+
+def oracle(prompts, outputs):
+    return OracleProposer({tuple(p): o for p, o in zip(prompts, outputs, strict=True)}, 1024)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded-sampling"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"num_blocks": 10},  # preempted and recomputed
+        {"max_batch_tokens": 16, "max_batch_size": 4},  # chunked prefill, drafts within budget
+    ],
+    ids=["batched", "preempted", "chunked"],
+)
+def test_same_output_with_drafts(case, params, config):
+    path, prompts, max_tokens = case
+    tokens, logprobs, _ = run(path, prompts, max_tokens, params, **config)
+    s_tokens, s_logprobs, engine = run(
+        path, prompts, max_tokens, params, oracle(prompts, tokens), **config
+    )
+    assert_same((tokens, logprobs), (s_tokens, s_logprobs), engine)
+    if "num_blocks" in config:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_same_output_from_the_prefix_cache(case):
+    """Prompts sent twice: the second round starts from blocks the first registered, which
+    hold only accepted tokens."""
+    path, prompts, max_tokens = case
+    base = run(path, prompts, max_tokens, GREEDY)
+    spec = run(path, prompts, max_tokens, GREEDY, oracle(prompts, base[0]), repeat=2)
+    assert_same(base[:2], spec[:2], spec[2])
+    assert spec[2].block_manager.prefix_hits > sum(len(p) for p in prompts) // 2
+
+
+def test_stops_inside_an_accepted_run(case):
+    """A stop token, or max_tokens, that falls inside a run of accepted drafts ends the output
+    exactly there."""
+    path, prompts, max_tokens = case
+    full, _, _ = run(path, prompts, max_tokens, GREEDY)
+    stops = [out[6] for out in full]  # drafts of four span it
+    short = [min(n, 9) for n in max_tokens]
+    for i, stop in enumerate(stops):
+        params = dict(GREEDY, stop_token_ids=[stop])
+        base = run(path, prompts[i : i + 1], max_tokens[i : i + 1], params)
+        spec = run(path, prompts[i : i + 1], max_tokens[i : i + 1], params, oracle(prompts, full))
+        assert spec[0] == base[0] and spec[0][0][-1] == stop
+        assert len(spec[0][0]) <= 7
+    base = run(path, prompts, short, GREEDY)
+    spec = run(path, prompts, short, GREEDY, oracle(prompts, full))
+    assert_same(base[:2], spec[:2], spec[2])
+
+
+def test_prompt_lookup_in_the_engine(case):
+    """Prompt lookup's own drafts: a random model's long greedy outputs fall into loops it
+    finds."""
+    path, prompts, _ = case
+    n = [120] * 4
+    base = run(path, prompts[:4], n, GREEDY)
+    spec = run(path, prompts[:4], n, GREEDY, NgramProposer(1, 3))
+    assert_same(base[:2], spec[:2], spec[2])
