@@ -3,7 +3,8 @@ through real processes, exact against transformers: greedy tokens through the AP
 model's ``generate`` in float32 on the same images and prompt, for one request, four at once
 with different images (of different shapes: NeXT's tile grids differ), a second turn repeating
 the image (encoded once: the heartbeat's counter), and through the openai, anthropic and
-ollama packages. One Redis and one API; a worker per family."""
+ollama packages. One Redis and one API; a worker per family, and one given a Qwen2.5-VL folder,
+which it refuses by name (it exits without a traceback; the API's 400 names the class)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ import io
 import time
 
 import anthropic
+import httpx
 import ollama
 import pytest
 import torch
 from PIL import Image
+from transformers import Qwen2_5_VLConfig
 
 from llmq.common.transport.redis_server import RedisServer
 from llmq.tools.model_factory import make_model
 from tests.api.api_stack import aclient, client
 from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for, wait_worker
+from tests.worker.test_vision_refusal import vision_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAMILIES = ("llava", "llava_next")
@@ -49,17 +53,25 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(models, tmp_path_factory):
+def refused(llama_dir, tmp_path_factory):
+    """A Qwen2.5-VL folder (config and tokenizer only): a family llmq refuses by name."""
+    folder = tmp_path_factory.mktemp("refused") / "qwen-vl"
+    return vision_folder(llama_dir, folder, Qwen2_5_VLConfig)
+
+
+@pytest.fixture(scope="module")
+def served(models, refused, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vlm-logs")
     with RedisServer() as server:
         workers = {
             f: start_worker(server.url, models[f], f"w-{f}", logs, wait=False) for f in FAMILIES
         }
+        workers["refused"] = start_worker(server.url, refused, "w-refused", logs, wait=False)
         api, base = start_api(server.url, str(models["llava"]), logs, "api-vlm")
         try:
-            for f, worker in workers.items():
-                wait_worker(server.url, f"w-{f}", worker)
-            yield server.url, base
+            for f in FAMILIES:
+                wait_worker(server.url, f"w-{f}", workers[f])
+            yield server.url, base, workers["refused"]
         finally:
             kill_all([*workers.values(), api])
 
@@ -120,7 +132,7 @@ def _ask(base: str, model: str, messages: list[dict]) -> list[int]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_and_four_at_once_equal_generate(served, references, family):
-    _, base = served
+    _, base, _ = served
     images = [picture(s, size) for s, size in enumerate(SHAPES)]
     expected = [references[family](_template(), [img]) for img in images]
     assert len({tuple(e) for e in expected}) == 4, expected  # the image changes the answer
@@ -146,7 +158,7 @@ def _encoded_after(redis_url: str, worker: str, moment: float) -> int:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_second_turn_reuses_the_image_and_equals_generate(served, references, family):
-    redis_url, base = served
+    redis_url, base, _ = served
     image, worker = picture(11, (60, 40)), f"w-{family}"
     before = _encoded_after(redis_url, worker, time.time())
     _, text = asyncio.run(_answer(base, family, _question(image)))
@@ -159,7 +171,7 @@ def test_a_second_turn_reuses_the_image_and_equals_generate(served, references, 
 
 
 def test_the_anthropic_and_ollama_packages_send_an_image(served, references):
-    _, base = served
+    _, base, _ = served
     image = picture(21)
     data = base64.b64encode(image).decode()
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
@@ -181,3 +193,16 @@ def test_the_anthropic_and_ollama_packages_send_an_image(served, references):
     assert answer.message.content == chat.choices[0].message.content
     expected = references["llava"](_template("Describe it."), [image])
     assert _ask(base, "llava", _question(image, "Describe it.")) == expected
+
+
+def test_a_worker_refuses_a_vision_family_not_served_by_name(served, refused):
+    _, base, worker = served
+    assert worker.proc.wait(120) != 0
+    log = worker.log(20_000)
+    assert "Qwen2_5_VLConfig is a vision-language model" in log
+    assert "Traceback" not in log and "Unrecognized configuration" not in log, log
+    body = {"model": str(refused), "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_not_supported" and "Qwen2_5_VLConfig" in error["message"]

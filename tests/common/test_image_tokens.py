@@ -27,15 +27,23 @@ def _sizes() -> list[tuple[int, int]]:
         ([[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]], 336, 14),  # 1.6's
     ],
 )
-def test_llava_next_counts_equal_the_processors(model_dir, grid, tile, patch):
-    from transformers import AutoProcessor, LlavaNextImageProcessorPil
+def test_llava_next_counts_equal_the_processors(tmp_path, grid, tile, patch):
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
 
-    processor = AutoProcessor.from_pretrained(model_dir("llava_next"))
-    processor.image_processor = LlavaNextImageProcessorPil(
+    from llmq.tools.model_factory import train_tokenizer
+    from llmq.tools.vision_models import vision_tokenizer
+
+    images = LlavaNextImageProcessorPil(
         size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
         image_grid_pinpoints=grid,
     )  # fmt: skip
-    processor.patch_size = patch
+    processor = LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=vision_tokenizer(tmp_path, train_tokenizer(1024)),
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
     layout = {"family": "llava_next", "tile": tile, "patch": patch, "grid": grid, "cls": 0}
     for width, height in _sizes():
         theirs = processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
