@@ -29,6 +29,9 @@ class _ModelLoad:
     used: int = 0
     total: int = 0
     engines: int = 0
+    spec_verified: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 class Metrics:
@@ -61,6 +64,14 @@ class Metrics:
         )
         self.worker_computed = self._worker_gauge(
             "worker_prompt_tokens_computed", "Prompt tokens a worker computed."
+        )
+        # Speculative decoding, over the live engines' totals.
+        self.spec_acceptance = g(
+            "spec_decode_acceptance_rate", "Share of proposed draft tokens the model accepted."
+        )
+        self.spec_mean_length = g(
+            "spec_decode_mean_accepted_length",
+            "Tokens a sequence-step that checked a draft yielded (accepted drafts plus one).",
         )
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -118,6 +129,9 @@ class Metrics:
             load.used += e.kv_blocks_used
             load.total += e.kv_blocks_total
             load.engines += 1
+            load.spec_verified += e.spec_verified
+            load.spec_proposed += e.spec_proposed
+            load.spec_accepted += e.spec_accepted
         for model in set(per_model) | set(streams):
             load = per_model.get(model, _ModelLoad())
             lag, pending = streams.get(model, (0, 0))
@@ -128,3 +142,7 @@ class Metrics:
             self.kv_usage.labels(model).set(load.used / load.total if load.total else 0.0)
             self.kv_blocks_used.labels(model).set(load.used)
             self.engines.labels(model).set(load.engines)
+            if load.spec_verified:
+                self.spec_acceptance.labels(model).set(load.spec_accepted / load.spec_proposed)
+                verified, accepted = load.spec_verified, load.spec_accepted
+                self.spec_mean_length.labels(model).set((accepted + verified) / verified)

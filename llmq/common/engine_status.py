@@ -47,6 +47,11 @@ class EngineStatus:
     block_size: int = 0  # of its prefix cache's blocks (0: it caches none)
     placement: bool = False  # it hands requests placed on another worker over to it
     loras: str = ""  # the LoRA adapters it holds loaded, comma-separated
+    # Speculative decoding (totals): sequence-steps that checked a draft, draft tokens
+    # proposed and accepted.
+    spec_verified: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     steps_per_s: float = 0.0
     tokens_per_s: float = 0.0
     updated: float = 0.0

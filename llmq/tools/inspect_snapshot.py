@@ -110,6 +110,16 @@ def _refused_models(client: redis.Redis, keys: Keys) -> list[dict]:
     return refused
 
 
+def speculation_line(e: dict) -> str:
+    """An engine's speculative decoding so far: acceptance and tokens per checking step."""
+    verified, proposed, accepted = e["spec_verified"], e["spec_proposed"], e["spec_accepted"]
+    return (
+        f"    speculative decoding: {accepted}/{proposed} draft tokens accepted "
+        f"({100 * accepted / max(proposed, 1):.0f}%), {(accepted + verified) / verified:.2f} "
+        f"tokens per checking step"
+    )
+
+
 def render(snap: dict) -> str:
     out = ["QUEUES"]
     if not snap["queues"]:
@@ -140,6 +150,8 @@ def render(snap: dict) -> str:
             )
         if e.get("loras"):
             out.append(f"    LoRA adapters loaded: {e['loras'].replace(',', ', ')}")
+        if e.get("spec_verified"):
+            out.append(speculation_line(e))
     for r in snap.get("refused", []):
         out.append(f"  REFUSED {r['model']} (worker {r.get('worker')}): {r['refused']}")
     for a in snap.get("adapters", []):

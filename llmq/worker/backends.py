@@ -137,11 +137,20 @@ class GenerationBackend:
             "pending_tokens": sum(bm.tokens_to_compute(s) for s in e.requests.values()),
             "block_size": bm.block_size if bm.enable_prefix_caching else 0,
             "loras": e.loras.names() if e.loras is not None else "",
+            **spec_counts(e),
         }
 
     def cached_block_hashes(self) -> list[int]:
         """The block hashes its prefix cache holds (published for placement)."""
         return list(self.engine.block_manager.cached_hashes())
+
+
+def spec_counts(engine: LLMEngine) -> dict[str, int]:
+    """The heartbeat's speculative decoding totals (zeros where it is off)."""
+    if engine.speculator is None:
+        return {}
+    s = engine.speculator.stats
+    return {"spec_verified": s.verified, "spec_proposed": s.proposed, "spec_accepted": s.accepted}
 
 
 @dataclass(slots=True)
