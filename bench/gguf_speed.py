@@ -9,6 +9,7 @@ thread, each form's engine built as the worker builds it, 64-token greedy decode
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ ROUNDS, TOKENS = 4, 64
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     torch.set_num_threads(1)
     gguf = smollm2_gguf()
     folder = str(float_folder(gguf))

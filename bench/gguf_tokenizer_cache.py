@@ -9,8 +9,8 @@ the seconds of each, and whether the cached tokenizer encodes a few texts as the
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import tempfile
 import time
 
@@ -36,4 +36,6 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", metavar="FILE.gguf")
+    main(parser.parse_args().files)

@@ -16,6 +16,7 @@ differing token and the reference's top-2 log-probability gap there (a near tie 
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -115,7 +116,11 @@ def main() -> None:
 
     from tests import real_models
 
-    name, configs = sys.argv[1], sys.argv[2:] or [""]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", choices=["smollm2", "gemma3"])
+    parser.add_argument("configs", nargs="*", help="key=value;... each (Settings fields, form)")
+    args = parser.parse_args()
+    name, configs = args.model, args.configs or [""]
     torch.set_num_threads(1)  # as the test suite's workers run (LLMQ_TORCH_THREADS=1)
     gguf = real_models.smollm2_gguf() if name == "smollm2" else real_models.gemma3_gguf()
     files = (gguf, real_models.float_folder(gguf))
