@@ -211,3 +211,11 @@ def test_more_images_than_allowed_is_a_400(settings):
     refs = [ImageRef(f"m[{i}]", "data:,") for i in range(4)]
     with pytest.raises(InvalidRequest, match="4 images; at most 3"):
         asyncio.run(checked_images(refs, "tiny", takes_images=True))
+
+
+def test_a_link_by_name_is_resolved_only_for_a_model_that_takes_images():
+    refs = [ImageRef("m[0]", "http://no-such-host.invalid/a.png")]
+    with pytest.raises(InvalidRequest, match="text model"):
+        asyncio.run(checked_images(refs, "tiny", takes_images=False))
+    with pytest.raises(InvalidRequest, match="does not resolve"):
+        asyncio.run(checked_images(refs, "vlm", takes_images=True))

@@ -52,6 +52,14 @@ def public(address: Address) -> bool:
     return address.is_global and not address.is_multicast
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 async def resolve(host: str, port: int) -> list[Address]:
     try:
         return [ipaddress.ip_address(host.strip("[]"))]
@@ -61,11 +69,14 @@ async def resolve(host: str, port: int) -> list[Address]:
     return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
 
 
-async def checked_address(url: httpx.URL, where: str) -> Address:
+async def checked_address(url: httpx.URL, where: str, names: bool = True) -> Address | None:
     """The address to connect to for ``url``: every address its host resolves to is public
-    or allowed, else a 400 naming the first that is not."""
+    or allowed, else a 400 naming the first that is not. ``names`` false: a host given by
+    name is not resolved yet (None), an address is checked."""
     if url.scheme not in ("http", "https") or not url.host:
         raise image_error(where, "an image link must be an http(s) URL or a data URL")
+    if not names and not _is_address(url.host):
+        return None
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         addresses = await resolve(url.host, port)
@@ -107,6 +118,7 @@ async def _follow(url: httpx.URL, where: str, most: int) -> bytes:
     async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
             address = await checked_address(url, where)
+            assert address is not None
             host = f"[{address}]" if address.version == 6 else str(address)
             request = client.build_request(
                 "GET",

@@ -56,8 +56,8 @@ async def checked_images(
     refs: list[ImageRef], model: str, takes_images: bool
 ) -> list[CheckedImage]:
     """The request's images checked, in order. Everything that needs no network comes first
-    (the count, inline images decoded, links' addresses), then a text model's refusal, and
-    only then are links fetched."""
+    (the count, inline images decoded, links to an address checked), then a text model's
+    refusal, and only then are links' names resolved and checked and the links fetched."""
     check_count(refs)
     inline: dict[int, CheckedImage] = {}
     for n, ref in enumerate(refs):
@@ -65,7 +65,7 @@ async def checked_images(
             data = data_url_bytes(ref.url, ref.where)
             inline[n] = await asyncio.to_thread(check_image, data, ref.where)
         else:
-            await checked_address(_url(ref), ref.where)
+            await checked_address(_url(ref), ref.where, names=False)
     if not takes_images:
         raise InvalidRequest(
             f"the model {model!r} is a text model: it does not take images (send the content "
