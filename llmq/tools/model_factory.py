@@ -225,6 +225,15 @@ def _config(arch: str, size: Size, shape: dict, ids: dict):
     raise ValueError(f"unknown arch {arch!r} at size {size}; choose one of {', '.join(ARCHS)}")
 
 
+def make_vision_model(path: Path, arch: str, size: Size, shape, ids, tokenizer, seed: int) -> Path:
+    """A tiny LLaVA-1.5 or LLaVA-NeXT on ``make_model``'s text shape and tokenizer."""
+    from llmq.tools.vision_models import make_llava
+
+    if size != "tiny":
+        raise ValueError(f"{arch} is built at the tiny size only")
+    return make_llava(path, shape, ids, tokenizer, seed, anyres=arch == "llava_next")
+
+
 def make_model(
     path: str | Path,
     arch: Arch = "llama",
@@ -256,11 +265,7 @@ def make_model(
         "pad_token_id": tokenizer.pad_token_id,
     }
     if arch in ("llava", "llava_next"):  # vision-language: its tower, processor and template
-        from llmq.tools.vision_models import make_llava
-
-        if size != "tiny":
-            raise ValueError(f"{arch} is built at the tiny size only")
-        return make_llava(path, shape, ids, tokenizer, seed, anyres=arch == "llava_next")
+        return make_vision_model(path, arch, size, shape, ids, tokenizer, seed)
     config = _config(arch, size, shape, ids)
     if context is not None:
         config.max_position_embeddings = context
