@@ -1,0 +1,101 @@
+"""The vision runtime's bookkeeping (llmq/worker/vision/runtime.py), with an in-memory encoder
+standing for the tower: a prompt's image runs checked against its images, the packed rows of
+a step's image tokens (decodes and prefill chunks, a chunk cut inside an image), each image
+encoded once and kept, read again from Redis's stand-in once dropped, and the prefix-cache
+root that keeps different images apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmq.worker.engine.scheduler import ScheduledSequence
+from llmq.worker.engine.sequence import Sequence
+from llmq.worker.request_error import RequestError
+from llmq.worker.runner.packed_batch import pack_step
+from llmq.worker.vision import runtime
+from llmq.worker.vision.runtime import VisionRuntime, image_root, image_spans
+
+pytestmark = pytest.mark.unit
+IMG = 9  # the image token
+
+
+class Encoder:
+    """Each image's "embeddings": rows of its first byte, as many as its second byte says."""
+
+    image_token_id = IMG
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def token_count(self, data: bytes) -> int:
+        return data[1]
+
+    def encode(self, images: list[bytes]) -> list[torch.Tensor]:
+        self.calls.append(len(images))
+        return [torch.full((d[1], 2), float(d[0])) for d in images]
+
+
+def test_spans_follow_the_runs_and_refuse_a_mismatch():
+    prompt = [1, IMG, IMG, 2, IMG, IMG, IMG, 3]
+    spans = image_spans(prompt, IMG, ["a", "b"], [2, 3])
+    assert [(s.digest, s.start, s.count) for s in spans] == [("a", 1, 2), ("b", 4, 3)]
+    with pytest.raises(RequestError, match="do not fit"):
+        image_spans(prompt, IMG, ["a", "b"], [2, 2])
+    with pytest.raises(RequestError):
+        image_spans(prompt, IMG, ["a"], [2])
+
+
+def test_the_cache_root_tells_images_apart():
+    assert image_root(0, []) == 0
+    assert image_root(0, ["a", "b"]) == image_root(0, ["a", "b"])
+    assert len({image_root(0, ["a"]), image_root(0, ["b"]), image_root(7, ["a"]),
+                image_root(0, ["a", "b"]), image_root(0, ["b", "a"])}) == 5  # fmt: skip
+
+
+def _scheduled(request_id: str, prompt: list[int], start: int, n: int) -> ScheduledSequence:
+    seq = Sequence(request_id, prompt)
+    seq.block_table = list(range(8))
+    return ScheduledSequence(seq, start, n)
+
+
+def test_rows_map_a_steps_image_tokens_and_each_image_is_encoded_once(monkeypatch):
+    store = {"a": bytes([1, 2]), "b": bytes([2, 3])}
+    fetched: list[str] = []
+
+    def fetch(d):
+        fetched.append(d)
+        return store.get(d)
+
+    enc = Encoder()
+    vision = VisionRuntime(enc, fetch)
+    p1, p2 = [5, IMG, IMG, 6, 7], [5, IMG, IMG, IMG, 6]
+    vision.register("r1", p1, ["a"])
+    vision.register("r2", p2, ["b"])
+    # r1 whole; r2's chunk stops inside its image (positions 0..2).
+    batch = pack_step([_scheduled("r1", p1, 0, 5), _scheduled("r2", p2, 0, 3)], 4, 99)
+    rows = vision.rows(batch)
+    assert rows == [(1, "a", 0), (2, "a", 1), (6, "b", 0), (7, "b", 1)]
+    feats = vision.embeddings({d for _, d, _ in rows})
+    assert enc.calls == [2] and vision.images_encoded == 2  # one tower call for both
+    assert feats["b"].shape == (3, 2) and float(feats["b"][0, 0]) == 2.0
+    # The rest of r2's image, next step (a one-token chunk packs as a decode).
+    rest = vision.rows(pack_step([_scheduled("r2", p2, 3, 1)], 4, 99))
+    assert rest == [(0, "b", 2)]
+    vision.embeddings({"b"})
+    assert vision.images_encoded == 2  # kept: not again
+    # Dropped past the kept limit, an image is read again and encoded again.
+    monkeypatch.setattr(runtime, "KEPT_IMAGES", 1)
+    vision.drop("r1")
+    vision.drop("r2")
+    vision.embeddings({"b"})
+    assert "a" not in vision.kept
+    vision.register("r3", p1, ["a"])
+    vision.embeddings({"a"})
+    assert vision.images_encoded == 3 and fetched.count("a") == 2
+
+
+def test_an_image_gone_from_redis_fails_its_request():
+    vision = VisionRuntime(Encoder(), lambda d: None)
+    with pytest.raises(RequestError, match="expired"):
+        vision.register("r", [IMG, IMG], ["a"])
