@@ -90,6 +90,26 @@ class Settings(BaseSettings):
         description="Adapters a worker keeps loaded at once; past it the least recently used one "
         "that no running request uses is dropped (and read from disk again when asked for).",
     )
+    catalogue: str = Field(
+        "",
+        description="Models the fleet loads on demand, comma-separated: model folders, GGUF "
+        "files, or directories whose model folders and GGUF files are each offered (named by "
+        "short id). Set on a worker: it starts with no model (LLMQ_MODEL unused) and loads what "
+        "requests name.",
+    )
+    model_memory_mb: float = Field(
+        0,
+        ge=0,
+        description="Megabytes of models a worker with LLMQ_CATALOGUE holds at once (a model "
+        "counts its files' size); the least recently used idle one is unloaded for room. 0: no "
+        "limit.",
+    )
+    keep_alive: str = Field(
+        "5m",
+        description="How long a model loaded on demand stays loaded after its last request, as "
+        "Ollama's keep_alive (`30s`, `5m`, `1h`, or seconds; 0 unloads it at once, -1 keeps "
+        "it); a request's own keep_alive overrides it.",
+    )
     tokenizer_cache_dir: str | None = Field(
         None,
         description="Where a GGUF file's tokenizer, converted once, is kept by the file's "
@@ -112,26 +132,6 @@ class Settings(BaseSettings):
     )
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
         "auto",
-    catalogue: str = Field(
-        "",
-        description="Models the fleet loads on demand, comma-separated: model folders, GGUF "
-        "files, or directories whose model folders and GGUF files are each offered (named by "
-        "short id). Set on a worker: it starts with no model (LLMQ_MODEL unused) and loads what "
-        "requests name.",
-    )
-    model_memory_mb: float = Field(
-        0,
-        ge=0,
-        description="Megabytes of models a worker with LLMQ_CATALOGUE holds at once (a model "
-        "counts its files' size); the least recently used idle one is unloaded for room. 0: no "
-        "limit.",
-    )
-    keep_alive: str = Field(
-        "5m",
-        description="How long a model loaded on demand stays loaded after its last request, as "
-        "Ollama's keep_alive (`30s`, `5m`, `1h`, or seconds; 0 unloads it at once, -1 keeps "
-        "it); a request's own keep_alive overrides it.",
-    )
         description="How the KV cache stores keys and values: auto in the model's dtype; int8 "
         "or fp8 (float8 e4m3) as 8-bit codes with a float32 scale per token and KV head, "
         "quantized as they are written and dequantized as attention reads them. The same "
