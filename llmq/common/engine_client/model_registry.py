@@ -126,13 +126,20 @@ class ModelRegistry:
         await self.on_demand.keep(name, keep_alive)
         if any(e.model == name for e in await self.engines()):
             return await self._pipeline(name, source), await self._probe.require_engine(name, kind)
-        pipeline = asyncio.ensure_future(self._pipeline(name, source))
+        pipeline = asyncio.ensure_future(self._ready_pipeline(name, source))
         try:
             engine = await self.on_demand.load(name, self._probe, kind)
         except BaseException:
             pipeline.cancel()
             raise
         return await pipeline, engine
+
+    async def _ready_pipeline(self, name: str, source: str) -> TokenGeneratorPipeline:
+        """The pipeline with its tokenizer's profile read, while a worker loads the model: a
+        262k-token vocabulary (Gemma 3's) took 2 s, which the first request paid."""
+        pipeline = await self._pipeline(name, source)
+        await pipeline.encoder.profile()
+        return pipeline
 
     async def _alias(self, name: str, known: dict[str, dict]) -> str:
         """The served model a short id or a source names; 404 for none, 400 for several."""
