@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
+from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
+from llmq.common.engine_client.request_stream import GenerationChunk
 from llmq.common.engine_status import EngineStatus
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import (
@@ -45,8 +47,6 @@ from llmq.common.generation.tool_request import forced_tool_name
 from llmq.common.images.decode import CheckedImage
 from llmq.common.images.prompt import expand_images
 from llmq.common.images.request import chat_image_refs, checked_images, store_images
-from llmq.common.pipeline import TokenGeneratorPipeline
-from llmq.common.request_stream import GenerationChunk
 from llmq.common.settings import get_settings
 
 

@@ -5,11 +5,11 @@ image as the model does."""
 
 from __future__ import annotations
 
+from llmq.common.engine_client.prompt_encoder import context_exceeded
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
 from llmq.common.images.decode import CheckedImage
 from llmq.common.images.tokens import image_token_count, parse_layout
-from llmq.common.prompt_encoder import context_exceeded
 
 
 def expand_images(
