@@ -18,6 +18,7 @@ from llmq.worker.request_error import RequestError
 from llmq.worker.runner.prompt_logprobs import reduce_prompt_rows
 from llmq.worker.runner.sampler import Sampler, TokenLogprobs
 from llmq.worker.spec.config import SpecConfig
+from llmq.worker.spec.speculator import Speculator
 
 if TYPE_CHECKING:
     from llmq.common.settings import Settings
@@ -40,7 +41,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: sized to the batch (engine/kv_sizing.py)
-    kv_cache_dtype: str = "auto"  # int8 or fp8: 8-bit codes and scales (runner/kv_quant.py)
+    kv_cache_dtype: str = "auto"  # int8 or fp8: 8-bit codes and scales (runner/attention/kv_quant.py)
     max_batch_size: int = 64
     max_batch_tokens: int = 512
     max_prefill_tokens_with_decodes: int | None = None  # None: max_batch_tokens
@@ -157,12 +158,7 @@ class LLMEngine:
             max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
         )
         self.sampler = Sampler(eos_token_ids)
-        # Not with KV groups: their windowed tables have no tail to trim after a rejection.
-        self.speculator = (
-            config.speculative.speculator(self.max_model_len)
-            if config.speculative is not None and self.kv_layout is None
-            else None
-        )
+        self.speculator = _speculator(config, self.max_model_len, self.kv_layout)
         self.constrained = (
             _constrained_sequences(tokenizer, self.vocab_size, eos_token_ids, config)
             if tokenizer is not None
@@ -436,6 +432,14 @@ class LLMEngine:
             out.prompt_logprobs = [None, *seq.prompt_logprobs]
             seq.prompt_logprobs_pending, seq.prompt_logprobs = False, []
         return out
+
+
+def _speculator(config: EngineConfig, max_model_len: int, kv_layout) -> Speculator | None:
+    """The speculation the config asks for. Not with KV groups: their windowed block tables
+    have no tail to trim after a rejected draft."""
+    if config.speculative is None or kv_layout is not None:
+        return None
+    return config.speculative.speculator(max_model_len)
 
 
 def _constrained_sequences(
