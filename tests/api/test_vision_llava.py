@@ -84,12 +84,15 @@ def references(models):
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
-        def answer(messages: list[dict], images: list[bytes]) -> list[int]:
+        def answer(messages: list[dict], images: list[bytes], length: bool = False):
+            """The greedy tokens (``length``: the prompt's token count)."""
             text = processor.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
             pil = [Image.open(io.BytesIO(d)).convert("RGB") for d in images]
             inputs = processor(images=pil, text=text, return_tensors="pt")
+            if length:
+                return inputs["input_ids"].shape[1]
             out = model.generate(
                 **inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
             )
@@ -142,6 +145,26 @@ def test_one_and_four_at_once_equal_generate(served, references, family):
         return await asyncio.gather(*(_answer(base, family, _question(i)) for i in images))
 
     assert [ids for ids, _ in asyncio.run(at_once())] == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_usage_tokenize_and_count_tokens_count_an_image_as_the_model(served, references, family):
+    _, base, _ = served
+    image = picture(31, (80, 30))
+    expected = references[family](_template(), [image], length=True)
+    answer = client(base).chat.completions.create(
+        model=family, messages=_question(image), max_tokens=1
+    )
+    assert answer.usage.prompt_tokens == expected
+    r = httpx.post(f"{base}/tokenize", json={"model": family, "messages": _question(image)})
+    assert r.json()["count"] == expected, r.text
+    data = base64.b64encode(image).decode()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    content = [{"type": "text", "text": "What is in the picture?"}, block]
+    counted = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0).messages.count_tokens(
+        model=family, messages=[{"role": "user", "content": content}]
+    )
+    assert counted.input_tokens == expected
 
 
 def _encoded_after(redis_url: str, worker: str, moment: float) -> int:

@@ -45,7 +45,7 @@ from llmq.common.generation.tool_grammar import tool_grammar
 from llmq.common.generation.tool_parsers import FORCED_ARRAY, choose_format
 from llmq.common.generation.tool_request import forced_tool_name
 from llmq.common.images.decode import CheckedImage
-from llmq.common.images.prompt import expand_images
+from llmq.common.images.prompt import expand_images, image_tokens
 from llmq.common.images.request import chat_image_refs, checked_images, store_images
 from llmq.common.settings import get_settings
 
@@ -96,6 +96,33 @@ async def request_images(
     keys = pipeline.transport.keys.for_model(pipeline.base_model)
     await store_images(pipeline.transport.r, keys.image, images, get_settings().image_ttl)
     return images
+
+
+async def with_image_tokens(
+    pipeline: TokenGeneratorPipeline,
+    engine: EngineStatus,
+    body: ChatCompletionRequest,
+    prompt_ids: list[int],
+) -> list[int]:
+    """A rendered chat prompt with its images' tokens, as a generation of ``body`` sends it
+    (the images checked, not stored): what /tokenize answers."""
+    refs = chat_image_refs(body.messages)
+    if not refs:
+        return prompt_ids
+    images = await checked_images(refs, pipeline.model, engine.images)
+    return expand_images(prompt_ids, engine, images)
+
+
+async def image_token_surplus(
+    pipeline: TokenGeneratorPipeline, engine: EngineStatus, body: ChatCompletionRequest
+) -> int:
+    """The tokens ``body``'s images add to its rendered prompt (each image token there
+    becomes the image's run): what count_tokens adds."""
+    refs = chat_image_refs(body.messages)
+    if not refs:
+        return 0
+    images = await checked_images(refs, pipeline.model, engine.images)
+    return sum(image_tokens(engine, i) - 1 for i in images)
 
 
 def _answer_grammar(body: ChatCompletionRequest) -> str | None:

@@ -15,7 +15,7 @@ from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import LLMQError, redis_failure
 from llmq.common.generation import tokenization
-from llmq.common.generation.chat import ChatGeneration, chat_choices
+from llmq.common.generation.chat import ChatGeneration, chat_choices, image_token_surplus
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.choices import Choice, check_token_ids
 from llmq.common.generation.completions import CompletionGeneration, completion_choices
@@ -120,9 +120,11 @@ class GenerationService:
         return MessagesRun(generation, body, effort, engine.block_size)
 
     async def count_message_tokens(self, body: MessagesPrompt) -> TokenCount:
-        pipeline, _ = await self.registry.get(body.model)
+        pipeline, engine = await self.registry.get(body.model)
         body = await edited(pipeline, body)
-        return TokenCount(input_tokens=await prompt_tokens(pipeline, body))
+        chat = messages_chat_request(body, Template.of(pipeline.tokenizer))
+        images = await image_token_surplus(pipeline, engine, chat)
+        return TokenCount(input_tokens=await prompt_tokens(pipeline, body) + images)
 
     async def completions(
         self, body: CompletionRequest, options: SubmitOptions = _INTERACTIVE

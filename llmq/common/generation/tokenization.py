@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from llmq.common.engine_client.pipeline import TokenGeneratorPipeline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
+from llmq.common.generation.chat import with_image_tokens
 from llmq.common.generation.chat_request import ChatCompletionRequest
 from llmq.common.generation.responses import WireModel
 from llmq.common.validation import validation_error
@@ -71,6 +72,7 @@ async def tokenize(
         ids = await pipeline.encode_chat(
             chat.template_messages(), tools=chat.template_tools(), **chat.template_kwargs()
         )
+        ids = await with_image_tokens(pipeline, engine, chat, ids)
     strs = pipeline.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(
         count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs

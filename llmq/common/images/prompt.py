@@ -26,8 +26,7 @@ def expand_images(
             "token typed in the text, or a template that drops images)",
             "messages",
         )
-    layout = parse_layout(engine.image_layout)
-    counts = iter([image_token_count(layout, i.width, i.height) for i in images])
+    counts = iter([image_tokens(engine, i) for i in images])
     out: list[int] = []
     for t in prompt_ids:
         if t == token:
@@ -37,3 +36,8 @@ def expand_images(
     if len(out) >= engine.max_model_len:
         raise context_exceeded(engine.max_model_len, len(out), "messages")
     return out
+
+
+def image_tokens(engine: EngineStatus, image: CheckedImage) -> int:
+    """The tokens ``engine``'s model reads for ``image``."""
+    return image_token_count(parse_layout(engine.image_layout), image.width, image.height)
