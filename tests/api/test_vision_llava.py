@@ -167,8 +167,9 @@ def test_usage_tokenize_and_count_tokens_count_an_image_as_the_model(served, ref
     assert counted.input_tokens == expected
 
 
-def _encoded_after(redis_url: str, worker: str, moment: float) -> int:
-    """The worker's images_encoded in a heartbeat written after ``moment``."""
+def _counters_after(redis_url: str, worker: str, moment: float) -> tuple[int, int]:
+    """The worker's (images_encoded, prefix_cache_hit_tokens) in a heartbeat written after
+    ``moment``."""
     beat = {}
 
     def fresh():
@@ -176,21 +177,27 @@ def _encoded_after(redis_url: str, worker: str, moment: float) -> int:
         return float(beat.get("updated", 0)) > moment
 
     wait_for(fresh, 30, "a fresh heartbeat", 0.05)
-    return int(beat["images_encoded"])
+    return int(beat["images_encoded"]), int(beat["prefix_cache_hit_tokens"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_second_turn_reuses_the_image_and_equals_generate(served, references, family):
+    """The follow-up turn finds the first turn's blocks, image tokens among them, in the
+    prefix cache, and the image is not encoded again."""
     redis_url, base, _ = served
     image, worker = picture(11, (60, 40)), f"w-{family}"
-    before = _encoded_after(redis_url, worker, time.time())
+    encoded, _ = _counters_after(redis_url, worker, time.time())
     _, text = asyncio.run(_answer(base, family, _question(image)))
-    assert _encoded_after(redis_url, worker, time.time()) == before + 1
+    after_first, hits = _counters_after(redis_url, worker, time.time())
+    assert after_first == encoded + 1
     follow = [*_question(image), {"role": "assistant", "content": text}]
     follow.append({"role": "user", "content": "And the colours?"})
     template = [*_template(), {"role": "assistant", "content": text}, follow[-1]]
     assert _ask(base, family, follow) == references[family](template, [image])
-    assert _encoded_after(redis_url, worker, time.time()) == before + 1
+    after_second, hits_second = _counters_after(redis_url, worker, time.time())
+    assert after_second == encoded + 1
+    image_end = references[family](_template(), [image], length=True) - 5  # past the image
+    assert hits_second - hits >= image_end - 16  # all but a partial block: from the cache
 
 
 def test_the_anthropic_and_ollama_packages_send_an_image(served, references):
