@@ -41,7 +41,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: sized to the batch (engine/kv_sizing.py)
-    kv_cache_dtype: str = "auto"  # int8 or fp8: 8-bit codes and scales (runner/attention/kv_quant.py)
+    kv_cache_dtype: str = (
+        "auto"  # int8 or fp8: 8-bit codes and scales (runner/attention/kv_quant.py)
+    )
     max_batch_size: int = 64
     max_batch_tokens: int = 512
     max_prefill_tokens_with_decodes: int | None = None  # None: max_batch_tokens
@@ -274,6 +276,10 @@ class LLMEngine:
         failed = self._admit_waiting() if self._num_building else []
         if self.speculator is not None:
             self.speculator.prepare(self.scheduler.running)
+            if self.constrained is not None and self.constrained.matchers:
+                from llmq.worker.spec.constrained import trim_drafts  # llguidance: when used
+
+                trim_drafts(self.constrained.matchers, self.scheduler.running)
         out = self.scheduler.schedule()
         if not out:
             if self._num_building and not failed:
@@ -308,17 +314,25 @@ class LLMEngine:
         self, out: SchedulerOutput, logits, entries: list[int]
     ) -> list[RequestOutput]:
         """A step that checked drafts: the sampler draws every row (a drafted entry has one per
-        position), the speculator keeps the run of drafts the draws agree with. Constrained
-        sequences have no draft: their single rows are masked and advanced as in ``step``."""
+        position), the speculator keeps the run of drafts the draws agree with. A constrained
+        sequence's rows are masked as its grammar stands at each position; its matcher then
+        takes the run, which ends early where it completes the grammar."""
         rows: list = []
         firsts: list[int] = []
         for i in entries:
             item = out.scheduled[i]
             firsts.append(len(rows))
             rows.extend(self.speculator.rows(item) if item.draft else [item.seq])
+        matchers = self.constrained.matchers if self.constrained is not None else {}
         mask = None
-        if self.constrained is not None and self.constrained.matchers:
-            mask = self.constrained.mask(rows)
+        if matchers:
+            from llmq.worker.spec.constrained import advance_runs, draft_masks
+
+            spans = [
+                (f, out.scheduled[i].seq, out.scheduled[i].draft)
+                for f, i in zip(firsts, entries, strict=True)
+            ]
+            mask = draft_masks(matchers, spans, self.vocab_size)
         sampled = self.sampler(logits, rows, mask)
         runs: list[list[int] | None] = [None] * len(out.scheduled)
         logprobs: dict[int, list[TokenLogprobs | None]] = {}
@@ -329,7 +343,8 @@ class LLMEngine:
             logprobs[id(item.seq)] = sampled.logprobs[first : first + len(runs[i])]
         grammar = None
         if mask is not None:
-            grammar = self.constrained.advance(rows, sampled.token_ids, mask.rows)
+            fed = [(out.scheduled[i].seq, runs[i]) for i in entries]
+            grammar = advance_runs(matchers, fed)
         updates = self.scheduler.update_runs(out, runs, grammar.complete if grammar else ())
         return self._outputs(updates, logprobs, grammar)
 

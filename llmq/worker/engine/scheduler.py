@@ -380,6 +380,8 @@ class Scheduler:
                 seq.append_token(token)
                 kept.append(token)
                 reason = self._stop_reason(seq, token)
+                if len(kept) == len(run) and seq in complete:  # its grammar ends the run
+                    reason = FinishReason.STOP
                 if reason is not None:
                     break
             seq.num_computed_tokens = seq.num_tokens - 1

@@ -100,7 +100,7 @@ class Speculator:
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if len(decoding) > self.max_batch:
             return
-        seqs = [s for s in decoding if s.params.speculative and s.params.grammar is None]
+        seqs = [s for s in decoding if s.params.speculative]
         limits = [self._limit(s) for s in seqs]
         for seq, draft in zip(seqs, self.proposer.propose(seqs, limits), strict=True):
             seq.draft = draft

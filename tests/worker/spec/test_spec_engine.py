@@ -138,3 +138,48 @@ def test_prompt_lookup_in_the_engine(case):
     base = run(path, prompts[:4], n, GREEDY)
     spec = run(path, prompts[:4], n, GREEDY, NgramProposer(1, 3))
     assert_same(base[:2], spec[:2], spec[2])
+
+
+def test_structured_output_with_drafts(llama_dir):
+    """JSON-schema and regex requests draft too: a draft is cut at its first token the grammar
+    forbids, every position is masked as the grammar stands there, and the output (greedy and
+    seeded) is the same, ending where the grammar completes."""
+    from llguidance import LLMatcher
+
+    from llmq.common.model_files import load_tokenizer
+    from llmq.worker.loading.model_loader import eos_token_ids
+    from tests.worker.test_constrained_engine import PERSON, REGEX, json_grammar
+
+    path = str(llama_dir)
+    tokenizer = load_tokenizer(path)
+    grammars = [json_grammar(PERSON), LLMatcher.grammar_from_regex(REGEX)]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 1024) for _ in range(9)] for _ in range(4)]
+
+    def outputs(proposer):
+        model = load_causal_lm(path, "float32", "cpu")
+        eos = eos_token_ids(model, tokenizer)
+        engine = LLMEngine(model, EngineConfig(num_blocks=128), eos, tokenizer=tokenizer)
+        if proposer is not None:
+            engine.speculator = Speculator(proposer, 4, 64, engine.max_model_len)
+        results = {}
+        for i, prompt in enumerate(prompts):
+            temperature = 0.0 if i % 2 else 1.0
+            params = SamplingParams(
+                temperature=temperature, seed=i, max_tokens=200, grammar=grammars[i // 2]
+            )
+            engine.add_request(str(i), prompt, params)
+            results[str(i)] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None, out.error
+                results[out.request_id] += out.token_ids
+                if out.finished:
+                    assert out.finish_reason.value == "stop"
+        return [results[str(i)] for i in range(len(prompts))], engine
+
+    base, _ = outputs(None)
+    spec, engine = outputs(oracle(prompts, base))
+    assert spec == base
+    stats = engine.speculator.stats
+    assert 0 < stats.accepted < stats.proposed, stats
