@@ -68,7 +68,7 @@ class MatmulCeiling:
         import torch.nn.functional as F
 
         from llmq.worker.runner import cpu_kernels
-        from llmq.worker.runner.packed_linear import Linear, can_pack, panels_fit
+        from llmq.worker.runner.linear.packed_linear import Linear, can_pack, panels_fit
 
         shapes = projection_shapes(config)
         self.weights = [torch.randn(o, i).to(dtype) for o, i, k in shapes for _ in range(k)]

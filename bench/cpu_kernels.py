@@ -36,7 +36,7 @@ def attention_us(batch: int, context: int, repeats: int = 50) -> dict[str, float
     """One layer's decode attention (SmolLM2-135M's heads: 9 query, 3 KV, dim 64), in us."""
     import torch
 
-    from llmq.worker.runner.attention import attend_gathered
+    from llmq.worker.runner.attention.paged import attend_gathered
 
     heads, kv_heads, dim, bs, blocks = 9, 3, 64, 16, 4000
     g = torch.Generator().manual_seed(0)
@@ -96,7 +96,7 @@ def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
     a cache holds. GB/s and GFLOP/s: the faster sums'."""
     import torch
 
-    from llmq.worker.runner.packed_linear import Linear, panel_sums
+    from llmq.worker.runner.linear.packed_linear import Linear, panel_sums
 
     print(f"{'projection':<12}{'rows':>6}{'oneDNN us':>11}{'dot us':>9}{'fma us':>9}"
           f"{'oneDNN/best':>13}{'GB/s':>7}{'GFLOP/s':>9}")  # fmt: skip
@@ -128,7 +128,7 @@ def quantized_projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -
     through copies of ``bytes_cycled`` (int8 bytes) in all. GB/s: llmq's weight bytes read."""
     import torch
 
-    from llmq.worker.runner.quantized_linear import quantized_linear
+    from llmq.worker.runner.linear.quantized_linear import quantized_linear
 
     print(f"{'projection':<12}{'bits':>5}{'rows':>6}{'torch us':>10}{'llmq us':>9}"
           f"{'torch/llmq':>12}{'GB/s':>7}")  # fmt: skip

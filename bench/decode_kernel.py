@@ -107,7 +107,7 @@ class Case:
         """``featured_attention``'s gathered decode path over the same pool and tables."""
         import torch
 
-        from llmq.worker.runner.attention import (
+        from llmq.worker.runner.attention.paged import (
             DecodeChunk,
             KVPool,
             StepMetadata,

@@ -350,7 +350,7 @@ class EngineDecode:
         from llmq.worker.engine.scheduler import ScheduledSequence, SchedulerOutput
         from llmq.worker.engine.sequence import Sequence
         from llmq.worker.llm_engine import EngineConfig
-        from llmq.worker.runner.attention import KVPool
+        from llmq.worker.runner.attention.paged import KVPool
         from llmq.worker.runner.model_runner import ModelRunner, model_dims
         from llmq.worker.runner.sampler import Sampler
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.write_fp8 import block_tensors  # noqa: E402
 from llmq.worker.loading.quant_checkpoint.fp8_tensor import fp8_block_matmuls  # noqa: E402
-from llmq.worker.runner.dynamic_quantized import Fp8Linear  # noqa: E402
-from llmq.worker.runner.fp8_blocks import Fp8BlockLinear  # noqa: E402
+from llmq.worker.runner.linear.dynamic_quantized import Fp8Linear  # noqa: E402
+from llmq.worker.runner.linear.fp8_blocks import Fp8BlockLinear  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CALLS = 20

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
-from llmq.worker.runner import decoder_cpp_step  # noqa: E402
+from llmq.worker.runner.forward import decoder_cpp_step  # noqa: E402
 from tests.real_models import float_folder, smollm2_gguf  # noqa: E402
 
 ROUNDS, TOKENS = 4, 64

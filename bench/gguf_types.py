@@ -71,8 +71,8 @@ def held_error(path: Path) -> dict[str, float]:
     its floats) against ``gguf``'s ``dequantize`` of the file's blocks."""
     import torch
 
-    from llmq.worker.runner.gguf_weights import GGUFTensors
-    from llmq.worker.runner.quantized_weights import Int8Weight
+    from llmq.worker.runner.linear.quantized_weights import Int8Weight
+    from llmq.worker.runner.loaders.gguf_weights import GGUFTensors
 
     file = GGUFTensors(str(path), 1, 1, lean=True)
     sums: dict[str, list[float]] = {}

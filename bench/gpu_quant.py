@@ -37,7 +37,7 @@ from llmq.common.sampling_params import SamplingParams  # noqa: E402
 from llmq.tools.model_factory import make_model  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
-from llmq.worker.runner.quantize import quantized_bytes  # noqa: E402
+from llmq.worker.runner.linear.quantize import quantized_bytes  # noqa: E402
 
 SCHEMES = {"bf16": "none", "int8": "int8", "int4": "int4", "fp8": "fp8"}
 # forms read from a checkpoint written from the model: its folder's suffix, its writer

@@ -53,7 +53,7 @@ def random_q6k(n: int, k: int, gen):
     """Q6_K blocks of random codes, steps and sub-block scales ([N, K] weights)."""
     import torch
 
-    from llmq.worker.runner.quantized_weights import Q6KBlocks
+    from llmq.worker.runner.linear.quantized_weights import Q6KBlocks
 
     return Q6KBlocks(
         torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8),
@@ -81,8 +81,8 @@ def time_side(
         raise SystemExit(f"the kernels in {sources} did not build")
     if terms:
         cpu_kernels.set_activation_terms(terms)
-    from llmq.worker.runner.packed_linear import Linear
-    from llmq.worker.runner.quantized_linear import Q6KLinear, quantized_linear
+    from llmq.worker.runner.linear.packed_linear import Linear
+    from llmq.worker.runner.linear.quantized_linear import Q6KLinear, quantized_linear
 
     def linear(weight, bits: str):  # 16: bfloat16 on the panel kernel (panel_matmul.cpp)
         if bits == "16":

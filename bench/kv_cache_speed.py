@@ -31,7 +31,7 @@ from llmq.tools.model_factory import make_model  # noqa: E402
 from llmq.worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
 from llmq.worker.runner import cpu_kernels  # noqa: E402
-from llmq.worker.runner.kv_quant import code_dtype, quantize  # noqa: E402
+from llmq.worker.runner.attention.kv_quant import code_dtype, quantize  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -57,7 +57,7 @@ def llmq_bytes(model_dir: str, quantization: str | None) -> int:
     """Bytes llmq's decode step reads a token: its layers' tensors and its head's."""
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
     from llmq.worker.loading.model_loader import load_causal_lm
-    from llmq.worker.runner import decoder_cpp_step
+    from llmq.worker.runner.forward import decoder_cpp_step
 
     engine = LLMEngine(load_causal_lm(model_dir, "bfloat16", "cpu", quantization), EngineConfig())
     forward = engine.runner.forward

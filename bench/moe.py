@@ -9,7 +9,7 @@ against llama.cpp's server on the same weights, one stream and 16.
     .venv/bin/python bench/moe.py serve --servers llmq --rounds 1 --llmq-env LLMQ_DTYPE=float32
 
 ``layer``: one layer of the moe-1b shape with random weights, its block as transformers builds
-it (router, then its default experts path) against llmq's (``llmq/worker/runner/moe.py``: the
+it (router, then its default experts path) against llmq's (``llmq/worker/runner/forward/moe.py``: the
 step's token-expert pairs grouped by expert, weights packed where the CPU allows), alternating
 rounds; prints the median time of each and their ratio, and the peak RSS.
 
@@ -71,7 +71,7 @@ def layer(args) -> int:
     import torch
 
     from llmq.worker.runner import cpu_kernels
-    from llmq.worker.runner.moe import from_block, moe_layout
+    from llmq.worker.runner.forward.moe import from_block, moe_layout
 
     dtype = getattr(torch, args.dtype)
     block, config = _block(dtype)

@@ -75,7 +75,7 @@ def served_log_probs(
     ``quantization``: log-probabilities as ``reference_log_probs``' and the seconds taken."""
     from llmq.worker.loading.model_loader import load_causal_lm
     from llmq.worker.runner import cpu_kernels
-    from llmq.worker.runner.decoder_forward import build_forward
+    from llmq.worker.runner.forward.decoder_forward import build_forward
 
     kernels = cpu_kernels.load()
     lm = load_causal_lm(str(model), "auto", "cpu", quantization)
@@ -110,7 +110,7 @@ def terms_speed(model: str, rows_list=(1, 16, 64), rounds: int = 5) -> dict:
     the activations in 1 and 2 int8 terms, alternating, the best of ``rounds``."""
     from llmq.worker.loading.model_loader import load_causal_lm
     from llmq.worker.runner import cpu_kernels
-    from llmq.worker.runner.decoder_forward import build_forward
+    from llmq.worker.runner.forward.decoder_forward import build_forward
 
     assert cpu_kernels.load(), "llmq's kernels did not build"
     forward = build_forward(load_causal_lm(str(model), "auto", "cpu"), True, True, True)

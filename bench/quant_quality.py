@@ -10,7 +10,7 @@ bfloat16). ``--sensitivity`` quantizes one role at a time to 4 bits (the rest at
 the KL each adds: which tensors the int4 plan should keep at 8 bits. ``--kv-cache-dtype int8,fp8``
 scores the bf16 weights with each 8-bit KV cache (LLMQ_KV_CACHE_DTYPE): every key and value
 quantized per token and head after the rotary embedding and dequantized, as the pool stores them
-(``runner/kv_quant.py``; the engine's output equals this simulation, tests/worker/
+(``runner/attention/kv_quant.py``; the engine's output equals this simulation, tests/worker/
 test_kv_cache_int8.py).
 
 The text: the first ``--tokens`` tokens of Python's own ``textwrap.py`` (the test models'
@@ -56,15 +56,15 @@ from llmq.common.model_files import load_tokenizer  # noqa: E402
 from llmq.tools.model_factory import make_model  # noqa: E402
 from llmq.worker.loading.model_loader import load_causal_lm  # noqa: E402
 from llmq.worker.runner import cpu_kernels  # noqa: E402
-from llmq.worker.runner.decoder_forward import DecoderForward  # noqa: E402
-from llmq.worker.runner.kv_quant import code_dtype, dequantize, quantize  # noqa: E402
-from llmq.worker.runner.quantize import (  # noqa: E402
+from llmq.worker.runner.attention.kv_quant import code_dtype, dequantize, quantize  # noqa: E402
+from llmq.worker.runner.forward.decoder_forward import DecoderForward  # noqa: E402
+from llmq.worker.runner.linear.quantize import (  # noqa: E402
     ROLES,
     only_role_plan,
     quantize_forward,
     quantized_bytes,
 )
-from llmq.worker.runner.quantized_linear import int_kernel_available  # noqa: E402
+from llmq.worker.runner.linear.quantized_linear import int_kernel_available  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 

@@ -100,7 +100,7 @@ class EngineStep(bootsteps.StartStopStep):
         built.wait()
         if failure:  # a model that cannot load or is refused: exit 1 after Celery's shutdown
             engine_died.set()
-            from llmq.worker.runner.model_support import UnsupportedModel
+            from llmq.worker.runner.forward.model_support import UnsupportedModel
 
             if isinstance(failure[0], UnsupportedModel):  # refused by name (logged): no traceback
                 raise SystemExit(1)

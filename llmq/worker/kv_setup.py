@@ -13,7 +13,7 @@ from llmq.worker.engine.kv_sizing import KVPoolSize, kv_pool_size
 from llmq.worker.engine.windowed_blocks import WindowedBlockManager
 
 if TYPE_CHECKING:
-    from llmq.worker.runner.model_support import ModelFeatures
+    from llmq.worker.runner.forward.model_support import ModelFeatures
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def inspect_ahead(model) -> None:
     """Inspect ``model`` now, for ``served_features``: before a forward built ahead of the
     engine (``worker/preload.py``) packs its weights, after which transformers' own forward,
     which the inspection runs, has none to read."""
-    from llmq.worker.runner.model_support import inspect_model
+    from llmq.worker.runner.forward.model_support import inspect_model
 
     model.__dict__["_llmq_features"] = inspect_model(model)
 
@@ -51,7 +51,7 @@ def inspect_ahead(model) -> None:
 def served_features(model) -> ModelFeatures:
     """What ``model``'s attention needs; raises UnsupportedModel, naming what llmq does not
     implement, rather than serve a wrong answer."""
-    from llmq.worker.runner.model_support import UnsupportedModel, inspect_model
+    from llmq.worker.runner.forward.model_support import UnsupportedModel, inspect_model
 
     features = model.__dict__.pop("_llmq_features", None) or inspect_model(model)
     if features.refusals:
@@ -70,8 +70,8 @@ def kv_pool_and_layout(
     (what its attention calls showed) says, and its KV groups. A window counts only while it
     is shorter than the context the pool gives, which the groups change: sized again until
     the two agree."""
-    from llmq.worker.runner.attention import KVPool
-    from llmq.worker.runner.model_support import pool_dims
+    from llmq.worker.runner.attention.paged import KVPool
+    from llmq.worker.runner.forward.model_support import pool_dims
 
     text_config = model.config.get_text_config()
     dtype = next(model.parameters()).dtype

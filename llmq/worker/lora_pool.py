@@ -21,9 +21,9 @@ import torch
 from llmq.common.placement.block_hashes import adapter_root
 from llmq.worker.engine.sequence import LoraRef, Sequence
 from llmq.worker.request_error import RequestError
-from llmq.worker.runner import lora_linear
-from llmq.worker.runner.lora_slots import LoraSlots
-from llmq.worker.runner.lora_weights import AdapterWeights, LoraLoadError, load_adapter
+from llmq.worker.runner.lora import lora_linear
+from llmq.worker.runner.lora.lora_slots import LoraSlots
+from llmq.worker.runner.lora.lora_weights import AdapterWeights, LoraLoadError, load_adapter
 
 log = logging.getLogger(__name__)
 

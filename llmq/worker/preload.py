@@ -44,7 +44,7 @@ def preload(settings: Settings) -> bool:
     from llmq.worker.loading.cross_encoder import cross_encoder_config
     from llmq.worker.loading.model_loader import embedding_config, load_causal_lm, resolve_device
     from llmq.worker.runner import cpu_kernels
-    from llmq.worker.runner.decoder_forward import attach, build_forward
+    from llmq.worker.runner.forward.decoder_forward import attach, build_forward
 
     if (
         resolve_device(settings.device) != "cpu"

@@ -1,7 +1,7 @@
 """A model the worker will not serve: why, told where operators and clients look.
 
 A worker that loads a model whose attention asks for something llmq does not implement
-(``runner/model_support.py``) never joins the model's stream, writes no heartbeat and exits
+(``runner/forward/model_support.py``) never joins the model's stream, writes no heartbeat and exits
 non-zero. Before it exits it logs the reason and records it with the model in the registry of
 served models (``llmq:models``): the API then answers requests for that model with a 400
 ``model_not_supported`` naming the feature (while no live worker serves it), `llmq inspect`

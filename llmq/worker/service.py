@@ -112,7 +112,7 @@ def configured_adapters(
 def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
     import torch
 
-    from llmq.worker.runner.model_support import UnsupportedModel
+    from llmq.worker.runner.forward.model_support import UnsupportedModel
 
     torch.set_num_threads(torch_threads(settings))
     name = served_name(settings)

@@ -13,9 +13,9 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.loading.quant_checkpoint.fp8_tensor import fp8_block_matmuls, fp8_matmuls
-from llmq.worker.runner.checkpoint_weights import fp8_linear, kernel_linear
-from llmq.worker.runner.dynamic_quantized import Fp8Linear, quantize_rows_torch
-from llmq.worker.runner.fp8_blocks import Fp8BlockLinear
+from llmq.worker.runner.linear.dynamic_quantized import Fp8Linear, quantize_rows_torch
+from llmq.worker.runner.linear.fp8_blocks import Fp8BlockLinear
+from llmq.worker.runner.loaders.checkpoint_weights import fp8_linear, kernel_linear
 
 pytest.importorskip("compressed_tensors")  # its compressors write the reference checkpoints
 from tests.worker.test_quant_checkpoints import (  # noqa: E402

@@ -22,22 +22,22 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.gguf_model import _read_by_quantizer, float_dtype, load_gguf_model
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.runner import gguf_blocks
-from llmq.worker.runner.gguf_weights import (
-    GGUFTensors,
-    q4_k_weight,
-    q5_k_weight,
-    q6_k_weight,
-    q8_0_weight,
-)
-from llmq.worker.runner.model_support import UnsupportedModel
-from llmq.worker.runner.quantize import QuantizedEmbedding
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.forward.model_support import UnsupportedModel
+from llmq.worker.runner.linear.quantize import QuantizedEmbedding
+from llmq.worker.runner.linear.quantized_linear import (
     Int4Linear,
     Int6Linear,
     Int8Linear,
     Q6KLinear,
     int_kernel_available,
+)
+from llmq.worker.runner.loaders import gguf_blocks
+from llmq.worker.runner.loaders.gguf_weights import (
+    GGUFTensors,
+    q4_k_weight,
+    q5_k_weight,
+    q6_k_weight,
+    q8_0_weight,
 )
 from tests.worker.gguf_writer import (
     MIXED_TYPES,

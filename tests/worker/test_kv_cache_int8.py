@@ -26,8 +26,8 @@ from llmq.worker.engine.kv_sizing import kv_pool_size
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.kv_pool import KVPool
-from llmq.worker.runner.kv_quant import code_dtype, dequantize, quantize
+from llmq.worker.runner.attention.kv_pool import KVPool
+from llmq.worker.runner.attention.kv_quant import code_dtype, dequantize, quantize
 from tests.worker.runner.test_paged_decode_kernel import reference as float64_attention
 from tests.worker.test_engine_exact import ARRIVALS, EOS, make_prompts
 

@@ -11,7 +11,7 @@ import pytest
 
 from llmq.worker.engine.sequence import LoraRef, Sequence
 from llmq.worker.lora_pool import LoraPool
-from llmq.worker.runner.lora_weights import AdapterWeights, LoraLoadError
+from llmq.worker.runner.lora.lora_weights import AdapterWeights, LoraLoadError
 
 pytestmark = pytest.mark.unit
 

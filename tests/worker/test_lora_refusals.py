@@ -10,7 +10,7 @@ import pytest
 from llmq.worker.engine.sequence import LoraRef
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.runner.lora_weights import PARTS
+from llmq.worker.runner.lora.lora_weights import PARTS
 from tests.worker.lora_cases import (
     EOS,
     bad_adapters,

@@ -20,8 +20,8 @@ from llmq.tools.model_archs import ARCHS
 from llmq.tools.model_factory import make_model
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.runner.decoder_forward import DecoderForward, supports
-from llmq.worker.runner.model_support import UnsupportedModel
+from llmq.worker.runner.forward.decoder_forward import DecoderForward, supports
+from llmq.worker.runner.forward.model_support import UnsupportedModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

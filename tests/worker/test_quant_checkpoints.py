@@ -26,13 +26,13 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.loading.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
-from llmq.worker.runner.checkpoint_weights import (
+from llmq.worker.runner.linear.quantized_linear import Int4Linear, Int8Linear
+from llmq.worker.runner.loaders.checkpoint_weights import (
     ConcatLinear,
     PermutedLinear,
     int4_weight,
     kernel_linear,
 )
-from llmq.worker.runner.quantized_linear import Int4Linear, Int8Linear
 
 pytest.importorskip("compressed_tensors")  # its compressors write the reference checkpoints
 from tests.worker.quant_checkpoint_writers import WRITERS  # noqa: E402

@@ -1,7 +1,7 @@
 """How many KV cache blocks a worker allocates, and why: a pure function of the model's numbers
 and the settings, so that the rule is tested without a model.
 
-The pool must read as zeros (`runner/attention.py`: masked-out slots are multiplied by zero
+The pool must read as zeros (`runner/attention/paged.py`: masked-out slots are multiplied by zero
 probabilities, and 0 * NaN is NaN). On the CPU it is anonymous memory, resident only once
 written: a worker's RSS grows with the blocks its sequences and cached prefixes have used, up to
 the pool (the least recently freed block is reused first, so a long-running worker fills it

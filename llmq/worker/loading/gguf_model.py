@@ -2,7 +2,7 @@
 
 transformers' own GGUF loading dequantizes every tensor into the model (the 1B shape's Q5_K_M
 file, 0.77 GB: 3.5 GiB of the worker's peak RSS, 18 s), and llmq's forward then reads the
-file's blocks again for its kernels (``worker/runner/gguf_weights.py``). Here the model is
+file's blocks again for its kernels (``worker/runner/loaders/gguf_weights.py``). Here the model is
 built from the file's config with its weights left uninitialized (memory never touched is not
 resident), and only the file's float tensors (norms, biases) are read into it, through
 transformers' own tensor processors and name map; the quantized ones are read by the forward's
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # GGUF tensor names of a llama-style layer's fused projections, per llmq role: with the
 # embedding table and the head, the tensors the forward's quantizer reads from the file
-# (worker/runner/gguf_weights.py).
+# (worker/runner/loaders/gguf_weights.py).
 ROLE_TENSORS = {
     "qkv": ("attn_q", "attn_k", "attn_v"),
     "o": ("attn_output",),
@@ -33,7 +33,7 @@ ROLE_TENSORS = {
     "down": ("ffn_down",),
 }
 EMBEDDING, HEAD = "token_embd.weight", "output.weight"
-# The GGUF tensor types llmq serves (worker/runner/gguf_weights.py: what each becomes); a file
+# The GGUF tensor types llmq serves (worker/runner/loaders/gguf_weights.py: what each becomes); a file
 # holding any other is refused, naming it.
 FLOAT_TYPES = frozenset(("F32", "F16", "BF16"))
 SERVED_TYPES = (
@@ -77,7 +77,7 @@ def float_dtype(reader, native_bfloat16: bool) -> str | None:
     """The dtype a file of float weights is served in: its own ("float32" for F32, and for
     F16, whose CPU matmuls are slow: float32 holds it exactly; "bfloat16" for BF16 where the
     CPU has it, float32 holding it exactly elsewhere); None where the file holds a quantized
-    weight (served as its blocks, ``worker/runner/gguf_weights.py``)."""
+    weight (served as its blocks, ``worker/runner/loaders/gguf_weights.py``)."""
     types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
     if not types <= FLOAT_TYPES:
         return None

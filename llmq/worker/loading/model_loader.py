@@ -65,7 +65,7 @@ def load_causal_lm(
     model: str, dtype: str = "auto", device: str = "auto", quantization: str = "none"
 ):
     """The model; ``quantization`` (int8, int4, fp8) is recorded on its config, and the worker's
-    forward quantizes the weights as it builds (``worker/runner/quantize.py``). A GGUF file
+    forward quantizes the weights as it builds (``worker/runner/linear/quantize.py``). A GGUF file
     (``gguf_location``), and a quantized checkpoint whose layout a kernel here takes, are served
     as the file is: ``quantization`` does not apply. A quantized checkpoint served as float (an
     FP8 one on a CPU, say) is quantized by ``quantization`` as a float checkpoint would be."""
@@ -153,7 +153,7 @@ def load_quantized_checkpoint(
     transformers does not look for its own kernels' packages) holding the dequantized weights.
     Where torch's int4/int8 kernels (or, on ``device``, its fp8 matmuls) take any of its
     projections, the worker's forward reads them again from the files
-    (``worker/runner/checkpoint_weights.py``); the rest stay float."""
+    (``worker/runner/loaders/checkpoint_weights.py``); the rest stay float."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

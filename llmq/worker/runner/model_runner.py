@@ -21,19 +21,24 @@ from llmq.worker.engine.kv_groups import KVLayout
 from llmq.worker.engine.scheduler import SchedulerOutput
 from llmq.worker.engine.sequence import LoraRef
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.attention import (
+from llmq.worker.runner.attention.paged import (
     ATTN_IMPLEMENTATION,
     KVPool,
     StepMetadata,
 )
-from llmq.worker.runner.decoder_forward import build_forward, compiles, supports, take_attached
-from llmq.worker.runner.lora_linear import step_adapters
-from llmq.worker.runner.lora_weights import AdapterWeights
+from llmq.worker.runner.attention.step_metadata import StepBuilder
+from llmq.worker.runner.forward.decoder_forward import (
+    build_forward,
+    compiles,
+    supports,
+    take_attached,
+)
+from llmq.worker.runner.forward.model_support import ModelFeatures, model_dims, pool_dims
+from llmq.worker.runner.lora.lora_linear import step_adapters
+from llmq.worker.runner.lora.lora_weights import AdapterWeights
 from llmq.worker.runner.malloc_tuning import tune_malloc
-from llmq.worker.runner.model_support import ModelFeatures, model_dims, pool_dims
 from llmq.worker.runner.packed_batch import PackedBatch, PromptRows, pack_step
 from llmq.worker.runner.spare_cores import SpareCores
-from llmq.worker.runner.step_metadata import StepBuilder
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +104,7 @@ class ModelRunner:
         self._build_forward(fast_forward, pack_weights, kernels)
         self.graphs = None
         if use_graphs:
-            from llmq.worker.runner.cuda_graphs import DecodeGraphs
+            from llmq.worker.runner.forward.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
@@ -167,7 +172,7 @@ class ModelRunner:
 
     def _compiled_decode(self):
         """The compiled decode step, compiled now: before the worker serves (and is ready)."""
-        from llmq.worker.runner.cpu_compile import CompiledDecode
+        from llmq.worker.runner.forward.cpu_compile import CompiledDecode
 
         compiled = CompiledDecode(self.forward, self.pool)
         with torch.inference_mode():

@@ -9,7 +9,7 @@ import json
 import logging
 
 from llmq.common.model_files import model_file
-from llmq.worker.runner.model_support import UnsupportedModel
+from llmq.worker.runner.forward.model_support import UnsupportedModel
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.runner.cpu_compile import CompiledDecode
+from llmq.worker.runner.forward.cpu_compile import CompiledDecode
 from llmq.worker.runner.packed_batch import pack_step
 from tests.worker.test_engine_exact import EOS, drive, make_prompts, reference_outputs
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmq.worker.runner.decoder_forward import DecoderForward
-from llmq.worker.runner.dynamic_quantized import (
+from llmq.worker.runner.forward.decoder_forward import DecoderForward
+from llmq.worker.runner.linear.dynamic_quantized import (
     FP8,
     Fp8Linear,
     Int8DynamicLinear,
     quantize_rows,
     quantize_rows_torch,
 )
-from llmq.worker.runner.quantize import quantize_forward
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.linear.quantize import quantize_forward
+from llmq.worker.runner.linear.quantized_linear import (
     Int4Blocks,
     Int4Linear,
     Int4Weight,

@@ -16,8 +16,8 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.tools.model_archs import TINY_WINDOW, tiny_config
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.runner import decoder_forward
-from llmq.worker.runner.decoder_families import family
+from llmq.worker.runner.forward import decoder_forward
+from llmq.worker.runner.forward.decoder_families import family
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -12,7 +12,7 @@ import torch
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from llmq.worker.loading.quant_checkpoint.fp8_tensor import FP8, fp8_block_matmuls
-from llmq.worker.runner.fp8_blocks import BLOCK, Fp8BlockLinear
+from llmq.worker.runner.linear.fp8_blocks import BLOCK, Fp8BlockLinear
 
 SHAPES = [(200, 300), (256, 1024), (1024, 640)]
 DEVICES = [

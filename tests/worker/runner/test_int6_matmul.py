@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.linear.quantized_linear import (
     Int6Linear,
     Int8Linear,
     Q6KLinear,
     int_kernel_available,
     quantized_linear,
 )
-from llmq.worker.runner.quantized_weights import Int4Blocks, Int6Blocks
+from llmq.worker.runner.linear.quantized_weights import Int4Blocks, Int6Blocks
 from tests.worker.runner.test_int_matmul import assert_near_reference, quantized_rows
 from tests.worker.runner.test_q6k_matmul import random_q6k
 

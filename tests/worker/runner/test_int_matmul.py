@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.linear.quantized_linear import (
     Int4Blocks,
     Int4Linear,
     Int4Weight,
@@ -199,7 +199,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(bits, dtype, terms):
 def _linear_of_form(form: str, gen: torch.Generator):
     """A projection [96, 512] of llmq's integer kernels in ``form``, and its dequantized
     weight (float64)."""
-    from llmq.worker.runner.quantized_linear import Q6KLinear
+    from llmq.worker.runner.linear.quantized_linear import Q6KLinear
     from tests.worker.runner.test_q6k_matmul import random_q6k
 
     if form == "q6k":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmq.worker.runner.attention import KVPool
+from llmq.worker.runner.attention.paged import KVPool
 
 MIB = 2**20
 

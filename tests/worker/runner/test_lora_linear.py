@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.lora_linear import LoraLinear, LoraState
-from llmq.worker.runner.lora_slots import LoraSlots, StepAdapters
-from llmq.worker.runner.lora_weights import AdapterWeights, BaseShape, Delta
-from llmq.worker.runner.packed_linear import Linear, can_pack
-from llmq.worker.runner.quantized_linear import quantized_linear
+from llmq.worker.runner.linear.packed_linear import Linear, can_pack
+from llmq.worker.runner.linear.quantized_linear import quantized_linear
+from llmq.worker.runner.lora.lora_linear import LoraLinear, LoraState
+from llmq.worker.runner.lora.lora_slots import LoraSlots, StepAdapters
+from llmq.worker.runner.lora.lora_weights import AdapterWeights, BaseShape, Delta
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 

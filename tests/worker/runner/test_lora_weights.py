@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmq.worker.runner.lora_slots import LoraSlots
-from llmq.worker.runner.lora_weights import BaseShape, LoraLoadError, load_adapter
+from llmq.worker.runner.lora.lora_slots import LoraSlots
+from llmq.worker.runner.lora.lora_weights import BaseShape, LoraLoadError, load_adapter
 from tests.lora_model import make_adapter
 
 pytestmark = pytest.mark.unit

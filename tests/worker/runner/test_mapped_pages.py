@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmq.worker.runner import mapped_pages
+from llmq.worker.runner.loaders import mapped_pages
 
 pytestmark = pytest.mark.unit
 

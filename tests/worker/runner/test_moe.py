@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from llmq.tools.model_archs import perturb, tiny_config
-from llmq.worker.runner.moe import from_block
-from llmq.worker.runner.moe_install import MoeBlock, install_moe
+from llmq.worker.runner.forward.moe import from_block
+from llmq.worker.runner.forward.moe_install import MoeBlock, install_moe
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -82,8 +82,8 @@ def test_installed_in_transformers_forward_the_logits_are_the_same(arch):
 
 
 def test_the_fast_forward_takes_moe_layers_where_it_knows_the_attention():
-    from llmq.worker.runner.decoder_forward import build_forward
-    from llmq.worker.runner.moe import MoeMLP
+    from llmq.worker.runner.forward.decoder_forward import build_forward
+    from llmq.worker.runner.forward.moe import MoeMLP
 
     for arch in ("qwen3_moe", "mixtral"):  # Qwen 3's and Mistral's attention
         forward = build_forward(tiny_model(arch), fast_forward=True, pack=False)

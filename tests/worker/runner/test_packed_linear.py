@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmq.worker.runner.packed_linear import Linear, can_pack, padded_rows
+from llmq.worker.runner.linear.packed_linear import Linear, can_pack, padded_rows
 
 
 def test_row_counts_reaching_onednn_are_few_and_waste_little():

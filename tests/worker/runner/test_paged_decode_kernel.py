@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.attention import (
+from llmq.worker.runner.attention.paged import (
     DecodeChunk,
     DecodeTables,
     KVPool,

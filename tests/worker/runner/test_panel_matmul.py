@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.runner import cpu_kernels, decoder_forward
-from llmq.worker.runner.packed_linear import (
+from llmq.worker.runner import cpu_kernels
+from llmq.worker.runner.forward import decoder_forward
+from llmq.worker.runner.linear.packed_linear import (
     Linear,
     choose_panel_sums,
     panel_sums,

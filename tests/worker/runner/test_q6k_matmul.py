@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.quantized_linear import Q6KLinear, int_kernel_available
-from llmq.worker.runner.quantized_weights import Q6KBlocks
+from llmq.worker.runner.linear.quantized_linear import Q6KLinear, int_kernel_available
+from llmq.worker.runner.linear.quantized_weights import Q6KBlocks
 from tests.worker.runner.test_int_matmul import assert_near_reference, quantized_rows
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]

@@ -8,14 +8,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.decoder_forward import DecoderForward
-from llmq.worker.runner.quantize import (
+from llmq.worker.runner.forward.decoder_forward import DecoderForward
+from llmq.worker.runner.linear.quantize import (
     QuantizedEmbedding,
     int4_plan,
     more_bits,
     quantize_forward,
 )
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.linear.quantized_linear import (
     GROUP,
     Int4Blocks,
     Int4Linear,

@@ -11,8 +11,8 @@ import torch
 
 from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.decoder_forward import build_forward
-from llmq.worker.runner.quantized_linear import int_kernel_available
+from llmq.worker.runner.forward.decoder_forward import build_forward
+from llmq.worker.runner.linear.quantized_linear import int_kernel_available
 from tests import real_models
 
 pytestmark = [pytest.mark.unit]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from llmq.worker.runner import cpu_kernels
-from llmq.worker.runner.decoder_forward import DecoderForward
+from llmq.worker.runner.forward.decoder_forward import DecoderForward
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,7 @@ import torch
 from llmq.common.sampling_params import SamplingParams
 from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.runner import decoder_forward
+from llmq.worker.runner.forward import decoder_forward
 
 pytestmark = pytest.mark.unit
 

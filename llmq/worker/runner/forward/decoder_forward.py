@@ -29,32 +29,32 @@ from collections.abc import Callable
 
 import torch
 
-from llmq.worker.runner import decoder_cpp_step
-from llmq.worker.runner.attention import StepMetadata, paged_attention
-from llmq.worker.runner.decoder_families import LLAMA_LIKE, family, supports
-from llmq.worker.runner.decoder_layers import (
+from llmq.worker.runner.attention.paged import StepMetadata, paged_attention
+from llmq.worker.runner.forward import decoder_cpp_step
+from llmq.worker.runner.forward.decoder_families import LLAMA_LIKE, family, supports
+from llmq.worker.runner.forward.decoder_layers import (
     DecoderLayer,
     WeightCopies,
     build_layers,
     own_memory,
     rms_norm,
 )
-from llmq.worker.runner.lora_linear import LoraState
-from llmq.worker.runner.moe_install import install_moe
-from llmq.worker.runner.packed_linear import (
+from llmq.worker.runner.forward.moe_install import install_moe
+from llmq.worker.runner.linear.packed_linear import (
     Layout,
     Linear,
     can_pack,
     choose_panel_sums,
     panels_fit,
 )
-from llmq.worker.runner.quantize import (
+from llmq.worker.runner.linear.quantize import (
     Scheme,
     finish_quantization,
     make_quantizer,
     quantization_of,
     quantize_layer,
 )
+from llmq.worker.runner.lora.lora_linear import LoraState
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 import torch
 
 from llmq.worker.engine.sequence import LoraRef
-from llmq.worker.runner.decoder_layers import DenseMLP
-from llmq.worker.runner.lora_slots import LoraSlots, StepAdapters
-from llmq.worker.runner.lora_weights import AdapterWeights, BaseShape
+from llmq.worker.runner.forward.decoder_layers import DenseMLP
+from llmq.worker.runner.lora.lora_slots import LoraSlots, StepAdapters
+from llmq.worker.runner.lora.lora_weights import AdapterWeights, BaseShape
 from llmq.worker.runner.packed_batch import PackedBatch
 
 

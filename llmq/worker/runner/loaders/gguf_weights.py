@@ -40,17 +40,8 @@ import numpy as np
 import torch
 
 from llmq.worker.loading.gguf_model import EMBEDDING, FLOAT_TYPES, HEAD, ROLE_TENSORS, SERVED_TYPES
-from llmq.worker.runner.gguf_blocks import (
-    iq4_nl_weight,
-    iq4_xs_weight,
-    q3_k_weight,
-    q4_0_weight,
-    q4_1_weight,
-    q5_0_weight,
-    q5_1_weight,
-)
-from llmq.worker.runner.model_support import UnsupportedModel
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.forward.model_support import UnsupportedModel
+from llmq.worker.runner.linear.quantized_linear import (
     Int4Blocks,
     Int4Linear,
     Int6Blocks,
@@ -62,7 +53,16 @@ from llmq.worker.runner.quantized_linear import (
     int_kernel_available,
     quantized_linear,
 )
-from llmq.worker.runner.quantized_weights import Q6KBlocks
+from llmq.worker.runner.linear.quantized_weights import Q6KBlocks
+from llmq.worker.runner.loaders.gguf_blocks import (
+    iq4_nl_weight,
+    iq4_xs_weight,
+    q3_k_weight,
+    q4_0_weight,
+    q4_1_weight,
+    q5_0_weight,
+    q5_1_weight,
+)
 
 log = logging.getLogger(__name__)
 

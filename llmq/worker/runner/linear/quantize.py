@@ -32,10 +32,8 @@ from typing import Literal
 
 import torch
 
-from llmq.worker.runner import mapped_pages
-from llmq.worker.runner.dynamic_quantized import Fp8Linear, Int8DynamicLinear
-from llmq.worker.runner.malloc_tuning import return_freed_memory
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.linear.dynamic_quantized import Fp8Linear, Int8DynamicLinear
+from llmq.worker.runner.linear.quantized_linear import (
     GROUP,
     Int4Blocks,
     Int6Blocks,
@@ -45,7 +43,9 @@ from llmq.worker.runner.quantized_linear import (
     QuantizedLinear,
     quantized_linear,
 )
-from llmq.worker.runner.quantized_weights import Q6KBlocks
+from llmq.worker.runner.linear.quantized_weights import Q6KBlocks
+from llmq.worker.runner.loaders import mapped_pages
+from llmq.worker.runner.malloc_tuning import return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +186,11 @@ def make_quantizer(forward, scheme: str | BitsPlan):
     if scheme == "gguf":
         if device.type != "cpu":
             raise ValueError(f"GGUF weights are served on the CPU, not on {device}")
-        from llmq.worker.runner.gguf_weights import GGUFQuantizer
+        from llmq.worker.runner.loaders.gguf_weights import GGUFQuantizer
 
         return GGUFQuantizer(forward)
     if scheme == "checkpoint":
-        from llmq.worker.runner.checkpoint_weights import CheckpointQuantizer
+        from llmq.worker.runner.loaders.checkpoint_weights import CheckpointQuantizer
 
         return CheckpointQuantizer(forward)
     if (

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmq.worker.runner.model_support import INERT_KWARGS, AttentionCall, probe
+from llmq.worker.runner.forward.model_support import INERT_KWARGS, AttentionCall, probe
 
 LLAMA_LIKE = frozenset({"llama", "qwen2", "mistral"})
 # Qwen3-MoE (Qwen 3's attention) and Mixtral (Mistral's) with llmq's MoE layers (``moe.py``),

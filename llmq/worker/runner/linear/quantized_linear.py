@@ -53,8 +53,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmq.worker.runner.dynamic_quantized import Int8DynamicLinear
-from llmq.worker.runner.quantized_weights import (
+from llmq.worker.runner.linear.dynamic_quantized import Int8DynamicLinear
+from llmq.worker.runner.linear.quantized_weights import (
     ACTIVATIONS,
     BLOCK_GROUPS,
     GROUP,

@@ -37,9 +37,9 @@ import torch
 from llmq.worker.loading.quant_checkpoint.checkpoint import QuantCheckpoint, checkpoint_format
 from llmq.worker.loading.quant_checkpoint.fp8_tensor import FP8_BLOCK, Fp8Tensor, serves
 from llmq.worker.loading.quant_checkpoint.quant_tensor import QuantTensor, kernel_group
-from llmq.worker.runner.dynamic_quantized import Fp8Linear
-from llmq.worker.runner.fp8_blocks import Fp8BlockLinear
-from llmq.worker.runner.quantized_linear import (
+from llmq.worker.runner.linear.dynamic_quantized import Fp8Linear
+from llmq.worker.runner.linear.fp8_blocks import Fp8BlockLinear
+from llmq.worker.runner.linear.quantized_linear import (
     Int4Linear,
     Int4Weight,
     Int8Weight,

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from llmq.worker.runner.kv_pool import KVPool
+from llmq.worker.runner.attention.kv_pool import KVPool
 
 ATTN_IMPLEMENTATION = "llmq_paged"
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmq.worker.runner.attention import DecodeChunk, KVPool, StepMetadata
-from llmq.worker.runner.decoder_forward import DecoderForward
+from llmq.worker.runner.attention.paged import DecodeChunk, KVPool, StepMetadata
+from llmq.worker.runner.forward.decoder_forward import DecoderForward
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import logging
 
 import torch
 
-from llmq.worker.runner.moe import MoeMLP, from_block, is_moe_block, moe_layout
-from llmq.worker.runner.packed_linear import choose_panel_sums
+from llmq.worker.runner.forward.moe import MoeMLP, from_block, is_moe_block, moe_layout
+from llmq.worker.runner.linear.packed_linear import choose_panel_sums
 
 log = logging.getLogger(__name__)
 

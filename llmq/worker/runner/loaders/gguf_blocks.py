@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmq.worker.runner.quantized_weights import (
+from llmq.worker.runner.linear.quantized_weights import (
     BLOCK_GROUPS,
     Int4Blocks,
     Int6Blocks,

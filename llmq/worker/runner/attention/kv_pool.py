@@ -14,7 +14,13 @@ import mmap
 
 import torch
 
-from llmq.worker.runner.kv_quant import SCALE_DTYPE, code_dtype, dequantize, quantize, storage_dtype
+from llmq.worker.runner.attention.kv_quant import (
+    SCALE_DTYPE,
+    code_dtype,
+    dequantize,
+    quantize,
+    storage_dtype,
+)
 
 
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from llmq.worker.runner import mapped_pages
+from llmq.worker.runner.loaders import mapped_pages
 
 PROBE_IMPLEMENTATION = "llmq_probe"
 KNOWN_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})

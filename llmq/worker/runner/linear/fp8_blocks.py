@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from llmq.worker.loading.quant_checkpoint.fp8_tensor import FP8_BLOCK
-from llmq.worker.runner.dynamic_quantized import FP8, quantize_rows
-from llmq.worker.runner.quantized_weights import round_up
+from llmq.worker.runner.linear.dynamic_quantized import FP8, quantize_rows
+from llmq.worker.runner.linear.quantized_weights import round_up
 
 BLOCK = FP8_BLOCK
 _ROWS_MULTIPLE = 4  # activation rows: cuBLASLt takes the token-major scales in fours

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from llmq.worker.runner import mapped_pages
+from llmq.worker.runner.loaders import mapped_pages
 
 GROUP = 32  # int4 group size: llama.cpp's Q4_K sub-block, and exact for GGUF Q4_K
 ACTIVATIONS = torch.bfloat16  # the kernels' fast path

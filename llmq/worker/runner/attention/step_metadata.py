@@ -23,14 +23,14 @@ import torch
 
 from llmq.worker.engine.kv_groups import KVLayout, blocks_for, first_window_block
 from llmq.worker.engine.scheduler import ScheduledSequence
-from llmq.worker.runner.attention import (
+from llmq.worker.runner.attention.decode_cuts import best_cuts
+from llmq.worker.runner.attention.paged import (
     DecodeChunk,
     DecodeTables,
     KVPool,
     PrefillChunk,
     StepMetadata,
 )
-from llmq.worker.runner.decode_cuts import best_cuts
 from llmq.worker.runner.packed_batch import PackedBatch
 
 

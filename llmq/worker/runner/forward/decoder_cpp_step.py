@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from llmq.worker.runner.attention import StepMetadata
-from llmq.worker.runner.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
-from llmq.worker.runner.lora_linear import LoraLinear
-from llmq.worker.runner.lora_slots import StepAdapters
-from llmq.worker.runner.packed_linear import LAYOUT_CODES, Layout, Linear
-from llmq.worker.runner.quantized_linear import Int4Linear, Int6Linear, Int8Linear, Q6KLinear
+from llmq.worker.runner.attention.paged import StepMetadata
+from llmq.worker.runner.forward.decoder_layers import ACTIVATION_CODES, DecoderLayer, DenseMLP
+from llmq.worker.runner.linear.packed_linear import LAYOUT_CODES, Layout, Linear
+from llmq.worker.runner.linear.quantized_linear import Int4Linear, Int6Linear, Int8Linear, Q6KLinear
+from llmq.worker.runner.lora.lora_linear import LoraLinear
+from llmq.worker.runner.lora.lora_slots import StepAdapters
 
 _NO_TABLE = torch.zeros(0, 1, dtype=torch.int32)  # step_layers' tables without decodes
 _NO_CONTEXT = torch.zeros(0, dtype=torch.int32)

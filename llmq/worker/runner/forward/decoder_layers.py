@@ -18,11 +18,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from llmq.worker.runner import mapped_pages
-from llmq.worker.runner.decoder_families import Family, norm_eps
+from llmq.worker.runner.forward.decoder_families import Family, norm_eps
+from llmq.worker.runner.forward.moe import from_block, is_moe_block
+from llmq.worker.runner.linear.packed_linear import Layout, Linear
+from llmq.worker.runner.loaders import mapped_pages
 from llmq.worker.runner.malloc_tuning import return_freed_memory
-from llmq.worker.runner.moe import from_block, is_moe_block
-from llmq.worker.runner.packed_linear import Layout, Linear
 
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}  # step_layers.cpp's
 

@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from llmq.worker.runner.quantized_weights import Int8Weight, round_up
+from llmq.worker.runner.linear.quantized_weights import Int8Weight, round_up
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -60,7 +60,7 @@ def quantize_rows_torch(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
 def _row_kernel():
     """``row_quant_cuda.quantize_rows_cuda``; None where Triton is not installed."""
     try:
-        from llmq.worker.runner.row_quant_cuda import quantize_rows_cuda
+        from llmq.worker.runner.linear.row_quant_cuda import quantize_rows_cuda
     except ImportError:
         return None
     return quantize_rows_cuda

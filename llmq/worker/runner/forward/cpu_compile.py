@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from llmq.worker.runner.attention import KVPool, attend_gathered
-from llmq.worker.runner.decoder_forward import DecoderForward, DecoderLayer
+from llmq.worker.runner.attention.paged import KVPool, attend_gathered
+from llmq.worker.runner.forward.decoder_forward import DecoderForward, DecoderLayer
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from llmq.worker.runner.packed_linear import Layout, Linear, can_pack, panels_fit
+from llmq.worker.runner.linear.packed_linear import Layout, Linear, can_pack, panels_fit
 
 # softmax_topk: softmax over all experts (float32), top k, optional renormalisation
 # (Qwen3-MoE, Mixtral); topk_softmax: top k of the logits, softmax over those (gpt-oss).

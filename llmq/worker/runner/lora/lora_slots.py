@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llmq.worker.runner.lora_weights import PARTS, AdapterWeights, BaseShape
+from llmq.worker.runner.lora.lora_weights import PARTS, AdapterWeights, BaseShape
 
 _NONE = torch.empty(0)  # step_layers' "no such tensor"
 
