@@ -101,18 +101,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-batches", default="32,64", help="batches of the decode-step comparison")
     p.add_argument("--step-context", type=int, default=256, help="its context (256)")
     p.add_argument(
-        "--compile-batches",
-        default="1,32,64",
-        help="batches of the eager vs compiled (LLMQ_CPU_COMPILE) decode-step comparison",
-    )
-    p.add_argument(
         "--step-repeats", type=int, default=10, help="decode steps timed per path, interleaved (10)"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: the cores)")
     p.add_argument(
         "--skip",
         default="",
-        help="comma-separated paths to leave out: single,static,hf_cb,raw,steps,compile",
+        help="comma-separated paths to leave out: single,static,hf_cb,raw,steps",
     )
     p.add_argument(
         "--dtype",
@@ -136,7 +131,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.single = min(args.single, 2)
         args.step_repeats = min(args.step_repeats, 4)
         args.step_batches = "32"
-        args.compile_batches = "1,32"
         args.engine_runs = 1
         args.max_batch_size = min(args.max_batch_size, args.requests)
     return args
@@ -266,16 +260,9 @@ def main(argv=None) -> int:
             del paths
             gc.collect()
     report["decode_step"] = steps
-    if "compile" not in skip:
-        import cpu_compile as compile_bench
-
-        log(f"decode step, eager vs compiled, batches {args.compile_batches} ...")
-        report["cpu_compile"] = compile_bench.run(args, model_dir)
     report["load_avg_end"] = os.getloadavg()[0]
 
     report["ratios"] = print_table(report, args, threads, len(prompts), mean_prompt)
-    if "cpu_compile" in report:
-        compile_bench.print_table(report["cpu_compile"], args.dtype, threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,7 +1,7 @@
 """The paths bench/engine.py times side by side (llmq's engine, HF ``generate`` one at a time
 and batched, transformers' continuous batching, one decode step of the engine's runner and of
 the HF DynamicCache forward), and the helpers the CPU benchmarks share (``bench/cpu_kernels.py``
-and ``bench/cpu_compile.py`` import them as ``bench_engine``)."""
+imports them as ``bench_engine``)."""
 
 from __future__ import annotations
 
@@ -336,12 +336,9 @@ class HFDecode:
 class EngineDecode:
     """One decode step of the engine's runner and sampler: ``batch`` sequences whose KV (random)
     sits in a paged pool of the engine's default size, ``context`` tokens each counting the new
-    one. ``cpu_compile``: decode steps through the compiled forward (compiled here);
-    ``use_kernels``: llmq's C++ kernels (off: torch's ops, oneDNN-packed weights)."""
+    one. ``use_kernels``: llmq's C++ kernels (off: torch's ops, oneDNN-packed weights)."""
 
-    def __init__(
-        self, model, batch: int, context: int, cpu_compile: bool = False, use_kernels: bool = True
-    ):
+    def __init__(self, model, batch: int, context: int, use_kernels: bool = True):
         import torch
 
         from llmq.common.sampling_params import SamplingParams
@@ -359,9 +356,7 @@ class EngineDecode:
         per_block = KVPool.bytes_per_block(*model_dims(model.config), bs, model.dtype)
         needed = batch * (-(-context // bs))
         num_blocks = max(needed + 1, int(DEFAULT_KV_BUDGET_GB * 2**30) // per_block)
-        self.runner = ModelRunner(
-            model, num_blocks, bs, cpu_compile=cpu_compile, use_kernels=use_kernels
-        )
+        self.runner = ModelRunner(model, num_blocks, bs, use_kernels=use_kernels)
         # The block manager hands out blocks from the pool's front: random KV there.
         g = torch.Generator().manual_seed(0)
         used = self.runner.pool.kv[:, :, : needed * bs]

@@ -136,7 +136,7 @@ class Settings(BaseSettings):
         "or fp8 (float8 e4m3) as 8-bit codes with a float32 scale per token and KV head, "
         "quantized as they are written and dequantized as attention reads them. The same "
         "kv_cache_memory_gb then holds about 2x the tokens of a bfloat16 cache (4x of float32), "
-        "at a small loss of accuracy. CUDA graphs, the compiled CPU decode and the fused C++ "
+        "at a small loss of accuracy. CUDA graphs and the fused C++ "
         "step are then off (they write the cache in the model's dtype).",
     )
     max_batch_size: int = Field(64, description="Most sequences in one engine step.")
@@ -207,14 +207,6 @@ class Settings(BaseSettings):
         "terms each block of 32 activations is rounded into; 2 (default): a second term for "
         "what the first left, as close to the float model as float activations; 1: llama.cpp's "
         "Q8_1 rounding (faster at large batches, further from the model).",
-    )
-    cpu_compile: bool = Field(
-        False,
-        description="With fast_forward on CPU: decode-only steps run their decoder layers "
-        "compiled by torch.compile (Inductor, C++/OpenMP; one graph for a lone sequence, one "
-        "for larger batches). Compiled while the worker starts, before it is ready: 20-30 s "
-        "on 2 cores for the SmolLM2-135M shape (5 s from Inductor's on-disk cache). Off: on 2 "
-        "cores it measured 0.94-1.01x the eager step at batch 1, 32 and 64 (`bench/cpu_compile.py`).",
     )
 
     # Redis and processes

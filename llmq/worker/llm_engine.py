@@ -54,7 +54,6 @@ class EngineConfig:
     pack_weights: bool = True  # bfloat16 on CPU: projection weights packed for oneDNN
     small_step_threads: int | None = None  # CPU steps of few tokens; None: the worker's
     cuda_graphs: bool = True  # decode-only steps on CUDA replayed from captured graphs
-    cpu_compile: bool = False  # decode-only steps on CPU through a torch.compile'd forward
     cpu_kernels: bool = True  # llmq's C++ kernels on CPU (decode attention, small steps)
     max_loras: int = 8  # LoRA adapters loaded at once
     max_lora_rank: int = 64
@@ -82,7 +81,6 @@ class EngineConfig:
             pack_weights=settings.pack_weights,
             small_step_threads=settings.small_step_threads,
             cuda_graphs=settings.cuda_graphs,
-            cpu_compile=settings.cpu_compile,
             cpu_kernels=settings.cpu_kernels,
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
@@ -140,7 +138,6 @@ class LLMEngine:
             pack_weights=config.pack_weights,
             small_step_threads=config.small_step_threads,
             cuda_graphs=config.cuda_graphs,
-            cpu_compile=config.cpu_compile,
             use_kernels=config.cpu_kernels,
             max_batch_size=config.max_batch_size,
             max_model_len=self.max_model_len,

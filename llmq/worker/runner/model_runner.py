@@ -29,7 +29,6 @@ from llmq.worker.runner.attention.paged import (
 from llmq.worker.runner.attention.step_metadata import StepBuilder
 from llmq.worker.runner.forward.decoder_forward import (
     build_forward,
-    compiles,
     supports,
     take_attached,
 )
@@ -65,7 +64,6 @@ class ModelRunner:
         pack_weights: bool = True,
         small_step_threads: int | None = None,
         cuda_graphs: bool = False,
-        cpu_compile: bool = False,
         use_kernels: bool = True,
         max_batch_size: int = 64,
         max_model_len: int = 2048,
@@ -87,13 +85,12 @@ class ModelRunner:
         self.block_size = block_size
         if self.device.type == "cpu":
             tune_malloc()
-        # Graphs and the compiled step attend as for a plain model: none where it asks more.
+        # Graphs attend as for a plain model: none where it asks more.
         plain = fast_forward and supports(model) and not self.featured and layout is None
         # They write the cache in the model's dtype: none over an 8-bit one (kv_quant.py).
         plain = plain and kv_cache_dtype == "auto"
         self.kv_cache_dtype = kv_cache_dtype
         use_graphs = cuda_graphs and self.device.type == "cuda" and plain
-        use_compile = cpu_compile and self.device.type == "cpu" and plain and compiles(model)
         # One extra block that no sequence owns: graphs pad their batches into it, and tokens
         # whose KV is already cached write theirs there (see pack_step).
         self.scratch_slot = num_blocks * block_size
@@ -109,7 +106,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
             )
-        self.compiled = self._compiled_decode() if use_compile else None
         self.decode_kernel = self._use_kernels(kernels, self.pool.head_dim)
         self.steps = self._step_builder(max_model_len)
 
@@ -170,15 +166,6 @@ class ModelRunner:
         )
         return attention
 
-    def _compiled_decode(self):
-        """The compiled decode step, compiled now: before the worker serves (and is ready)."""
-        from llmq.worker.runner.forward.cpu_compile import CompiledDecode
-
-        compiled = CompiledDecode(self.forward, self.pool)
-        with torch.inference_mode():
-            compiled.warm_up()
-        return compiled
-
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, adapters: Mapping[LoraRef, AdapterWeights] | None = None
@@ -186,8 +173,7 @@ class ModelRunner:
         """Run one step. Returns float32 logits, one row per sampling entry, then the rows of
         the prompts that want prompt logprobs; the indices of the sampling entries in
         ``out.scheduled``; and those prompts' rows, in order. ``adapters``: the loaded LoRA
-        adapters, for the sequences that name one (a step with any runs neither CUDA graphs nor
-        the compiled decode step)."""
+        adapters, for the sequences that name one (a step with any runs no CUDA graph)."""
         # The decode kernel reads the decodes in any order: those of one adapter together.
         batch = pack_step(out.scheduled, self.block_size, self.scratch_slot, self.decode_kernel)
         if self.vision is not None and self.vision.rows(batch):
@@ -201,10 +187,6 @@ class ModelRunner:
         tables = [item.seq.block_table for item in batch.decodes]
         if self._fits_graphs(batch):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, tables)
-            return logits.float(), batch.sampled_entries, []
-        if self.compiled is not None and self._decode_only(batch):
-            with self._threads_for(len(batch.input_ids)):
-                logits = self.compiled.run(batch.input_ids, batch.positions, batch.slots, tables)
             return logits.float(), batch.sampled_entries, []
         return self._run_packed(batch)
 

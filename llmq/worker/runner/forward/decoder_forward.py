@@ -31,7 +31,7 @@ import torch
 
 from llmq.worker.runner.attention.paged import StepMetadata, paged_attention
 from llmq.worker.runner.forward import decoder_cpp_step
-from llmq.worker.runner.forward.decoder_families import LLAMA_LIKE, family, supports
+from llmq.worker.runner.forward.decoder_families import family, supports
 from llmq.worker.runner.forward.decoder_layers import (
     DecoderLayer,
     WeightCopies,
@@ -58,7 +58,7 @@ from llmq.worker.runner.lora.lora_linear import LoraState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecoderForward", "build_forward", "compiles", "supports"]
+__all__ = ["DecoderForward", "build_forward", "supports"]
 
 # Where llmq's C++ ops are loaded, a step runs every layer in one C++ call
 # (``kernels/step_layers.cpp``). The Python loop below serves where they are not (and the
@@ -86,15 +86,6 @@ def build_forward(
         install_moe(model, pack, kernels)
         return None
     return DecoderForward(model, pack=pack, kernels=kernels, quantization=quantization)
-
-
-def compiles(model: torch.nn.Module) -> bool:
-    """Whether ``cpu_compile`` may compile the model's layer: Llama's layer, no windows."""
-    config = model.config
-    windowed = getattr(config, "sliding_window", None) and getattr(
-        config, "use_sliding_window", True
-    )
-    return supports(model) and config.model_type in LLAMA_LIKE and not windowed
 
 
 def _layout(layer: torch.nn.Module, pack: bool, kernels: bool) -> Layout:
