@@ -108,3 +108,47 @@ def _classes(anyres: bool) -> tuple:
                 t.LlavaNextImageProcessorPil)  # fmt: skip
     return (t.LlavaConfig, t.LlavaForConditionalGeneration, t.LlavaProcessor,
             t.CLIPImageProcessorPil)  # fmt: skip
+
+
+# Idefics3's tags for its tiles and the whole image, as its processor writes them.
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+
+
+def make_idefics3(path: Path, shape: dict, ids: dict, base_tokenizer, seed: int) -> Path:
+    """An Idefics3 (SmolVLM's architecture) of the tiny text shape: 24 x 24 tiles of 6 x 6
+    patches, pixel shuffle by 2 (4 image tokens a tile), images resized to 96 on their
+    longest side (up to 4 x 4 tiles and the whole image)."""
+    import torch
+    import transformers as t
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = vision_tokenizer(path, base_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *IDEFICS3_TOKENS]})
+    text = t.LlamaConfig(**{**shape, "vocab_size": len(tok)}, **ids)
+    vision = t.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, image_size=24, patch_size=6)  # fmt: skip
+    config = t.Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+    )
+    config.llmq_random_weights = True
+    torch.manual_seed(seed)
+    model = t.Idefics3ForConditionalGeneration(config).float()
+    with torch.no_grad():  # wide weights: an image that changes nothing would hide a bug
+        for p in model.model.connector.parameters():
+            p.normal_(0.0, 0.5)
+    model.generation_config = t.GenerationConfig(**ids)
+    model.save_pretrained(path)
+    images = t.Idefics3ImageProcessorPil(
+        size={"longest_edge": 96}, max_image_size={"longest_edge": 24}
+    )
+    processor = t.Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=VISION_CHAT_TEMPLATE
+    )
+    processor.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -28,7 +28,7 @@ from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for
 from tests.worker.test_vision_refusal import vision_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-FAMILIES = ("llava", "llava_next")
+FAMILIES = ("llava", "llava_next", "idefics3")
 NEW = 6
 SHAPES = [(40, 50), (80, 30), (50, 50), (20, 70)]  # (width, height): NeXT picks other grids
 

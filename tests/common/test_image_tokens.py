@@ -59,3 +59,28 @@ def test_the_grid_keeps_most_pixels_then_pads_least():
     assert best_resolution(20, 70, grid) == (60, 30)
     assert best_resolution(50, 50, grid) == (60, 60)
     assert image_token_count({"family": "llava", "tokens": 576}, 1, 1) == 576
+
+
+def test_idefics3_text_and_count_equal_the_processors(tmp_path):
+    """The prompt text the API writes for an image (tiles tagged by row and column, the whole
+    image last) tokenizes to the processor's own ids, at every shape."""
+    from PIL import Image
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    from llmq.common.images.tokens import idefics3_text
+    from llmq.tools.model_factory import train_tokenizer
+    from llmq.tools.vision_models import IDEFICS3_TOKENS, vision_tokenizer
+
+    tok = vision_tokenizer(tmp_path, train_tokenizer(1024))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", *IDEFICS3_TOKENS]})
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 96}, max_image_size={"longest_edge": 24}
+    )
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+    layout = {"family": "idefics3", "longest": 96, "tile": 24, "seq": 4}
+    image_id = tok.convert_tokens_to_ids("<image>")
+    for width, height in _sizes()[:80] + [(24, 24), (25, 24), (97, 30), (5000, 300)]:
+        theirs = processor(images=[Image.new("RGB", (width, height))], text="a<image>b")
+        ours = tok("a" + idefics3_text(layout, width, height) + "b")["input_ids"]
+        assert list(theirs["input_ids"][0]) == ours, (width, height)
+        assert ours.count(image_id) == image_token_count(layout, width, height)

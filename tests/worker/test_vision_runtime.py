@@ -42,6 +42,12 @@ def test_spans_follow_the_runs_and_refuse_a_mismatch():
     assert [(s.digest, s.start, s.count) for s in spans] == [("a", 1, 2), ("b", 4, 3)]
     with pytest.raises(RequestError, match="do not fit"):
         image_spans(prompt, IMG, ["a", "b"], [2, 2])
+    # Tiles tagged in the prompt: one image's tokens in several runs, two images back to back.
+    tiles = [IMG, 1, IMG, IMG, 2, IMG, IMG]
+    spans = image_spans(tiles, IMG, ["a", "b"], [4, 1])
+    assert [(s.digest, s.start, s.count, s.offset) for s in spans] == [
+        ("a", 0, 1, 0), ("a", 2, 2, 1), ("a", 5, 1, 3), ("b", 6, 1, 0)
+    ]  # fmt: skip
     with pytest.raises(RequestError):
         image_spans(prompt, IMG, ["a"], [2])
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from llmq.common.engine_client.prompt_encoder import (
@@ -133,11 +133,15 @@ class TokenGeneratorPipeline:
         tools: list[dict] | None,
         template_kwargs: dict,
         limits: PromptLimits | None = None,
+        transform: Callable[[str], str] | None = None,
     ) -> list[int]:
-        """``encode_chat`` with the ``limits`` of ``encode`` on the rendered text."""
+        """``encode_chat`` with the ``limits`` of ``encode`` on the rendered text (changed by
+        ``transform`` first: a vision model's image text)."""
         check_text(messages, "messages")
         check_text(tools, "tools")
         text = await self.encoder.render_chat(messages, tools, template_kwargs)
+        if transform is not None:
+            text = transform(text)
         return await self._encode(text, False, "messages", limits)
 
     def decode(self, token_ids: list[int]) -> str:

@@ -45,7 +45,7 @@ from llmq.common.generation.tool_grammar import tool_grammar
 from llmq.common.generation.tool_parsers import FORCED_ARRAY, choose_format
 from llmq.common.generation.tool_request import forced_tool_name
 from llmq.common.images.decode import CheckedImage
-from llmq.common.images.prompt import expand_images, image_tokens
+from llmq.common.images.prompt import expand_images, image_tokens, text_expansion
 from llmq.common.images.request import chat_image_refs, checked_images, store_images
 from llmq.common.settings import get_settings
 
@@ -59,13 +59,15 @@ async def chat_choices(
     effort = reasoning_template_kwargs(
         body.reasoning_effort, getattr(pipeline.tokenizer, "chat_template", None)
     )
+    transform = text_expansion(engine, images)
     prompt_ids = await pipeline.encode_chat_prompt(
         body.template_messages(),
         body.template_tools(),
         {**body.template_kwargs(), **effort},
         prompt_limits(body, engine.max_model_len),
+        transform,
     )
-    if images:
+    if images and transform is None:
         prompt_ids = expand_images(prompt_ids, engine, images)
     prompt_ids = truncated(body, prompt_ids, engine.max_model_len)
     limit = max_tokens(body, len(prompt_ids), engine.max_model_len)
@@ -110,19 +112,28 @@ async def with_image_tokens(
     if not refs:
         return prompt_ids
     images = await checked_images(refs, pipeline.model, engine.images)
-    return expand_images(prompt_ids, engine, images)
+    transform = text_expansion(engine, images)
+    if transform is None:
+        return expand_images(prompt_ids, engine, images)
+    args = (body.template_messages(), body.template_tools(), body.template_kwargs())
+    return await pipeline.encode_chat_prompt(*args, None, transform)
 
 
 async def image_token_surplus(
     pipeline: TokenGeneratorPipeline, engine: EngineStatus, body: ChatCompletionRequest
 ) -> int:
     """The tokens ``body``'s images add to its rendered prompt (each image token there
-    becomes the image's run): what count_tokens adds."""
+    becomes the image's tokens): what count_tokens adds."""
     refs = chat_image_refs(body.messages)
     if not refs:
         return 0
     images = await checked_images(refs, pipeline.model, engine.images)
-    return sum(image_tokens(engine, i) - 1 for i in images)
+    transform = text_expansion(engine, images)
+    if transform is None:
+        return sum(image_tokens(engine, i) - 1 for i in images)
+    args = (body.template_messages(), body.template_tools(), body.template_kwargs())
+    expanded = await pipeline.encode_chat_prompt(*args, None, transform)
+    return len(expanded) - len(await pipeline.encode_chat_prompt(*args))
 
 
 def _answer_grammar(body: ChatCompletionRequest) -> str | None:

@@ -5,11 +5,13 @@ image as the model does."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from llmq.common.engine_client.prompt_encoder import context_exceeded
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
 from llmq.common.images.decode import CheckedImage
-from llmq.common.images.tokens import image_token_count, parse_layout
+from llmq.common.images.tokens import idefics3_text, image_token_count, parse_layout
 
 
 def expand_images(
@@ -41,3 +43,29 @@ def expand_images(
 def image_tokens(engine: EngineStatus, image: CheckedImage) -> int:
     """The tokens ``engine``'s model reads for ``image``."""
     return image_token_count(parse_layout(engine.image_layout), image.width, image.height)
+
+
+# Families whose processor puts text around the image tokens: expanded in the rendered text.
+TEXT_EXPANDED = frozenset({"idefics3"})
+
+
+def text_expansion(engine: EngineStatus, images: list[CheckedImage]) -> Callable[[str], str] | None:
+    """For a family of TEXT_EXPANDED, what turns the rendered prompt's image placeholders into
+    the processor's text for each image; None: the ids are expanded (``expand_images``)."""
+    layout = parse_layout(engine.image_layout)
+    if not images or layout.get("family") not in TEXT_EXPANDED:
+        return None
+
+    def expand(text: str) -> str:
+        pieces = text.split(layout["placeholder"])
+        if len(pieces) - 1 != len(images):
+            raise InvalidRequest(
+                f"the chat template placed {len(pieces) - 1} images for the {len(images)} sent",
+                "messages",
+            )
+        parts = [pieces[0]]
+        for image, piece in zip(images, pieces[1:], strict=True):
+            parts += [idefics3_text(layout, image.width, image.height), piece]
+        return "".join(parts)
+
+    return expand

@@ -5,11 +5,14 @@ context check and ``usage``, the worker checks a prompt's image runs against the
 LLaVA-1.5: one tile, a fixed count. LLaVA-NeXT ("anyres"): the image is fitted to the grid
 resolution that keeps most of its pixels (least padding on ties), cut into tiles of the tower's
 size, their features unpadded back to the image's aspect ratio with a newline embedding per
-row, after the base tile's features."""
+row, after the base tile's features. Idefics3 (SmolVLM): tiles of a grid the image is
+resized onto, each tagged with its row and column in the prompt, then the whole image; the
+prompt's text around the image tokens is the processor's (``idefics3_text``)."""
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -23,6 +26,9 @@ def image_token_count(layout: dict[str, Any], width: int, height: int) -> int:
         return int(layout["tokens"])
     if family == "llava_next":
         return _anyres_count(layout, width, height)
+    if family == "idefics3":
+        rows, cols = idefics3_grid(layout, width, height)
+        return (rows * cols + 1 if rows else 1) * int(layout["seq"])
     raise ValueError(f"no image token count for the image layout {layout!r}")
 
 
@@ -52,3 +58,54 @@ def _anyres_count(layout: dict[str, Any], width: int, height: int) -> int:
         cols -= (cols - fitted) // 2 * 2
     base = side * side + int(layout.get("cls", 0))
     return rows * cols + rows + base
+
+
+# Idefics3's bound on a resized image's longest side (its processor's MAX_IMAGE_SIZE).
+_IDEFICS3_MAX_SIDE = 4096
+
+
+def idefics3_grid(layout: dict[str, Any], width: int, height: int) -> tuple[int, int]:
+    """The (rows, columns) of tiles Idefics3's processor cuts the image into (0, 0: the image
+    alone): its longest side resized to ``longest`` (even sides), then both sides rounded up
+    to whole tiles."""
+    longest, tile = int(layout["longest"]), int(layout["tile"])
+    ratio = width / height
+    if width >= height:
+        w, h = longest, int(longest / ratio)
+        h += h % 2
+    else:
+        h, w = longest, int(longest * ratio)
+        w += w % 2
+    h, w = max(h, 1), max(w, 1)
+    if max(h, w) > _IDEFICS3_MAX_SIDE:
+        ratio = w / h
+        if w >= h:
+            w, h = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE / ratio)
+        else:
+            h, w = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE * ratio)
+        h, w = max(h, 1), max(w, 1)
+    ratio = w / h
+    if w >= h:
+        w = math.ceil(w / tile) * tile
+        h = math.ceil(int(w / ratio) / tile) * tile
+    else:
+        h = math.ceil(h / tile) * tile
+        w = math.ceil(int(h * ratio) / tile) * tile
+    if h > tile or w > tile:
+        return (h - tile) // tile + 1, (w - tile) // tile + 1
+    return 0, 0
+
+
+def idefics3_text(layout: dict[str, Any], width: int, height: int) -> str:
+    """What Idefics3's processor puts in the prompt for the image: each tile's image tokens
+    after its row and column tag (a newline after each row), then the whole image's."""
+    rows, cols = idefics3_grid(layout, width, height)
+    fake, image = "<fake_token_around_image>", "<image>" * int(layout["seq"])
+    whole = f"{fake}<global-img>{image}{fake}"
+    if not rows:
+        return whole
+    tiles = "".join(
+        "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+        for r in range(rows)
+    )
+    return f"{tiles}\n{whole}"

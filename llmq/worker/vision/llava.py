@@ -53,20 +53,25 @@ class LlavaEncoder:
         return list(out.pooler_output)
 
 
-def load_llava(path: str, dtype: torch.dtype, device: str):
+def load_vision_lm(path: str, dtype: torch.dtype, device: str):
     """(the text model as a causal LM sharing the checkpoint's modules, the image encoder) of
-    a LLaVA-1.5 or LLaVA-NeXT folder."""
+    a LLaVA-1.5, LLaVA-NeXT or Idefics3 folder."""
     from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    llava = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
-    text_config = llava.config.text_config
+    from llmq.worker.vision.idefics3 import Idefics3Encoder
+
+    vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    idefics = vlm.config.model_type == "idefics3"
+    text_config = vlm.config.text_config
     # The wrapper is built on the meta device: its own weights are replaced at once.
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(text_config, dtype=dtype)
-    lm.model = llava.model.language_model
-    lm.lm_head = llava.lm_head
-    lm.generation_config = llava.generation_config
-    lm.config.llmq_random_weights = getattr(llava.config, "llmq_random_weights", False)
+    lm.model = vlm.model.text_model if idefics else vlm.model.language_model
+    lm.lm_head = vlm.lm_head
+    lm.generation_config = vlm.generation_config
+    lm.config.llmq_random_weights = getattr(vlm.config, "llmq_random_weights", False)
     lm.config.name_or_path = path
     lm.eval()
-    return lm, LlavaEncoder(llava, AutoImageProcessor.from_pretrained(path))
+    images = AutoImageProcessor.from_pretrained(path)
+    encoder = Idefics3Encoder(vlm, images) if idefics else LlavaEncoder(vlm, images)
+    return lm, encoder

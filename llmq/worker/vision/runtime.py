@@ -25,29 +25,37 @@ KEPT_IMAGES = 64
 
 @dataclass(frozen=True, slots=True)
 class ImageSpan:
+    """A run of an image's tokens in the prompt: its embeddings from ``offset`` on."""
+
     digest: str
     start: int  # the prompt position of its first token
     count: int
+    offset: int = 0
 
 
 def image_spans(
     prompt: list[int], token: int, digests: list[str], counts: list[int]
 ) -> list[ImageSpan]:
-    """The runs of ``token`` in ``prompt``, one per image, of ``counts`` tokens each."""
-    runs: list[tuple[int, int]] = []
-    for p, t in enumerate(prompt):
-        if t != token:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    if [n for _, n in runs] != counts:
+    """The prompt's runs of ``token``, the images' tokens in order (``counts`` each; a family
+    whose prompt tags tiles gives an image several runs)."""
+    positions = [p for p, t in enumerate(prompt) if t == token]
+    if len(positions) != sum(counts) or len(counts) != len(digests):
         raise RequestError(
-            f"the prompt's image runs ({[n for _, n in runs]} tokens) do not fit its "
-            f"{len(digests)} images ({counts} tokens)"
+            f"the prompt's {len(positions)} image tokens do not fit its {len(digests)} images "
+            f"({counts} tokens)"
         )
-    return [ImageSpan(d, start, n) for d, (start, n) in zip(digests, runs, strict=True)]
+    spans: list[ImageSpan] = []
+    i = 0
+    for digest, count in zip(digests, counts, strict=True):
+        for offset in range(count):
+            p = positions[i + offset]
+            last = spans[-1] if spans else None
+            if offset and last.start + last.count == p:
+                spans[-1] = ImageSpan(digest, last.start, last.count + 1, last.offset)
+            else:
+                spans.append(ImageSpan(digest, p, 1, offset))
+        i += count
+    return spans
 
 
 def image_root(root: int, digests: list[str]) -> int:
@@ -97,7 +105,8 @@ class VisionRuntime:
                 lo = max(span.start, item.start)
                 hi = min(span.start + span.count, item.start + item.num_new_tokens)
                 found += [
-                    (row + p - item.start, span.digest, p - span.start) for p in range(lo, hi)
+                    (row + p - item.start, span.digest, span.offset + p - span.start)
+                    for p in range(lo, hi)
                 ]
         return found
 

@@ -12,20 +12,21 @@ log = logging.getLogger(__name__)
 
 
 def vision_backend(settings: Settings, tokenizer, served_name: str):
-    """(the backend, the text model, its context) for ``settings.model``, a LLaVA folder."""
+    """(the backend, the text model, its context) for ``settings.model``, a vision-language
+    folder of a family served."""
     from llmq.common.model_files import load_tokenizer
     from llmq.common.transport.redis_clients import engine_client, keys_for
     from llmq.worker.grammar_compiler import LazyTokenizer
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
     from llmq.worker.loading.model_loader import eos_token_ids, resolve_device, resolve_dtype
     from llmq.worker.vision.backend import VisionBackend
-    from llmq.worker.vision.llava import load_llava
+    from llmq.worker.vision.llava import load_vision_lm
     from llmq.worker.vision.runtime import VisionRuntime
 
     if settings.quantization != "none":
         log.warning("LLMQ_QUANTIZATION ignored: vision-language models are served unquantized")
     device = resolve_device(settings.device)
-    lm, encoder = load_llava(settings.model, resolve_dtype(settings.dtype, device), device)
+    lm, encoder = load_vision_lm(settings.model, resolve_dtype(settings.dtype, device), device)
     eos = eos_token_ids(lm, tokenizer)
     lazy = LazyTokenizer(functools.partial(load_tokenizer, settings.model), len(tokenizer))
     engine = LLMEngine(lm, EngineConfig.from_settings(settings), eos, tokenizer=lazy)
