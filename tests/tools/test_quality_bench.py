@@ -33,8 +33,7 @@ def test_help():
     assert "--models" in out.stdout and "--no-llama-cpp" in out.stdout
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])  # not fast: real models
 def test_chunks_and_scored_positions_as_llama_perplexity(model):
     from transformers import AutoTokenizer
 

@@ -15,8 +15,6 @@ from llmq.worker.runner.forward.decoder_forward import build_forward
 from llmq.worker.runner.linear.quantized_linear import int_kernel_available
 from tests import real_models
 
-pytestmark = [pytest.mark.unit]
-
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 NEW_TOKENS = 8
 

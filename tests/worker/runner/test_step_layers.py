@@ -22,7 +22,7 @@ from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner.forward import decoder_forward
 
-pytestmark = pytest.mark.unit
+# Not in the fast tier (`make test-unit`): each case builds and runs a model, minutes in all.
 
 FAMILIES = ["qwen3", "phi3", "gemma3_text", "gemma3_windowed"]
 
