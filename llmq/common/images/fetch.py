@@ -117,9 +117,8 @@ async def fetch_image(url: str, where: str) -> bytes:
 async def _follow(url: httpx.URL, where: str, most: int) -> bytes:
     async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
-            address = await checked_address(url, where)
-            assert address is not None
-            host = f"[{address}]" if address.version == 6 else str(address)
+            address = await checked_address(url, where)  # names=True: always an address
+            host = f"[{address}]" if address and address.version == 6 else str(address)
             request = client.build_request(
                 "GET",
                 url.copy_with(host=host),

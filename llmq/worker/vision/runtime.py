@@ -89,9 +89,11 @@ class VisionRuntime:
         return self.spans[request_id]
 
     def drop(self, request_id: str) -> None:
-        self.spans.pop(request_id, None)
-        if not self.spans:
-            self.pending.clear()
+        """Forget a request that ended; bytes no other request waits for go with it."""
+        if self.spans.pop(request_id, None) is None:
+            return
+        waiting = {s.digest for spans in self.spans.values() for s in spans}
+        self.pending = {d: data for d, data in self.pending.items() if d in waiting}
 
     def rows(self, batch) -> list[tuple[int, str, int]]:
         """(packed row, image digest, index of the image's token) of the step's image rows."""
