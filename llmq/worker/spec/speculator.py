@@ -94,16 +94,27 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self._k: dict[str, int] = {}  # request id -> its draft length now (adaptive)
+        # request id -> (drafts rejected whole in a row, steps it still sits out)
+        self._misses: dict[str, tuple[int, int]] = {}
 
     def prepare(self, running: list[Sequence]) -> None:
         """Set ``draft`` on the decoding sequences that speculate this step."""
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if len(decoding) > self.max_batch:
             return
-        seqs = [s for s in decoding if s.params.speculative]
+        seqs = [s for s in decoding if s.params.speculative and not self._sits_out(s)]
         limits = [self._limit(s) for s in seqs]
         for seq, draft in zip(seqs, self.proposer.propose(seqs, limits), strict=True):
             seq.draft = draft
+
+    def _sits_out(self, seq: Sequence) -> bool:
+        """Whether ``seq`` proposes nothing this step: after drafts rejected whole twice in a
+        row it sits out 2, then 4, up to 32 steps (free text seldom repeats; a checking step
+        costs more than a plain one)."""
+        misses, wait = self._misses.get(seq.request_id, (0, 0))
+        if wait:
+            self._misses[seq.request_id] = (misses, wait - 1)
+        return wait > 0
 
     def _limit(self, seq: Sequence) -> int:
         """Its adaptive draft length, within what it may still generate (the target's own token
@@ -128,9 +139,13 @@ class Speculator:
         self.stats.proposed += len(draft)
         self.stats.accepted += accepted
         k = min(2 * len(draft), self.num_tokens) if accepted == len(draft) else accepted + 1
-        self._k[item.seq.request_id] = k
+        rid = item.seq.request_id
+        self._k[rid] = k
+        misses = self._misses.get(rid, (0, 0))[0] + 1 if not accepted else 0
+        self._misses[rid] = (misses, min(2 ** (misses - 1), 32) if misses >= 2 else 0)
         return run
 
     def forget(self, seq: Sequence) -> None:
         self._k.pop(seq.request_id, None)
+        self._misses.pop(seq.request_id, None)
         self.proposer.forget(seq)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from llmq.common.sampling_params import SamplingParams
+from llmq.worker.engine.scheduler import ScheduledSequence
 from llmq.worker.engine.sequence import Sequence
 from llmq.worker.spec.ngram import NgramProposer
 from llmq.worker.spec.speculator import Speculator, accepted_run
@@ -79,3 +80,33 @@ def test_speculator_limits_adapts_and_steps_aside():
     c.draft = []
     spec.prepare([a, c, d])  # three decoding: more than max_batch
     assert c.draft == [] and d.draft == []
+
+
+def test_draft_length_follows_acceptance_and_misses_sit_out():
+    class Fixed:
+        def propose(self, seqs, limits):
+            return [[1] * k for k in limits]
+
+        def forget(self, s):
+            pass
+
+    spec = Speculator(Fixed(), num_tokens=4, max_batch=8, max_model_len=1000)
+    s = seq([0] * 10, "a", max_tokens=500)
+    s.num_computed_tokens = s.num_tokens - 1
+
+    def step(agree: int) -> list[int]:
+        """One step whose draws agree with the first ``agree`` drafts; the draft it checked."""
+        spec.prepare([s])
+        draft, s.draft = s.draft, []
+        if draft:
+            item = ScheduledSequence(s, s.num_computed_tokens, 1 + len(draft), draft)
+            spec.verify(item, [1] * agree + [2] * (len(draft) + 1 - agree))
+        return draft
+
+    assert len(step(4)) == 4  # all kept: stays at the most
+    assert len(step(1)) == 4
+    assert len(step(0)) == 2  # one past what was kept
+    assert len(step(0)) == 1  # rejected whole twice: sits out two steps
+    assert step(0) == [] and step(0) == []
+    assert len(step(1)) == 1
+    assert len(step(1)) == 2  # all kept: doubled

@@ -3,7 +3,7 @@ greedy and seeded sampling with penalties, batched, chunked, preempted, from the
 stopping exactly at a stop token or max_tokens inside an accepted run. Drafts come from a
 proposer that knows the output and gets every fourth token wrong (tests/worker/spec/oracle.py),
 so steps accept and reject; each test checks that both happened. Prompt lookup itself runs
-once, on outputs of a random model long enough to repeat themselves."""
+once, on outputs a negative frequency penalty makes repeat themselves."""
 
 from __future__ import annotations
 
@@ -131,12 +131,14 @@ def test_stops_inside_an_accepted_run(case):
 
 
 def test_prompt_lookup_in_the_engine(case):
-    """Prompt lookup's own drafts: a random model's long greedy outputs fall into loops it
-    finds."""
+    """Prompt lookup's own drafts: a negative frequency penalty (which every draft row must
+    apply as it stands after the drafts before it) makes some outputs repeat themselves, and
+    the proposer finds the repeats."""
     path, prompts, _ = case
-    n = [120] * 4
-    base = run(path, prompts[:4], n, GREEDY)
-    spec = run(path, prompts[:4], n, GREEDY, NgramProposer(1, 3))
+    n = [60] * 4
+    params = dict(GREEDY, frequency_penalty=-0.5)
+    base = run(path, prompts[:4], n, params)
+    spec = run(path, prompts[:4], n, params, NgramProposer(2, 3))
     assert_same(base[:2], spec[:2], spec[2])
 
 
