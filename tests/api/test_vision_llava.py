@@ -3,7 +3,8 @@ through real processes, exact against transformers: greedy tokens through the AP
 model's ``generate`` in float32 on the same images and prompt, for one request, four at once
 with different images (of different shapes: NeXT's tile grids differ), a second turn repeating
 the image (encoded once: the heartbeat's counter), and through the openai, anthropic and
-ollama packages. One Redis and one API; a worker per family, and one given a Qwen2.5-VL folder,
+ollama packages; chunked (LLaVA-NeXT) and in a small cache (Idefics3). One Redis and one API;
+a worker per family, and one given a Qwen2.5-VL folder,
 which it refuses by name (it exits without a traceback; the API's 400 names the class)."""
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from tests.worker.test_vision_refusal import vision_folder
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAMILIES = ("llava", "llava_next", "idefics3")
 NEW = 6
-SHAPES = [(40, 50), (80, 30), (50, 50), (20, 70)]  # (width, height): NeXT picks other grids
+SHAPES = [(40, 50), (80, 30), (50, 50), (20, 70)]
+# LLaVA-NeXT's prompts prefilled in chunks of 20 tokens (cut inside images); Idefics3's four
+# at once in a cache of 12 blocks (192 tokens): they cannot all run at once.
+WORKER = {
+    "llava": {},
+    "llava_next": {"max_batch_tokens": 20},
+    "idefics3": {"kv_blocks": 12},
+}  # (width, height): NeXT picks other grids
 
 
 def picture(seed: int, size: tuple[int, int] = (40, 50)) -> bytes:
@@ -64,7 +72,8 @@ def served(models, refused, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vlm-logs")
     with RedisServer() as server:
         workers = {
-            f: start_worker(server.url, models[f], f"w-{f}", logs, wait=False) for f in FAMILIES
+            f: start_worker(server.url, models[f], f"w-{f}", logs, wait=False, **WORKER[f])
+            for f in FAMILIES
         }
         workers["refused"] = start_worker(server.url, refused, "w-refused", logs, wait=False)
         api, base = start_api(server.url, str(models["llava"]), logs, "api-vlm")
