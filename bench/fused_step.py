@@ -3,7 +3,7 @@ C++ ops, side by side in one process, for the model forms that reach it: bfloat1
 int8 and int4 weights, LoRA adapters (32 streams over 8, rank 16), a windowed Gemma 3.
 
 Two engines of each form hold the same decoding sequences; one runs every layer in one C++ call,
-the other the Python loop (its ``_uniform_layers`` off). They are stepped in turn, one step
+the other the Python loop (its ``fused_step`` off). They are stepped in turn, one step
 apart, and the median decode step of each is reported with their ratio, and the peak RSS.
 
     .venv/bin/python bench/fused_step.py                  # batches 1 and 32, every form
@@ -41,7 +41,7 @@ def engine_of(form: str, model_dir: Path, gemma_dir: Path, fused: bool):
     engine = LLMEngine(
         load_causal_lm(str(path), "bfloat16", "cpu", quantization), EngineConfig(max_batch_size=64)
     )
-    engine.runner.forward._uniform_layers &= fused
+    engine.runner.forward.fused_step &= fused
     return engine
 
 

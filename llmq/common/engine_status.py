@@ -22,6 +22,7 @@ class EngineStatus:
     pid: int = 0
     started: float = 0.0
     torch_threads: int = 0
+    forward_plan: str = ""  # how its steps run, decided at start (worker/runner/forward/plan.py)
     random_weights: bool = False
     dimensions: int = 0  # embedding models
     matryoshka: bool = False

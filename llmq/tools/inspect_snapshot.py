@@ -148,6 +148,8 @@ def render(snap: dict) -> str:
                 f"    prompt tokens: {cached} from cache, {computed} computed ({share:.0f}% "
                 f"cached){', placement on' if e.get('placement') else ''}"
             )
+        if e.get("forward_plan"):
+            out.append(f"    forward: {e['forward_plan']}")
         if e.get("loras"):
             out.append(f"    LoRA adapters loaded: {e['loras'].replace(',', ', ')}")
         if e.get("spec_verified"):

@@ -109,6 +109,13 @@ def configured_adapters(
     return tuple(records)
 
 
+def forward_plan(backend) -> str:
+    """The generation engine's forward plan in one line; empty for an embedding or scoring
+    model, whose encoder runs transformers' forward."""
+    plan = getattr(getattr(getattr(backend, "engine", None), "runner", None), "plan", None)
+    return plan.describe() if plan is not None else ""
+
+
 def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
     import torch
 
@@ -144,6 +151,7 @@ def build_engine_loop(settings: Settings, worker_name: str) -> EngineLoop:
         pid=os.getpid(),
         started=round(time.time(), 3),
         torch_threads=torch.get_num_threads(),
+        forward_plan=forward_plan(backend),
         random_weights=bool(getattr(model.config, "llmq_random_weights", False)),
         worker=worker_name,
     )

@@ -82,7 +82,7 @@ def _with_reference_lora(engine: LLMEngine, folder: str, scale: float) -> None:
                 b.append(tensors.get(key + "B.weight"))
                 widths.append(_out_width(forward, part))
             setattr(owner, attr, _Reference(getattr(owner, attr), (a, b), widths, scale))
-    forward._uniform_layers = False  # the Python loop, which calls the references
+    forward.fused_step = False  # the Python loop, which calls the references
 
 
 def _out_width(forward, part: str) -> int:

@@ -33,6 +33,7 @@ from llmq.worker.runner.forward.decoder_forward import (
     take_attached,
 )
 from llmq.worker.runner.forward.model_support import ModelFeatures, model_dims, pool_dims
+from llmq.worker.runner.forward.plan import ForwardPlan
 from llmq.worker.runner.lora.lora_linear import step_adapters
 from llmq.worker.runner.lora.lora_weights import AdapterWeights
 from llmq.worker.runner.malloc_tuning import tune_malloc
@@ -107,7 +108,25 @@ class ModelRunner:
                 self.forward, self.pool, num_blocks, max_batch_size, max_model_len
             )
         self.decode_kernel = self._use_kernels(kernels, self.pool.head_dim)
+        self.plan = self._decide_plan()
         self.steps = self._step_builder(max_model_len)
+
+    def _decide_plan(self) -> ForwardPlan:
+        """The forward's plan (``forward/plan.py``), from what was built; logged once."""
+        forward = self.forward
+        fused = forward is not None and forward.fused_step_serves(self.pool.quantized)
+        if forward is not None:
+            forward.fused_step = fused
+        plan = ForwardPlan(
+            forward="llmq" if forward is not None else "transformers",
+            weights=forward.layout if forward is not None else "plain",
+            layer_ops="cpp" if forward is not None and forward.small_step_ops else "torch",
+            fused_step=fused,
+            decode_attention="cpp" if self.decode_kernel else "torch",
+            cuda_graphs=self.graphs is not None,
+        )
+        log.info("forward plan: %s", plan.describe())
+        return plan
 
     def _step_builder(self, max_model_len: int) -> StepBuilder:
         """Each step's attention metadata, built once per step (``step_metadata.py``)."""

@@ -66,7 +66,7 @@ def logged_engine(path, dtype: str, in_cpp: bool, config: EngineConfig, quantiza
     forward = engine.runner.forward
     assert forward.small_step_ops and engine.runner.decode_kernel
     if not in_cpp:
-        forward._uniform_layers = False  # the Python loop: step_layers takes uniform layers only
+        forward.fused_step = False  # the Python loop, over the same C++ ops
     logits_seen: list[torch.Tensor] = []
     in_cpp_steps = [0]
     execute, step_in_cpp = engine.runner.execute, forward._step_in_cpp

@@ -158,6 +158,7 @@ class DecoderForward:
             copies.finish_layer = functools.partial(quantize_layer, quantizer, model=model)
         self.layers = build_layers(list(layers), self.family, layout, copies)
         self.small_step_ops = False  # set by the runner where the C++ ops are loaded
+        self.fused_step = False  # set by the runner's plan (forward/plan.py)
         self._cpp_weights: list[torch.Tensor] | None = None  # step_layers' weights, in order
         self.loras: LoraState | None = None  # set where LoRA adapters are served
         # step_layers takes one scale, epsilon, activation and set of widths for all layers.
@@ -208,9 +209,8 @@ class DecoderForward:
         )
 
     def _cpp_ops(self) -> bool:
-        """Whether llmq's C++ ops serve: loaded, and not while torch.compile traces the layers
-        (it cannot see into them)."""
-        return self.small_step_ops and not torch.compiler.is_compiling()
+        """Whether llmq's C++ ops serve (the runner loaded them)."""
+        return self.small_step_ops
 
     def _small(self, tokens: int) -> bool:
         """Whether the Python loop runs a step of ``tokens`` through the C++ small-step ops."""
@@ -259,20 +259,28 @@ class DecoderForward:
         self._uniform_layers = decoder_cpp_step.serves_model(self.layers)
         self._cpp_weights = None
 
-    def _whole_step_in_cpp(self, step: StepMetadata, windows_hide: bool) -> bool:
-        """Every layer in one C++ call (``kernels/step_layers.cpp``), bit-equal to this loop
-        with the C++ ops, where they serve, the attention kernel serves the decodes and no
-        layer asks the attention for more than causal softmax and its KV group's window."""
+    def fused_step_serves(self, cache_quantized: bool) -> bool:
+        """Whether every layer may run in one C++ call (``kernels/step_layers.cpp``), bit-equal
+        to this loop with the C++ ops: they serve, the layers share one shape (scale, epsilon,
+        activation, widths), none softcaps, and the cache is in the model's dtype (it writes
+        it). The runner's plan asks this once."""
         return (
             self._uniform_layers
             and not self._softcapped
+            and not cache_quantized
+            and self._cpp_ops()
+        )
+
+    def _whole_step_in_cpp(self, step: StepMetadata, windows_hide: bool) -> bool:
+        """The fused step where the plan chose it and this step allows: the attention kernel
+        serves the decodes and no layer asks for more than its KV group's window."""
+        return (
+            self.fused_step
             and (not windows_hide or step.layer_steps is not None)  # groups: each its window
-            and not step.pool.quantized  # it writes the cache in the model's dtype
             and all(
                 group.decode_tables is not None or not group.num_decodes
                 for group in decoder_cpp_step.kv_groups(step)
             )
-            and self._cpp_ops()
         )
 
     def _step_in_cpp(
