@@ -1,10 +1,12 @@
 """The vision encoder's time per image on this machine: LLaVA-1.5's image encoder (CLIP
-ViT-L/14 at 336 x 336, its second-to-last layer, the two-layer projector to 4096) with random
-weights, run by llmq's LlavaEncoder (the image processor's PIL path included) on batches of
-1 and 4 images; the median of ``--rounds`` runs per batch.
+ViT-L/14 at 336 x 336, its second-to-last layer, the two-layer projector to 4096), or
+SmolVLM-256M's (``--family smolvlm``), with random weights, run by llmq's encoders (the image
+processor's PIL path included) on batches of 640 x 480 images; the median of ``--rounds``
+runs per batch.
 
     .venv/bin/python bench/vision_encoder.py                    # float32, 1 and 4 images
     .venv/bin/python bench/vision_encoder.py --dtype bfloat16 --rounds 3
+    .venv/bin/python bench/vision_encoder.py --family smolvlm --batches 1 --rounds 2
 """
 
 from __future__ import annotations
@@ -49,6 +51,33 @@ def encoder(dtype: torch.dtype):
     return LlavaEncoder(model, processor)
 
 
+def smolvlm_encoder(dtype: torch.dtype):
+    """SmolVLM-256M's image encoder: SigLIP-B/16 at 512 x 512 tiles, pixel shuffle by 4 (64
+    tokens a tile), images resized to 2048 on their longest side (a 640 x 480 photo: 4 x 3
+    tiles and the whole image, 832 tokens)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+
+    from llmq.worker.vision.idefics3 import Idefics3Encoder
+
+    vision = Idefics3VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                  num_attention_heads=12, image_size=512, patch_size=16)  # fmt: skip
+    text = LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=9, num_key_value_heads=3, vocab_size=64)  # fmt: skip
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=4,
+                            image_token_id=63)  # fmt: skip
+    model = Idefics3ForConditionalGeneration(config).to(dtype).eval()
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2048}, max_image_size={"longest_edge": 512}
+    )
+    return Idefics3Encoder(model, images)
+
+
 def png(seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (480, 640, 3), generator=g, dtype=torch.uint8).numpy()
@@ -61,22 +90,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--family", default="llava", choices=["llava", "smolvlm"])
+    parser.add_argument("--batches", default="1,4", help="images per call, comma-separated")
     args = parser.parse_args()
-    enc = encoder(getattr(torch, args.dtype))
+    build = encoder if args.family == "llava" else smolvlm_encoder
+    enc = build(getattr(torch, args.dtype))
     images = [png(s) for s in range(4)]
     enc.encode(images[:1])  # warm
     report = {
+        "family": args.family,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "tokens": enc.layout["tokens"],
+        "tokens": enc.token_count(images[0]),
     }
-    for n in (1, 4):
+    for n in map(int, args.batches.split(",")):
         times = []
         for _ in range(args.rounds):
             start = time.perf_counter()
             feats = enc.encode(images[:n])
             times.append(time.perf_counter() - start)
-        assert len(feats) == n and feats[0].shape == (enc.layout["tokens"], 4096)
+        assert len(feats) == n and feats[0].shape[0] == report["tokens"]
         median = statistics.median(times)
         report[f"batch_{n}_s"] = round(median, 3)
         report[f"batch_{n}_per_image_s"] = round(median / n, 3)
