@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not send min_tokens / ignore_eos (servers that reject unknown fields)",
     )
+    p.add_argument(
+        "--images", type=int, default=0, help="images of random pixels in each chat request (0)"
+    )
+    p.add_argument(
+        "--image-size", default="640x480", help="their width x height in pixels (640x480)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (600)")
     p.add_argument("--json", dest="json_path", help="write the result as JSON to this file")
     p.add_argument("--plot", help="write a PNG of the latency distributions (needs matplotlib)")
@@ -205,6 +211,8 @@ def _config(
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
         "temperature": args.temperature,
+        "images": args.images,
+        "image_size": args.image_size if args.images else None,
         "seed": args.seed,
         "warmup": args.warmup,
         "tokenizer": tokenizer,
@@ -231,7 +239,8 @@ async def bench(args: argparse.Namespace) -> dict:
         prompts = build_prompts(
             tokenizer, args.endpoint, args.seed, args.requests + args.warmup, args.prompt_tokens
         )
-        shape = RequestShape(model, args.endpoint, args.temperature)
+        width, height = map(int, args.image_size.lower().split("x"))
+        shape = RequestShape(model, args.endpoint, args.temperature, args.images, (width, height))
         url = base + shape.path
         extras, dropped = await _probe(http, url, shape, prompts.texts[0], args)
         results, duration = await _measure(http, url, shape, prompts, extras, args)

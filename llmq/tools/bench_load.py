@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import io
 import json
 import random
 import sys
@@ -42,6 +45,8 @@ class RequestShape:
     model: str
     endpoint: str  # "chat" or "completions"
     temperature: float
+    images: int = 0  # images in each chat request, after the prompt (each request its own)
+    image_size: tuple[int, int] = (640, 480)
 
     @property
     def path(self) -> str:
@@ -58,13 +63,34 @@ class RequestShape:
             "stream_options": {"include_usage": True},
         }
         if self.endpoint == "chat":
-            b["messages"] = [{"role": "user", "content": prompt}]
+            content = [{"type": "text", "text": prompt}, *self.image_parts(prompt)]
+            b["messages"] = [{"role": "user", "content": content if self.images else prompt}]
         else:
             b["prompt"] = prompt
         if extras:
             b["min_tokens"] = max_tokens
             b["ignore_eos"] = True
         return b
+
+    def image_parts(self, prompt: str) -> list[dict]:
+        """``images`` PNGs of random pixels as data URLs, drawn from the prompt's hash: each
+        request's own (no server reuses one), the same in every run."""
+        seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
+        return [
+            {"type": "image_url", "image_url": {"url": random_png(seed + i, self.image_size)}}
+            for i in range(self.images)
+        ]
+
+
+def random_png(seed: int, size: tuple[int, int]) -> str:
+    """A data URL of a PNG of random pixels."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def _chunk_text(obj: dict) -> str:
