@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from llmq.common.generation.adapters import (
+from llmq.common.serving.adapters import (
     LoadAdapterRequest,
     UnloadAdapterRequest,
     load_adapter,

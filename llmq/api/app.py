@@ -17,7 +17,7 @@ from llmq.api.metrics import Metrics
 from llmq.api.streaming import watch_shutdown
 from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
-from llmq.common.generation import GenerationService
+from llmq.common.serving import GenerationService
 from llmq.common.settings import Settings, get_settings
 from llmq.common.storage.responses_store import ResponsesStore
 from llmq.common.storage.store import Store

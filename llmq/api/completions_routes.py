@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from llmq.api.streaming import streamed_answer, whole_answer
-from llmq.common.generation import Generation
-from llmq.common.generation.chat_request import ChatCompletionRequest
-from llmq.common.generation.request_bodies import CompletionRequest
+from llmq.common.serving import Generation
+from llmq.common.serving.chat_request import ChatCompletionRequest
+from llmq.common.serving.request_bodies import CompletionRequest
 
 router = APIRouter()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from llmq.common.generation.request_bodies import EmbeddingRequest
+from llmq.common.serving.request_bodies import EmbeddingRequest
 
 router = APIRouter()
 

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request, Response
 
 from llmq.api.errors import register_error_shape
 from llmq.api.streaming import typed_events, whole_answer
-from llmq.common.generation.messages_api.errors import error_body
-from llmq.common.generation.messages_api.request import MessagesPrompt, MessagesRequest
-from llmq.common.generation.messages_api.translate import EFFORT_HEADER
+from llmq.common.serving.messages_api.errors import error_body
+from llmq.common.serving.messages_api.request import MessagesPrompt, MessagesRequest
+from llmq.common.serving.messages_api.translate import EFFORT_HEADER
 
 router = APIRouter()
 register_error_shape("/v1/messages", error_body)

@@ -7,9 +7,9 @@ from fastapi import APIRouter, Request
 
 from llmq.common.catalogue import holders
 from llmq.common.errors import ModelNotFound
-from llmq.common.generation.model_cards import loading_card_named, with_loading
-from llmq.common.generation.responses import ModelCard, ModelList
 from llmq.common.on_demand import OnDemand
+from llmq.common.serving.model_cards import loading_card_named, with_loading
+from llmq.common.serving.responses import ModelCard, ModelList
 
 router = APIRouter()
 

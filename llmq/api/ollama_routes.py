@@ -18,18 +18,18 @@ from llmq.api.errors import register_error_shape
 from llmq.api.streaming import SHUTDOWN_DRAIN_S, whole_answer
 from llmq.common.catalogue import expires_at
 from llmq.common.errors import LLMQError, ServerShuttingDown
-from llmq.common.generation.ollama_api.models import OLLAMA_VERSION, ModelDetails, TagModel
-from llmq.common.generation.ollama_api.objects import rfc3339
-from llmq.common.generation.ollama_api.request import (
+from llmq.common.serving.ollama_api.models import OLLAMA_VERSION, ModelDetails, TagModel
+from llmq.common.serving.ollama_api.objects import rfc3339
+from llmq.common.serving.ollama_api.request import (
     ChatBody,
     EmbedBody,
     GenerateBody,
     LegacyEmbeddingsBody,
     ShowBody,
 )
-from llmq.common.generation.ollama_api.run import OllamaRun
-from llmq.common.generation.ollama_api.service import OllamaService
-from llmq.common.generation.responses import WireModel
+from llmq.common.serving.ollama_api.run import OllamaRun
+from llmq.common.serving.ollama_api.service import OllamaService
+from llmq.common.serving.responses import WireModel
 
 router = APIRouter()
 register_error_shape("/api/", lambda error: {"error": error.message})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from llmq.common.generation.rerank import RerankRequest, ScoreRequest
+from llmq.common.serving.rerank import RerankRequest, ScoreRequest
 
 router = APIRouter()
 

@@ -13,12 +13,12 @@ from fastapi import APIRouter, Query, Request
 
 from llmq.api.streaming import typed_events, whole_answer
 from llmq.common.errors import InvalidRequest, LLMQError, NotFound
-from llmq.common.generation.responses_api.answer import chat_request, echoed_fields
-from llmq.common.generation.responses_api.events import Event
-from llmq.common.generation.responses_api.items import input_items
-from llmq.common.generation.responses_api.objects import new_response
-from llmq.common.generation.responses_api.request import ResponsesRequest
-from llmq.common.generation.responses_api.run import ResponsesRun
+from llmq.common.serving.responses_api.answer import chat_request, echoed_fields
+from llmq.common.serving.responses_api.events import Event
+from llmq.common.serving.responses_api.items import input_items
+from llmq.common.serving.responses_api.objects import new_response
+from llmq.common.serving.responses_api.request import ResponsesRequest
+from llmq.common.serving.responses_api.run import ResponsesRun
 from llmq.common.storage.background_responses import (
     BackgroundResponses,
     dispatch_background,

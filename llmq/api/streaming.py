@@ -16,8 +16,8 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 
 from llmq.common.errors import LLMQError, ServerShuttingDown
-from llmq.common.generation import Generation
-from llmq.common.generation.responses import WireModel
+from llmq.common.serving import Generation
+from llmq.common.serving.responses import WireModel
 
 # When the server shuts down, an answer gets this long to finish; then a stream ends with a
 # server_shutting_down error event and [DONE], and a non-streamed request gets that error as a

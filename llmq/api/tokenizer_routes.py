@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from llmq.common.generation.tokenization import DetokenizeRequest, TokenizeRequest
+from llmq.common.serving.tokenization import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
 

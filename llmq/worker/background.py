@@ -21,9 +21,9 @@ from typing import Any
 
 from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.errors import LLMQError
-from llmq.common.generation import GenerationService, SubmitOptions
-from llmq.common.generation.responses_api.request import ResponsesRequest
-from llmq.common.generation.responses_api.run import ResponsesRun
+from llmq.common.serving import GenerationService, SubmitOptions
+from llmq.common.serving.responses_api.request import ResponsesRequest
+from llmq.common.serving.responses_api.run import ResponsesRun
 from llmq.common.settings import Settings, get_settings
 from llmq.common.storage.background_responses import (
     BACKGROUND_TASK,

@@ -12,8 +12,8 @@ import pytest
 import redis
 import torch
 
-from llmq.common.generation.logprobs import token_text
 from llmq.common.model_files import load_tokenizer
+from llmq.common.serving.logprobs import token_text
 from llmq.common.transport import Keys
 from llmq.worker.loading.model_loader import load_causal_lm
 from tests.api.api_stack import MESSAGES, PROMPT, PROMPT2, assert_error

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from llmq.common.generation.reasoning import FORMATS
+from llmq.common.serving.reasoning import FORMATS
 
 THINK = FORMATS["qwen3"]
 

@@ -9,9 +9,9 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
-from llmq.common.generation.chat_request import ChatCompletionRequest
-from llmq.common.generation.logprobs import completion_logprobs, echo_logprobs
-from llmq.common.generation.request_bodies import UNSERVED_DEFAULTS, CompletionRequest
+from llmq.common.serving.chat_request import ChatCompletionRequest
+from llmq.common.serving.logprobs import completion_logprobs, echo_logprobs
+from llmq.common.serving.request_bodies import UNSERVED_DEFAULTS, CompletionRequest
 
 pytestmark = pytest.mark.unit
 BODIES = [

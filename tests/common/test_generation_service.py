@@ -13,8 +13,8 @@ import redis
 import redis.asyncio as aioredis
 
 from llmq.common.engine_client.model_registry import ModelRegistry
-from llmq.common.generation import GenerationService, SubmitOptions
 from llmq.common.protocol import PRIORITY_BATCH
+from llmq.common.serving import GenerationService, SubmitOptions
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport, Keys
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from llmq.common.engine_status import EngineStatus
-from llmq.common.generation.model_cards import find_model, model_list
 from llmq.common.lora_adapters import (
     AdapterError,
     AdapterRecord,
@@ -23,6 +22,7 @@ from llmq.common.lora_adapters import (
 from llmq.common.placement.block_hashes import adapter_root, prompt_hashes
 from llmq.common.placement.placer import ADAPTER_LOAD_TOKENS, _adapter_cost
 from llmq.common.placement.policy import Candidate, choose
+from llmq.common.serving.model_cards import find_model, model_list
 from tests.lora_model import make_adapter
 
 pytestmark = pytest.mark.unit

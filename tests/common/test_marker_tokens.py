@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from llmq.common.engine_client.request_stream import GenerationChunk
 from llmq.common.engine_client.tokenizer import IncrementalDetokenizer
-from llmq.common.generation.marker_tokens import MarkerKeepingStream, skipped_markers
+from llmq.common.serving.marker_tokens import MarkerKeepingStream, skipped_markers
 
 pytestmark = pytest.mark.unit
 

@@ -11,13 +11,13 @@ import pytest
 from pydantic import ValidationError
 
 from llmq.common.errors import InvalidRequest, ModelNotFound, Unavailable
-from llmq.common.generation.messages_api.answer import content_blocks, matched_stop, tool_input
-from llmq.common.generation.messages_api.errors import error_body
-from llmq.common.generation.messages_api.events import MessageEvents
-from llmq.common.generation.messages_api.objects import MessageObject, MessageUsage
-from llmq.common.generation.messages_api.request import MessagesPrompt, MessagesRequest
-from llmq.common.generation.messages_api.translate import Template, chat_request
-from llmq.common.generation.responses import (
+from llmq.common.serving.messages_api.answer import content_blocks, matched_stop, tool_input
+from llmq.common.serving.messages_api.errors import error_body
+from llmq.common.serving.messages_api.events import MessageEvents
+from llmq.common.serving.messages_api.objects import MessageObject, MessageUsage
+from llmq.common.serving.messages_api.request import MessagesPrompt, MessagesRequest
+from llmq.common.serving.messages_api.translate import Template, chat_request
+from llmq.common.serving.responses import (
     AssistantMessage,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -390,7 +390,7 @@ def test_a_system_turn_stands_where_sent_or_joins_the_system_prompt():
 
 
 def test_effort_is_honoured_where_the_template_has_it_else_named_as_ignored():
-    from llmq.common.generation.messages_api.translate import ignored_effort
+    from llmq.common.serving.messages_api.translate import ignored_effort
 
     sent = body(
         output_config={"effort": "max"},
@@ -419,7 +419,7 @@ def _tool_loop(n: int) -> list[dict]:
 
 
 def test_context_management_edits_are_taken_and_tool_uses_cleared_oldest_first():
-    from llmq.common.generation.messages_api.context_edits import CLEARED, cleared, tool_clearing
+    from llmq.common.serving.messages_api.context_edits import CLEARED, cleared, tool_clearing
 
     thinking = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
     assert tool_clearing(body(context_management=thinking)) is None  # nothing to clear here
@@ -438,7 +438,7 @@ def test_context_management_edits_are_taken_and_tool_uses_cleared_oldest_first()
 
 
 def test_usage_counts_the_cache_writes_of_a_request_with_breakpoints():
-    from llmq.common.generation.messages_api.objects import message_usage
+    from llmq.common.serving.messages_api.objects import message_usage
 
     usage = Usage(
         prompt_tokens=100,

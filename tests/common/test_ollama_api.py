@@ -10,15 +10,15 @@ import pytest
 from pydantic import ValidationError
 
 from llmq.common.errors import DeadlineExceeded, InvalidRequest
-from llmq.common.generation.chat_request import ChatCompletionRequest
-from llmq.common.generation.ollama_api.chunks import OllamaLines
-from llmq.common.generation.ollama_api.objects import Timings
-from llmq.common.generation.ollama_api.options import IGNORED_OPTIONS, sampling_fields
-from llmq.common.generation.ollama_api.request import ChatBody, GenerateBody, OllamaOptions
-from llmq.common.generation.ollama_api.run import OllamaRun
-from llmq.common.generation.ollama_api.translate import chat_request, generate_request
-from llmq.common.generation.request_bodies import CompletionRequest
-from llmq.common.generation.responses import (
+from llmq.common.serving.chat_request import ChatCompletionRequest
+from llmq.common.serving.ollama_api.chunks import OllamaLines
+from llmq.common.serving.ollama_api.objects import Timings
+from llmq.common.serving.ollama_api.options import IGNORED_OPTIONS, sampling_fields
+from llmq.common.serving.ollama_api.request import ChatBody, GenerateBody, OllamaOptions
+from llmq.common.serving.ollama_api.run import OllamaRun
+from llmq.common.serving.ollama_api.translate import chat_request, generate_request
+from llmq.common.serving.request_bodies import CompletionRequest
+from llmq.common.serving.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

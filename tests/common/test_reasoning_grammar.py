@@ -12,12 +12,12 @@ import pytest
 from llguidance import LLMatcher
 
 from llmq.common.errors import InvalidRequest
-from llmq.common.generation.reasoning import FORMATS, after_thinking
-from llmq.common.generation.reasoning.chat import FREE_TEXT
-from llmq.common.generation.reasoning.tokens import single_token
-from llmq.common.generation.structured_output import Constraint, build_grammar
-from llmq.common.generation.tool_grammar import tool_grammar
-from llmq.common.generation.tool_request import FunctionTool
+from llmq.common.serving.reasoning import FORMATS, after_thinking
+from llmq.common.serving.reasoning.chat import FREE_TEXT
+from llmq.common.serving.reasoning.tokens import single_token
+from llmq.common.serving.structured_output import Constraint, build_grammar
+from llmq.common.serving.tool_grammar import tool_grammar
+from llmq.common.serving.tool_request import FunctionTool
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llmq.common.errors import InvalidRequest
-from llmq.common.generation.reasoning import (
+from llmq.common.serving.reasoning import (
     FORMATS,
     ReasoningSplitter,
     choose_reasoning,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.common.generation.reasoning import FORMATS, prompt_opens_block, reasoning_tokens
+from llmq.common.serving.reasoning import FORMATS, prompt_opens_block, reasoning_tokens
 
 pytestmark = pytest.mark.unit
 

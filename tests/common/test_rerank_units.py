@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from llmq.common.errors import InvalidRequest
-from llmq.common.generation.rerank.bodies import ScoreRequest
-from llmq.common.generation.rerank.pairs import encode_pairs
 from llmq.common.protocol import EngineRequest
+from llmq.common.serving.rerank.bodies import ScoreRequest
+from llmq.common.serving.rerank.pairs import encode_pairs
 from llmq.worker.loading.cross_encoder import cross_encoder_config
 from llmq.worker.request_error import RequestError
 from llmq.worker.score_backend import ScoreBackend

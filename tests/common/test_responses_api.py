@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from llmq.common.errors import InvalidRequest
-from llmq.common.generation.responses import (
+from llmq.common.serving.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
@@ -18,11 +18,11 @@ from llmq.common.generation.responses import (
     ToolCallDelta,
     Usage,
 )
-from llmq.common.generation.responses_api.answer import chat_request, echoed_fields
-from llmq.common.generation.responses_api.events import ResponseEvents
-from llmq.common.generation.responses_api.items import chat_messages
-from llmq.common.generation.responses_api.objects import new_response
-from llmq.common.generation.responses_api.request import ResponsesRequest
+from llmq.common.serving.responses_api.answer import chat_request, echoed_fields
+from llmq.common.serving.responses_api.events import ResponseEvents
+from llmq.common.serving.responses_api.items import chat_messages
+from llmq.common.serving.responses_api.objects import new_response
+from llmq.common.serving.responses_api.request import ResponsesRequest
 from llmq.common.storage.responses_store import is_response_id
 
 pytestmark = pytest.mark.unit

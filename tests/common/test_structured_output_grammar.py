@@ -14,9 +14,9 @@ from openai.lib._pydantic import to_strict_json_schema
 from pydantic import ValidationError
 
 from llmq.common.errors import InvalidRequest
-from llmq.common.generation import structured_output
-from llmq.common.generation.chat_request import ChatCompletionRequest
-from llmq.common.generation.request_bodies import CompletionRequest
+from llmq.common.serving import structured_output
+from llmq.common.serving.chat_request import ChatCompletionRequest
+from llmq.common.serving.request_bodies import CompletionRequest
 from llmq.common.validation import validation_error
 from tests.structured_schemas import MODELS
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from llmq.common.generation.tool_grammar import required_schema, tool_grammar
-from llmq.common.generation.tool_request import FunctionTool
+from llmq.common.serving.tool_grammar import required_schema, tool_grammar
+from llmq.common.serving.tool_request import FunctionTool
 from tests.common.test_tool_request import _accepts
 
 pytestmark = pytest.mark.unit

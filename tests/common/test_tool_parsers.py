@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from llmq.common.generation.tool_calls import ChoiceToolCalls
-from llmq.common.generation.tool_parsers import (
+from llmq.common.serving.tool_calls import ChoiceToolCalls
+from llmq.common.serving.tool_parsers import (
     FORCED_ARRAY,
     FORMATS,
     ArgumentsText,

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from llmq.common.errors import InvalidRequest
-from llmq.common.generation.chat_request import ChatCompletionRequest
-from llmq.common.generation.tool_grammar import tool_grammar
+from llmq.common.serving.chat_request import ChatCompletionRequest
+from llmq.common.serving.tool_grammar import tool_grammar
 from llmq.common.validation import validation_error
 
 pytestmark = pytest.mark.unit

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from llmq.common.generation import SubmitOptions
 from llmq.common.protocol import PRIORITY_BATCH
+from llmq.common.serving import SubmitOptions
 from llmq.common.storage.jsonl_lines import InputLine
 from llmq.worker.batch.executor import ServiceExecutor, encoded_size
 from llmq.worker.batch.lines import LineRunner, RetryPolicy

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.errors import BodyTooLarge
-from llmq.common.generation import GenerationService, SubmitOptions
 from llmq.common.protocol import PRIORITY_BATCH
+from llmq.common.serving import GenerationService, SubmitOptions
 from llmq.common.settings import Settings
 from llmq.common.transport import AsyncTransport
 from llmq.common.transport.redis_clients import async_client, keys_for
