@@ -1,0 +1,306 @@
+"""Speculative decoding (prompt lookup) on SmolLM2-135M-Instruct in bfloat16: output tokens/s
+with and without it, per workload, one stream alone and 16 at once, with the acceptance rate,
+the mean tokens a verifying step yields and each run's peak RSS, in one run.
+
+Each configuration runs in a fresh process (its own peak RSS) that builds the engine a worker
+builds (``build_backend``) from ``LLMQ_*`` settings and runs the workloads, greedy, through the
+engine in-process (no Redis, no HTTP: the engine's speed alone). A workload's prompt is 250-450
+tokens written for what users do: rewrite a function that is in the prompt, quote a document's
+sentences that answer a question, extract a text's fields as JSON, continue a chat that quotes
+itself, free writing. The lone stream runs each prompt alone (output tokens/s after its first
+token); 16 streams run 16 requests of the workload at once (four variants of its question, four
+times each; output tokens/s of all, from the first arrival to the last token).
+
+    .venv/bin/python bench/speculative.py                 # off against ngram, all workloads
+    .venv/bin/python bench/speculative.py --tokens 128 --configs "off" "ngram;k=6"
+    .venv/bin/python bench/speculative.py --crossover "code edit"   # batch sizes, one process
+
+``--crossover`` runs one workload's prompts at 1, 2, 4, 8 and 16 streams on an engine without
+speculation and on one that never steps aside, turn about in one process (so that both see
+the same load on the host): where speculation stops paying is ``LLMQ_SPECULATIVE_MAX_BATCH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CODE = '''def summarize_orders(orders, tax_rate=0.2):
+    """Total the orders per customer, with tax, skipping cancelled ones."""
+    totals = {}
+    for order in orders:
+        if order.get("status") == "cancelled":
+            continue
+        customer = order["customer"]
+        amount = order["quantity"] * order["unit_price"]
+        amount = amount * (1 + tax_rate)
+        totals[customer] = totals.get(customer, 0) + amount
+    ranked = sorted(totals.items(), key=lambda item: item[1], reverse=True)
+    report = []
+    for customer, total in ranked:
+        line = f"{customer}: {total:.2f}"
+        report.append(line)
+    return "\\n".join(report)
+
+
+def load_orders(path):
+    """Read the orders of a JSON lines file, one order per line."""
+    orders = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            orders.append(json.loads(line))
+    return orders
+'''
+CODE_ASKS = [
+    "Rewrite summarize_orders so that tax_rate defaults to 0.1. Give the whole code.",
+    "Rename the variable totals to per_customer in summarize_orders. Give the whole code.",
+    "Add a docstring line to load_orders saying it skips blank lines. Give the whole code.",
+    "Make load_orders take an encoding argument. Give the whole code.",
+]
+QA_ASKS = [
+    "Quote the sentences of the text that describe Holmes's rooms.",
+    "Quote the sentences that say how Watson came to pass by Baker Street.",
+    "Quote exactly the sentences about Irene Adler.",
+    "Quote the sentences that tell what Holmes had been doing lately.",
+]
+JSON_TEXT = (
+    "Order 4471 was placed on 12 March 2024 by Maria Gonzalez (maria.gonzalez@example.com, "
+    "+34 612 555 019) for delivery to Calle Mayor 14, 28013 Madrid, Spain. She bought two "
+    "Aeropress coffee makers at 39.90 EUR each and one bag of Ethiopia Yirgacheffe beans, "
+    "250 g, at 14.50 EUR. Payment was by Visa ending 4242; the order shipped with DHL "
+    "Express, tracking number JD014600006281, on 13 March 2024. Ticket 99812 notes that "
+    "the customer asked for a gift wrap and an invoice in the name of Gonzalez Design SL, "
+    "VAT number ESB12345678. Support agent Tom Becker closed the ticket on 15 March 2024."
+)
+JSON_ASKS = [
+    "Extract the order id, customer name, email, phone and city as JSON.",
+    "Extract every product with its quantity and unit price as a JSON list.",
+    "Extract the payment card, carrier, tracking number and ship date as JSON.",
+    "Extract the ticket number, agent, invoice name and VAT number as JSON.",
+]
+CHAT = [
+    ("user", "I am planning a three day trip to Lisbon in May. What should I see?"),
+    (
+        "assistant",
+        "Day 1: Walk through Alfama, visit the Sao Jorge Castle and watch the sunset from the "
+        "Miradouro da Senhora do Monte. Day 2: Take tram 28 to Belem, see the Jeronimos "
+        "Monastery, the Belem Tower and eat a pastel de nata at Pasteis de Belem. Day 3: Go to "
+        "Sintra by train, visit the Pena Palace and the Quinta da Regaleira, and return for "
+        "dinner in Bairro Alto.",
+    ),
+    ("user", "Great. Can you repeat the plan but move Sintra to day 1?"),
+    (
+        "assistant",
+        "Day 1: Go to Sintra by train, visit the Pena Palace and the Quinta da Regaleira, and "
+        "return for dinner in Bairro Alto. Day 2: Walk through Alfama, visit the Sao Jorge "
+        "Castle and watch the sunset from the Miradouro da Senhora do Monte. Day 3: Take tram "
+        "28 to Belem, see the Jeronimos Monastery, the Belem Tower and eat a pastel de nata at "
+        "Pasteis de Belem.",
+    ),
+]
+CHAT_ASKS = [
+    "Now repeat the plan once more, with Belem on day 1.",
+    "Repeat the plan as a list, with Alfama on day 3.",
+    "Repeat the last plan word for word, then add one restaurant per day.",
+    "Repeat the first plan and say which day is the most tiring.",
+]
+FREE_ASKS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Write a poem about autumn in a big city.",
+    "Write a letter from a cat to its owner about the new dog.",
+    "Write an essay on why people like to travel.",
+]
+
+
+def workloads(tok, text: str) -> dict[str, list[list[int]]]:
+    """Per workload, its four prompts (chat-templated token ids)."""
+
+    def chat(turns):
+        messages = [{"role": r, "content": c} for r, c in turns]
+        ids = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    doc = "\n\n".join(text.split("\n\n")[:3])[:1800]
+    return {
+        "code edit": [chat([("user", f"```python\n{CODE}```\n\n{a}")]) for a in CODE_ASKS],
+        "document QA (quotes)": [chat([("user", f"{doc}\n\n{a}")]) for a in QA_ASKS],
+        "JSON extraction": [chat([("user", f"{JSON_TEXT}\n\n{a}")]) for a in JSON_ASKS],
+        "multi-turn chat": [chat(CHAT + [("user", a)]) for a in CHAT_ASKS],
+        "free writing": [chat([("user", a)]) for a in FREE_ASKS],
+    }
+
+
+def child(config: str, tokens: int, folder: str, kinds: list[str]) -> dict:
+    """One configuration's figures (in a process of its own)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from llmq.common.sampling_params import SamplingParams
+    from llmq.common.settings import Settings
+    from llmq.worker.service import build_backend
+
+    fields = dict(kv.split("=", 1) for kv in config.split(";")[1:] if kv)
+    method = config.split(";")[0]
+    settings = Settings(
+        model=folder,
+        device="cpu",
+        dtype="bfloat16",
+        speculative_method=method,
+        speculative_tokens=int(fields.get("k", 4)),
+        speculative_max_batch=int(fields.get("max_batch", 8)),
+        speculative_ngram_min=int(fields.get("min_n", 2)),
+        speculative_ngram_max=int(fields.get("max_n", 4)),
+    )
+    engine = build_backend(settings)[0].engine
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = (ROOT / "tests/data/scandal_in_bohemia.txt").read_text()
+    loads = workloads(tok, text)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=False)
+    engine.generate([loads["free writing"][0]], SamplingParams(temperature=0, max_tokens=8))
+    result = {}
+    for name in kinds:
+        prompts = loads[name]
+        before = _spec_counts(engine)
+        lone = [_lone(engine, p, params) for p in prompts]
+        after = _spec_counts(engine)
+        batch = _streams(engine, prompts * 4, params)
+        result[name] = {
+            "prompt_tokens": sum(map(len, prompts)) / len(prompts),
+            "lone_tps": sum(n for n, _ in lone) / sum(t for _, t in lone),
+            "lone_tokens": sum(n for n, _ in lone),
+            "streams_tps": batch,
+            "acceptance": _rate(before, after),
+        }
+    torch.set_num_threads(torch.get_num_threads())
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def crossover(kind: str, tokens: int, folder: str) -> None:
+    """Output tokens/s at 1-16 streams, without and with speculation (never stepping aside)."""
+    from transformers import AutoTokenizer
+
+    from llmq.common.sampling_params import SamplingParams
+    from llmq.common.settings import Settings
+    from llmq.worker.service import build_backend
+
+    engines = {}
+    for method in ("off", "ngram"):
+        s = Settings(model=folder, device="cpu", dtype="bfloat16", speculative_method=method)
+        s.speculative_max_batch = 1024
+        engines[method] = build_backend(s)[0].engine
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = workloads(tok, (ROOT / "tests/data/scandal_in_bohemia.txt").read_text())[kind]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens)
+    for engine in engines.values():  # warm: the first steps build what later ones reuse
+        engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
+    for n in (1, 2, 4, 8, 16):
+        batch = (prompts * 4)[:n]
+        rates = {m: _streams(e, batch, params) for m, e in engines.items()}
+        print(
+            f"{kind}, {n} streams: off {rates['off']:.1f} tok/s, ngram {rates['ngram']:.1f} "
+            f"tok/s ({rates['ngram'] / rates['off']:.2f}x)",
+            flush=True,
+        )
+
+
+def _spec_counts(engine) -> tuple[int, int, int]:
+    s = engine.speculator.stats if engine.speculator is not None else None
+    return (s.verified, s.proposed, s.accepted) if s is not None else (0, 0, 0)
+
+
+def _rate(before, after) -> tuple[float, float]:
+    verified, proposed, accepted = (a - b for a, b in zip(after, before, strict=True))
+    if not verified:
+        return (0.0, 1.0)
+    return (accepted / max(proposed, 1), (accepted + verified) / verified)
+
+
+def _lone(engine, prompt, params) -> tuple[int, float]:
+    """Output tokens after the first and the seconds they took."""
+    engine.add_request("lone", prompt, params)
+    n, first = 0, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            n += len(out.token_ids)
+        if first is None and n:
+            first, n = time.perf_counter(), 0
+    return n, time.perf_counter() - first
+
+
+def _streams(engine, prompts, params) -> float:
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return sum(map(len, outs)) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["off", "ngram"])
+    ap.add_argument("--tokens", type=int, default=128, help="most output tokens per request")
+    ap.add_argument("--workloads", nargs="+", default=None)
+    ap.add_argument("--crossover", metavar="WORKLOAD", help="tok/s at 1-16 streams, off and on")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    from tests import real_models
+
+    folder = str(real_models.float_folder(real_models.smollm2_gguf()))
+    if args.crossover:
+        crossover(args.crossover, args.tokens, folder)
+        return
+    kinds = args.workloads or [
+        "code edit",
+        "document QA (quotes)",
+        "JSON extraction",
+        "multi-turn chat",
+        "free writing",
+    ]
+    if args.child:
+        print(json.dumps(child(args.child, args.tokens, folder, kinds)))
+        return
+    results = {}
+    for config in args.configs:
+        cmd = [sys.executable, __file__, "--child", config, "--tokens", str(args.tokens)]
+        cmd += ["--workloads", *kinds]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ)
+        results[config] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{config}: peak RSS {results[config]['peak_rss_mib']:.0f} MiB", flush=True)
+    report(results, args.configs, kinds)
+
+
+def report(results: dict, configs: list[str], kinds: list[str]) -> None:
+    base = configs[0]
+    head = "| work | prompt | " + " | ".join(f"{c} 1 stream | {c} 16 streams" for c in configs)
+    print(head + " |")
+    print("|" + " --- |" * (2 + 2 * len(configs)))
+    for kind in kinds:
+        cells = [kind, f"{results[base][kind]['prompt_tokens']:.0f}"]
+        b = results[base][kind]
+        for c in configs:
+            r = results[c][kind]
+            rate, mean = r["acceptance"]
+            lone = f"{r['lone_tps']:.1f}"
+            streams = f"{r['streams_tps']:.1f}"
+            if c != base:
+                lone += f" ({r['lone_tps'] / b['lone_tps']:.2f}x; {rate:.0%}, {mean:.2f}/step)"
+                streams += f" ({r['streams_tps'] / b['streams_tps']:.2f}x)"
+            cells += [lone, streams]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
