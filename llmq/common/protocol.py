@@ -63,6 +63,9 @@ class EngineRequest:
         inputs = data.get("inputs")
         if inputs is not None and not (isinstance(inputs, list) and all(map(_token_ids, inputs))):
             raise ValueError("inputs must be lists of token ids")
+        images = data.get("images", [])
+        if not (isinstance(images, list) and all(isinstance(d, str) for d in images)):
+            raise ValueError("images must be a list of content hashes")
         try:
             data["params"] = SamplingParams.from_dict(data.get("params") or {})
             return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})

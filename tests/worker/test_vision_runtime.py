@@ -105,3 +105,14 @@ def test_an_image_gone_from_redis_fails_its_request():
     vision = VisionRuntime(Encoder(), lambda d: None)
     with pytest.raises(RequestError, match="expired"):
         vision.register("r", [IMG, IMG], ["a"])
+
+
+def test_a_request_entry_with_malformed_images_fails_alone():
+    from llmq.common.protocol import EngineRequest
+
+    good = EngineRequest("r", [1, IMG], images=["ab" * 32])
+    assert EngineRequest.from_json(good.to_json()).images == ["ab" * 32]
+    for bad in ('"ab"', "[1, 2]", "{}"):
+        raw = good.to_json().replace(f'"images":["{"ab" * 32}"]', f'"images":{bad}')
+        with pytest.raises(ValueError, match="images must be"):
+            EngineRequest.from_json(raw)
