@@ -14,7 +14,7 @@ from llmq.worker.engine.sequence import Sequence
 from llmq.worker.request_error import RequestError
 from llmq.worker.runner.packed_batch import pack_step
 from llmq.worker.vision import runtime
-from llmq.worker.vision.runtime import VisionRuntime, image_root, image_spans
+from llmq.worker.vision.runtime import VisionRuntime, image_salts, image_spans
 
 pytestmark = pytest.mark.unit
 IMG = 9  # the image token
@@ -52,11 +52,22 @@ def test_spans_follow_the_runs_and_refuse_a_mismatch():
         image_spans(prompt, IMG, ["a"], [2])
 
 
-def test_the_cache_root_tells_images_apart():
-    assert image_root(0, []) == 0
-    assert image_root(0, ["a", "b"]) == image_root(0, ["a", "b"])
-    assert len({image_root(0, ["a"]), image_root(0, ["b"]), image_root(7, ["a"]),
-                image_root(0, ["a", "b"]), image_root(0, ["b", "a"])}) == 5  # fmt: skip
+def test_blocks_holding_image_tokens_are_keyed_by_the_images():
+    from llmq.common.placement.block_hashes import chain_hashes
+
+    def chain(prompt, digests, counts):
+        spans = image_spans(prompt, IMG, digests, counts)
+        return chain_hashes(prompt, 4, len(prompt) // 4, salts=image_salts(spans, 4))
+
+    text = [1, 2, 3, 4, 5, 6, 7, 8]
+    prompt = text + [IMG] * 6 + [3, 3]  # blocks 0-1 text, 2-3 the image
+    a, b = chain(prompt, ["a"], [6]), chain(prompt, ["b"], [6])
+    assert a[:2] == b[:2] == chain_hashes(text, 4, 2)  # the text before is shared
+    assert a[2] != b[2] and a[3] != b[3]
+    assert chain(prompt, ["a"], [6]) == a  # the same image keys alike
+    # Two images, and the same two the other way round.
+    two = text + [IMG] * 4 + [IMG] * 4
+    assert chain(two, ["a", "b"], [4, 4]) != chain(two, ["b", "a"], [4, 4])
 
 
 def _scheduled(request_id: str, prompt: list[int], start: int, n: int) -> ScheduledSequence:

@@ -10,7 +10,7 @@ earlier block differs in every later hash."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -34,13 +34,17 @@ def chain_hashes(
     num_blocks: int,
     hashes: list[int] | None = None,
     root: int = 0,
+    salts: Mapping[int, int] | None = None,
 ) -> list[int]:
     """The hashes of the first ``num_blocks`` full blocks of ``token_ids``, extending
     ``hashes`` (the chain already computed for them, extended in place) where given; ``root``:
-    the first block's parent (``adapter_root``)."""
+    the first block's parent (``adapter_root``); ``salts``: block index -> what else its
+    content is (the images whose tokens it holds), folded into its hash."""
     hashes = [] if hashes is None else hashes
     for i in range(len(hashes), num_blocks):
         parent = hashes[i - 1] if i else root
+        if salts and i in salts:
+            parent = hash((parent, salts[i]))
         hashes.append(block_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
     return hashes
 

@@ -90,9 +90,15 @@ class BlockManager:
     # ---- hashing -------------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """Hash chain of the sequence's first ``num_full_blocks`` blocks, memoized on it; chained
-        from its adapter's root, so that no block is shared across adapters."""
+        from its adapter's root, so that no block is shared across adapters, and a block holding
+        image tokens salted with the images' hashes, so that no block is shared across images."""
         return chain_hashes(
-            seq.token_ids, self.block_size, num_full_blocks, seq.block_hashes, root=seq.hash_root
+            seq.token_ids,
+            self.block_size,
+            num_full_blocks,
+            seq.block_hashes,
+            root=seq.hash_root,
+            salts=seq.hash_salts,
         )
 
     # ---- allocation ----------------------------------------------------------------------

@@ -54,6 +54,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     lora: LoraRef | None = None  # the adapter applied to it; None: the base model
     hash_root: int = 0  # the parent of its first block's hash (its adapter's; 0: the base's)
+    # Block index -> the images (their content hashes) whose tokens it holds, folded into its
+    # hash (worker/vision): image tokens are one id whatever the image.
+    hash_salts: dict[int, int] = field(default_factory=dict)
     # Tokens a proposer guessed to follow (speculative decoding), for the next step to check;
     # the scheduler takes them.
     draft: list[int] = field(default_factory=list)

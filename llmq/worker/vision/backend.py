@@ -1,6 +1,6 @@
 """The generation backend of a vision-language model: a request's images registered with the
-runner's vision runtime as it arrives (its prefix-cache root folding in their hashes), dropped
-when it ends; the heartbeat says the model takes images, how many tokens an image is, and how
+runner's vision runtime as it arrives (its blocks holding image tokens keyed by the images'
+hashes in the prefix cache), dropped when it ends; the heartbeat says the model takes images, how many tokens an image is, and how
 many images were encoded."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 from llmq.common.protocol import EngineRequest, OutputMessage
 from llmq.worker.backends import GenerationBackend
-from llmq.worker.vision.runtime import VisionRuntime, image_root
+from llmq.worker.vision.runtime import VisionRuntime, image_salts
 
 
 class VisionBackend(GenerationBackend):
@@ -21,14 +21,14 @@ class VisionBackend(GenerationBackend):
     def add(self, request: EngineRequest, prior_tokens: list[int]) -> None:
         if not request.images:
             return super().add(request, prior_tokens)
-        self.vision.register(request.id, request.prompt_token_ids, request.images)
+        spans = self.vision.register(request.id, request.prompt_token_ids, request.images)
         try:
             super().add(request, prior_tokens)
         except BaseException:
             self.vision.drop(request.id)
             raise
         seq = self.engine.requests[request.id]
-        seq.hash_root = image_root(seq.hash_root, request.images)
+        seq.hash_salts = image_salts(spans, self.engine.block_manager.block_size)
 
     def abort(self, request_id: str) -> OutputMessage | None:
         self.vision.drop(request_id)

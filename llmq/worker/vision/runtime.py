@@ -58,15 +58,23 @@ def image_spans(
     return spans
 
 
-def image_root(root: int, digests: list[str]) -> int:
-    """A prompt's first block's parent folding in its images, so two different images never
-    share a block: the same images, in order, hash alike."""
-    if not digests:
-        return root
-    h = hashlib.blake2b(str(root).encode(), digest_size=8)
-    for d in digests:
-        h.update(d.encode())
-    return int.from_bytes(h.digest(), "little", signed=True) or 1
+def image_salts(spans: list[ImageSpan], block_size: int) -> dict[int, int]:
+    """Block index -> a key of the image tokens it holds (each image's hash and where in the
+    image they start), so that two different images never share a block while the text
+    before them does; the same images in the same places key alike in every process."""
+    parts: dict[int, list[str]] = {}
+    for span in spans:
+        for block in range(
+            span.start // block_size, (span.start + span.count - 1) // block_size + 1
+        ):
+            first = max(span.start, block * block_size) - span.start + span.offset
+            parts.setdefault(block, []).append(f"{span.digest}:{first}")
+    return {
+        block: int.from_bytes(
+            hashlib.blake2b("|".join(keys).encode(), digest_size=8).digest(), "little", signed=True
+        )
+        for block, keys in parts.items()
+    }
 
 
 class VisionRuntime:
