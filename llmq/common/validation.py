@@ -21,6 +21,7 @@ _UNION_MEMBERS = {
     "list[constrained-int]": "an array of token ids",
     "list[list[constrained-int]]": "an array of arrays of token ids",
     "list[TextPart]": "an array of text parts",
+    "list[tagged-union[TextPart,ImagePart]]": "an array of content parts",
     "dict[str,any]": "a JSON schema object",
     "RerankDocument": 'an object with "text"',
 }

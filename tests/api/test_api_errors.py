@@ -190,7 +190,7 @@ def test_400_bad_values(main):
     assert err["message"] == "prompt must not be empty"
     bad = {"messages": [{"role": "user", "content": 5}]}
     err = assert_error(httpx.post(chat, json=bad), 400, param="messages.0.content")
-    assert err["message"] == "messages.0.content must be a string or an array of text parts"
+    assert err["message"] == "messages.0.content must be a string or an array of content parts"
     err = assert_error(httpx.post(chat, json={**bad, "messages": MESSAGES, "stop": 5}), 400)
     assert (
         err["param"] == "stop" and err["message"] == "stop must be a string or an array of strings"
