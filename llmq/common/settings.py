@@ -182,8 +182,8 @@ class Settings(BaseSettings):
         True,
         description="With fast_forward, bfloat16 on CPU: projection weights packed once, the "
         "model's own copies released: with cpu_kernels on an AVX512-BF16 CPU in the panels of "
-        "llmq's own matmul (1.0-3.7x oneDNN's speed, results within bfloat16 rounding), else "
-        "in oneDNN's blocked layout (the same results as unpacked, faster matmuls).",
+        "llmq's own matmul (faster than oneDNN's, results within bfloat16 rounding), else in "
+        "oneDNN's blocked layout (the same results as unpacked, faster matmuls).",
     )
     cuda_graphs: bool = Field(
         True,
@@ -194,7 +194,7 @@ class Settings(BaseSettings):
     cpu_kernels: bool = Field(
         True,
         description="CPU: llmq's C++ kernels (`worker/runner/kernels/`, compiled with the "
-        "system's g++ on first use, 15-35 s, cached in ~/.cache/llmq/kernels): every layer of "
+        "system's g++ once, on first use, and cached in ~/.cache/llmq/kernels): every layer of "
         "a step in one C++ call, decode attention read straight from the paged KV pool, "
         "bfloat16 projections on llmq's own matmul (AVX512-BF16); without a compiler, or "
         "false: torch's ops.",
@@ -252,9 +252,8 @@ class Settings(BaseSettings):
         description="Placement's weight of a worker's load (tokens it has still to compute) "
         "against the prompt tokens its cache would spare: higher spreads more, 0 follows the "
         "cache alone. 0.25: a queued token costs a quarter of a prompt token computed again "
-        "(its holder batches it with the rest, a miss computes the prefix twice); bench/"
-        "routing.py at 2-4 workers kept 1.00x the one-worker cache share with it, 0.80-0.91x "
-        "with 1.0.",
+        "(its holder batches it with the rest, a miss computes the prefix twice); "
+        "docs/performance.md (Cache-aware placement) compares the weights.",
     )
     max_deliveries: int = Field(
         3, description="Times a request may be delivered to workers before it is dead-lettered."
