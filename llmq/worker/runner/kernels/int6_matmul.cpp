@@ -12,10 +12,8 @@
 // multiplied with the activations as unsigned bytes, as int4's: vpdpbusd on AVX512-VNNI,
 // vpmaddubsw + vpmaddwd on AVX2 (int_lanes.h's add_six_dot).
 //
-// On a 2-core AVX2-only EPYC (Zen 3, 20-21 GB/s read on both cores), the 1B shape's projections
-// with their weights read from memory: at one row 15-19 GB/s, 1.17-1.38x faster than the same
-// weights in int8 (the bytes: 6.625 bits a weight against 8.5); at 16 and 128 rows 0.95-1.23x
-// int8's speed (an ad-hoc timing with bench/cpu_kernels.py's us_per_call, best of 3).
+// Fewer bytes than int8 (6.625 bits a weight against 8.5), so a decode's memory-bound row runs
+// faster than int8's and batches about as fast (docs/performance.md).
 
 #include "int_common.h"  // first: vec.h sets the ISA ATen's headers compile for
 
@@ -47,9 +45,7 @@ inline void six_step(Ints (&isum)[R][S], Bytes v, Bytes lo_top, Bytes hi_top, co
 
 // Rows [0, R) of the quantized x (from row `row`) through one 6-bit panel; out's columns
 // [0, cols). Its frame repeats int_matmul.cpp's q4_pass: one pass templated on how a group's
-// sums are made ran the 1B shape's 6-bit projections 0.85-0.96x as fast built for AVX2, on a
-// Zen 4 EPYC (`bench/kernel_ab.py --bits 6 --march x86-64-v3`, two runs; int4 and the AVX-512
-// builds unchanged within the noise), so the two stay apart.
+// sums are made was slower built for AVX2 (docs/performance.md), so the two stay apart.
 template <int R, typename O>
 void q6_pass(const uint8_t* w, KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
              const float* bias, O* out, int64_t out_stride, int64_t cols) {
@@ -101,13 +97,9 @@ struct Q6KRows {
 
 // q6_pass for Q6_K's scales (Q6KBlocks): a group's two 16-value halves (steps 0-1, 2-3) summed
 // apart, each (sum - 32 * sum(x)) times its sub-block's d * sc. No base term: the -32 is the
-// sums' own. Two chains of vpdpbusd a row, as q6_pass's kSums makes for few rows. On a 2-core
-// Zen 4 EPYC (AVX512-VNNI), the 1B shape's down (2,048 x 8,192), gate_up and tied head with
-// their weights read from memory: at one row 1.16-1.21x faster than the same weights in int8
-// (26-28 GB/s; the bytes: 6.5625 bits a weight against 8.5), as fast as q6_pass's blocks; at 16
-// rows 0.77-0.94x int8's speed, at 128 rows 0.67-0.70x (0.75x q6_pass's): a row's group ends in
-// ten vector operations where q6_pass's take five, and at many rows those, not the bytes, are
-// the time (an ad-hoc timing with bench/cpu_kernels.py's us_per_call, best of 3).
+// sums' own. Two chains of vpdpbusd a row, as q6_pass's kSums makes for few rows: faster than
+// int8 at one row (fewer bytes), slower at many, where a group's ten vector operations (q6_pass's
+// five) are the time (docs/performance.md).
 #if defined(LLMQ_INT_LANES_AVX512)
 template <int R, typename O>
 void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
@@ -145,14 +137,9 @@ void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_
 // q6k_pass on AVX2: a step's int16 pair sums widened by vpmaddwd against its sub-block's sc
 // instead of ones (the widening scales them), so a group's two halves make one int32 sum a row
 // (exact: at most 4 * 2 * 32,004 * 128), the -32 taken once a group: (32 sc, 32 sc') against
-// the halves' sums of x. A row's group ends in four operations of two registers. On a 2-core
-// Zen 3 EPYC (AVX2 only), the 1B shape's down (2,048 x 8,192) and tied head (49,152 x 2,048),
-// weights from memory, against AVX-512's form of the pass (two sums a row, scaled in float): at
-// 4 rows 1.14-1.20x, at 16 rows 1.18-1.49x, at 128 1.00-1.35x (int8's unchanged kernel in the
-// same runs 0.99-1.10x), now 0.96-1.18x int8's speed where it was 0.80-1.04x; at 1 and 2 rows
-// 0.91-1.02x (int8's 1.00-1.16x), the scales' set-up a group costing what the rows' cheaper
-// group ends save. One form for every pass: a row's bits do not depend on the rows beside it
-// (`bench/kernel_ab.py --bits q6k,8 --rows 1,2,4,16,128 --shapes 2048x8192,49152x2048`).
+// the halves' sums of x. A row's group ends in four operations of two registers, faster than
+// AVX-512's form built for AVX2 from 4 rows on (docs/performance.md). One form for every pass: a
+// row's bits do not depend on the rows beside it.
 template <int R, typename O>
 void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
               const float* bias, O* out, int64_t out_stride, int64_t cols) {

@@ -35,12 +35,9 @@ namespace {
 constexpr int64_t kCols = 16;   // output columns per panel: one vector of int32 / float lanes
 constexpr int64_t kGroup = 32;  // inputs per weight group and per activation block
 constexpr int64_t kChunkBytes = 64 * 1024;  // weights a thread takes at a time (panel_loop.h)
-// Software prefetch of a pass's weights this far ahead (the hardware's prefetchers alone kept a
-// 2-core Sapphire Rapids Xeon at 8-10 GB/s a thread): the 1B shape's int4 projections 1.08-1.24x
-// faster at 1 row, 1.28-1.40x at 8, 1.03-1.07x at 128; int8's 1.14-1.25x at 8 rows, 1.01-1.10x at
-// 128, 0.92-1.00x at 1 row (already at the memory's pace: it prefetches from 2 rows a pass).
-// `bench/kernel_ab.py --base 7af93a4 --rows 1,8,16,128 --bits 4,8 --rounds 3`. The `lines`
-// cache lines from p + kPrefetchAhead on towards L1:
+// Software prefetch of a pass's weights this far ahead: the hardware's prefetchers alone fall
+// short of the memory's pace (docs/performance.md). The `lines` cache lines from p +
+// kPrefetchAhead on towards L1:
 constexpr int64_t kPrefetchAhead = 4096;
 inline void prefetch_ahead(const uint8_t* p, int lines) {
   for (int i = 0; i < lines; ++i) {

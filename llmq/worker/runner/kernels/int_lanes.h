@@ -1,5 +1,5 @@
 // Sixteen lanes of int32 or float32 for int_matmul.cpp's integer dot products: one AVX-512
-// register where the CPU has AVX512-VNNI, else two AVX2 registers (a 2-core AVX2 EPYC, say),
+// register where the CPU has AVX512-VNNI, else two AVX2 registers,
 // so that one kernel source serves both.
 //
 // A panel step reads 64 bytes: 4 bytes (inputs) for each of 16 output columns. dot_u8 adds, to
@@ -153,12 +153,8 @@ inline Ints dot_q8(Ints acc, Bytes biased, int32_t x) {
 }
 // A group's 4-bit products: vpmaddubsw's int16 pair sums added as int16, widened once a group
 // by vpmaddwd (a group's 8 steps sum at most 8 * 2 * 15 * 127 = 30,480 in a lane: exact), as
-// llama.cpp sums its 4-bit blocks: one multiply a step instead of two. On a 2-core AVX2 EPYC
-// (Zen 3), the 1B shape's qkv, gate_up and down projections in int4 took 1.09-1.29x less time
-// at 1, 16 and 128 rows (229-255 GOPS at 16-128 rows; the 2,048 x 2,048 one 0.84-0.96x), int8
-// 0.90-1.07x (`bench/kernel_ab.py --base acb02d5 --rounds 4`). Four rows a pass instead of
-// eight (fewer registers spilled) measured 0.7-1.0x, and slicing a panel by 16 groups to keep
-// it in L1 across the passes 0.8-1.0x: both dropped.
+// llama.cpp sums its 4-bit blocks: one multiply a step instead of two, faster on AVX2; four rows
+// a pass and L1-sized panel slices gained nothing and were dropped (docs/performance.md).
 constexpr bool kChainedDots = false;  // vpaddw / vpaddd chains: a cycle a step
 struct NibbleSums { __m256i lo, hi; };
 inline NibbleSums add_nibble_dot(NibbleSums acc, Bytes w, int32_t x) {

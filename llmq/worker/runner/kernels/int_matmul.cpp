@@ -29,15 +29,8 @@
 // dequantize(xq) @ dequantize(W).T up to float32 rounding. A row's output does not depend on the
 // other rows of the call.
 //
-// torch's weight-only kernels dequantize every weight to float for each row. On a 2-core
-// AVX512 EPYC, the Llama-3.2-1B shape's projections with their weights read from memory
-// (bench/cpu_kernels.py --quantized): at 1 row int4 0.96-1.18x torch's and int8 1.09-1.69x,
-// both reading 22-27 GB/s, the memory's pace; at 16 rows 2.3-3.1x; at 128 rows 3.2-5.2x, and
-// faster than bfloat16 F.linear (16,384 x 2,048 at 128 rows: int4 15.9 ms, bf16 22.3 ms). On a
-// 2-core AVX2-only EPYC: at 1 row int4 2.1-2.6x torch's and int8 1.3-1.8x (17-25 GB/s), at 16
-// rows 2.2-3.3x, at 128 rows 1.9-3.1x. On a 2-core AVX512 Zen (VNNI, bfloat16 projections read
-// at 35-44 GB/s there): at 1 row int4 0.93-1.10x torch's (35-42 GB/s), int8 1.24-1.57x (40-53
-// GB/s); at 16 rows 1.5-2.1x; at 128 rows 2.3-3.5x.
+// torch's weight-only kernels dequantize every weight to float for each row; these multiply the
+// codes directly, so batches of rows run several times faster (docs/performance.md).
 
 #include "int_common.h"  // first: vec.h sets the ISA ATen's headers compile for
 

@@ -256,8 +256,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv, const a
   const int64_t tasks = n * s.kv_heads;
   const int64_t keys = keys_read(table, ctx, n, slots / s.block_size, s, f.window);
   // Waking the other threads costs a few us: below 512 keys of work in all, one thread runs
-  // every task (thresholds of 512, 1024 and 4096 measured alike at batch 1-64, context 256;
-  // 16384 kept batch 16 on one thread, 0.85x torch's path).
+  // every task; the threshold matters little until it is far larger (docs/performance.md).
   const bool serial = keys * s.kv_heads < kParallelKeys || at::in_parallel_region();
   const int threads =
       serial ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));

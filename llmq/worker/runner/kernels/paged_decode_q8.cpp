@@ -46,8 +46,8 @@ const float* fp8_table() {
 
 // e4m3 bytes as float16 bits: the sign to bit 15, exponent and mantissa under it (float16's
 // 5-bit exponent holds e4m3's 4 bits; subnormals stay subnormal), worth 2^-8 of the code. The
-// hardware's float16 conversion then reads them exactly; a gather from fp8_table instead made
-// the fp8 kernel 5x slower than int8's (AVX2, 1 thread, batch 16 at context 256).
+// hardware's float16 conversion then reads them exactly, where a gather from fp8_table made the
+// fp8 kernel several times slower than int8's (docs/performance.md).
 #if defined(CPU_CAPABILITY_AVX512)
 inline Vec fp8_to_float(const uint8_t* p) {
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

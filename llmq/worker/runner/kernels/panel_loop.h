@@ -16,10 +16,8 @@ constexpr int64_t kPassRows = 8;  // rows a pass keeps in registers at the most
 // run(p) for every panel p in [0, count), handed out as threads ask for them (dynamic), `chunk`
 // consecutive panels at a time: a thread that another process preempts holds up only the
 // panels it holds, not the whole team at a static share's end. Panels lie one after another in
-// memory, so a chunk is one stream the hardware prefetcher follows; int4 panels of 16 KB handed
-// out one by one broke it every 16 KB: on a 2-core AVX512 Zen, in runs of 64 KB one row's int4
-// projections went from 27-34 to 35-42 GB/s of weights read and int8's from 35 to 40-42
-// (bench/cpu_kernels.py --quantized --rows 1).
+// memory, so a chunk is one stream the hardware prefetcher follows; panels handed out one by one
+// broke that stream and read the weights slower (docs/performance.md).
 template <typename F>
 void for_each_panel(int64_t count, const F& run, int64_t chunk = 1) {
   const int threads = std::min<int64_t>(at::get_num_threads(), count);

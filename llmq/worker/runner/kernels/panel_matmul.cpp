@@ -2,16 +2,14 @@
 // count, from a lone stream's decode to a prompt chunk.
 //
 // A decode step of one row reads every weight once and does two flops per weight read: its time
-// is memory bandwidth plus what each call costs besides. On 2 cores whose memory a plain sum
-// reads at 28 GB/s, oneDNN's packed matmul took 50 us for a 576 x 576 projection of
-// SmolLM2-135M at one row (13 GB/s) and 2.35 ms for its 49,152-row head; here 28 us and 1.95
-// ms (bench/cpu_kernels.py --projections). Each projection is one parallel loop over panels of
-// 32 output columns whose weights lie in one contiguous run, in the pair-interleaved order
-// vdpbf16ps reads: [panel][K / 2][32 columns][2]. Panels are handed out as threads ask for them
-// (dynamic), so a thread that another process preempts holds up only the panel it holds, not
-// the whole team at a static share's end. Rows go eight at a time through a panel (two float32
-// sums each in registers); the panel stays in cache for the next eight, so the same loop serves
-// prompt chunks at oneDNN's pace or better (up to 436 GFLOP/s at 256 rows).
+// is memory bandwidth plus what each call costs besides, so each call is kept cheap and reads the
+// weights at the memory's pace (docs/performance.md, "Choices: CPU kernels"). Each projection
+// is one parallel loop over panels of 32 output columns whose weights lie in one contiguous
+// run, in the pair-interleaved order vdpbf16ps reads: [panel][K / 2][32 columns][2]. Panels
+// are handed out as threads ask for them (dynamic), so a thread that another process preempts
+// holds up only the panel it holds, not the whole team at a static share's end. Rows go eight
+// at a time through a panel (two float32 sums each in registers); the panel stays in cache for
+// the next eight, so the same loop serves prompt chunks at oneDNN's pace or better.
 //
 // Sums in float32 (vdpbf16ps: pairs of bfloat16 products added to a float32 lane; or, where the
 // CPU runs them faster, float32 FMAs that add the same products in the same order), then the
@@ -44,14 +42,10 @@ namespace {
 constexpr int64_t kPanel = 32;  // output columns per panel: two vectors of 16 float32 lanes
 constexpr int64_t kMaxRows = kPassRows;  // rows a panel's pass keeps in registers (2 sums each)
 // Fewer rows than this take vdpbf16ps whichever sums were chosen: per weight read the FMAs cost
-// three times the instructions, and at 1-3 rows (a decode's, memory-bound) they were even to
-// 1.35x slower; from 8 rows they were 1.15-1.6x faster where they won (1536 x 576 at 8 rows:
-// 67 us against 92; at 128 rows 271 GFLOP/s against 167).
+// three times the instructions, which only compute-bound row counts repay (docs/performance.md).
 constexpr int64_t kFmaMinRows = 8;
-// vdpbf16ps passes prefetch their panel 4 KB ahead: on a 2-core Sapphire Rapids Xeon the 1B
-// shape's projections took 1.10-1.26x less time at 1 row, 1.37-1.47x at 4 and 1.22-1.27x at 16
-// (`bench/kernel_ab.py --base 29b95d8 --rows 1,4,16 --bits 16 --rounds 3`), as the integer
-// kernels' (int_matmul.cpp).
+// vdpbf16ps passes prefetch their panel 4 KB ahead, as the integer kernels do: the hardware's
+// prefetchers alone leave decode-sized passes short of the memory's pace (docs/performance.md).
 constexpr int64_t kAheadWords = 1024;
 
 #if defined(__AVX512BF16__)
@@ -162,9 +156,8 @@ void panel_rows(int64_t rows, const uint32_t* w, const X* x, int64_t x_stride, i
 }  // namespace
 
 // Which sums the panels take: vdpbf16ps, or float32 FMAs on widened halves (the same sums). The
-// faster one depends on the CPU: on a 2-core AVX512-BF16 host here one core ran 1.1-1.4 G
-// vdpbf16ps a second (72-87 GFLOP/s) and 5.5 G float32 FMAs (176 GFLOP/s); a prompt's
-// projections are compute-bound, so packed_linear.choose_panel_sums times both at load.
+// faster one depends on the CPU and a prompt's projections are compute-bound, so
+// packed_linear.choose_panel_sums times both at load (docs/performance.md).
 std::atomic<bool> use_fma{false};
 
 void panel_matmul_set_fma(bool fma) { use_fma.store(fma); }

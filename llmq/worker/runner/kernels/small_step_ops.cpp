@@ -1,8 +1,8 @@
 // The elementwise glue of a decoder layer, one call each, for steps of few tokens.
 //
-// A lone stream's decode step on 2 cores spent about 3.5 ms of its 9.5 in ~1,000 small torch
-// ops called from Python (3-4 us each, for microseconds of arithmetic): transformers' RMSNorm
-// is seven of them, the rotary embedding nine. Each op here does the same arithmetic as the
+// A lone stream's decode step spent a large part of its time in ~1,000 small torch ops called
+// from Python, each costing more than its arithmetic (docs/performance.md): transformers'
+// RMSNorm is seven of them, the rotary embedding nine. Each op here does the same arithmetic as the
 // torch ops it replaces, rounding to the model's dtype where they do, so a bfloat16 step
 // differs from the torch path only in the order of a float32 sum (the norm's mean of squares).
 // Rows split across torch's threads once there are enough of them; sums and exp vectorized.

@@ -1,8 +1,7 @@
 // Every decoder layer of a step in one call.
 //
-// With the attention kernel and the small-step ops, a lone stream's step on 2 cores still
-// spent about 2.3 ms of its 9.6 outside the projections, most of it in the ~25 Python-level
-// torch calls (views, KV writes, adds) each layer makes (with it: 7.1 ms). Here the layer loop
+// The ~25 Python-level torch calls (views, KV writes, adds) each layer makes were a large part
+// of a lone stream's step outside the projections (docs/performance.md). Here the layer loop
 // runs in C++: the same projections (llmq's panels, oneDNN's packed matmul, or at::linear), the
 // same small-step ops, the decodes' attention kernel, the prompts' SDPA, the KV written by plain
 // copies, so its output is bit-equal to the Python loop's with those ops. The families' layers
