@@ -3,7 +3,7 @@
 The sources are built with the system's C++ compiler against torch's headers (``-O3
 -march=native``: the compiler vectorizes their loops for the CPU it runs on) into a cache
 directory keyed by the sources, torch's version, the flags and the CPU's features, so a
-machine compiles them once (the sources side by side, 15-20 s on 2 cores) and every later
+machine compiles them once (docs/performance.md, "Choices: CPU kernels") and every later
 worker loads the library in milliseconds. Concurrent workers wait on one file lock. Without a
 compiler, or when the build fails, ``load`` says why in the log and returns False: the callers
 keep their torch paths.
@@ -74,8 +74,7 @@ def _link_command(compiler: str, objects: list[Path], output: Path) -> list[str]
 
 def _run_all(commands: list[list[str]]) -> None:
     """Run ``commands`` side by side, one per core at most (each source parses torch's headers
-    on its own: the four sources took 33 s one after another, 19 s side by side on 2 cores);
-    raise on the first that fails."""
+    on its own, so side by side is faster: docs/performance.md); raise on the first that fails."""
     limit = max(1, len(os.sched_getaffinity(0)))
     running: list[subprocess.Popen] = []
     pending = list(commands)

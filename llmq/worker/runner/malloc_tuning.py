@@ -17,8 +17,9 @@ def tune_malloc() -> None:
 
     A forward pass allocates and frees the same megabyte-sized temporaries (activations, logits)
     over and over. glibc serves big ones with mmap and trims the heap top eagerly, so each reuse
-    page-faults its memory back in, zero-filled: measured 3x slower decode steps at batch 64.
-    Fixed thresholds (the largest glibc accepts) keep them on the heap, warm."""
+    page-faults its memory back in, zero-filled, which slowed decode steps severalfold
+    (docs/performance.md, "Choices: memory"). Fixed thresholds (the largest glibc accepts)
+    keep them on the heap, warm."""
     global _malloc_tuned
     if _malloc_tuned or not sys.platform.startswith("linux"):
         return
@@ -35,7 +36,7 @@ def tune_malloc() -> None:
 def return_freed_memory() -> None:
     """Give freed memory back to the kernel: pieces under the raised mmap threshold stay in the
     heap, resident, until trimmed. Building a forward frees a layer's float copies at a time
-    (fused, packed or quantized): untrimmed, a worker building an int8 Llama-3.2-1B shape
-    peaked at 2.9 GiB of RSS, trimmed after each layer at 1.9."""
+    (fused, packed or quantized): trimming after each layer lowers the build's peak RSS
+    (docs/performance.md, "Choices: memory")."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -2,7 +2,8 @@
 
 A CPU worker with few streams runs latency-bound steps that go faster on more threads, but only
 if those cores are free: two workers that both widen their steps onto the same cores stall each
-other at every parallel region (output at 32 streams fell from 403 to 232 tok/s on 2 cores).
+other at every parallel region, which cut output severalfold (docs/performance.md, "Choices:
+serving").
 The machine's busy time minus this process's own says what everyone else uses.
 """
 

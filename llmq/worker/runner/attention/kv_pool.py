@@ -26,8 +26,8 @@ from llmq.worker.runner.attention.kv_quant import (
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
     """A zeroed CPU tensor whose pages become resident only when written: anonymous memory
     from the kernel reads as zeros untouched, where ``torch.zeros`` writes every page. A pool
-    sized for a full batch of long sequences then costs the memory of the tokens it holds
-    (the SmolLM2-135M shape's 1.41 GiB pool: about 0 MiB of RSS at start, not 1.41 GiB)."""
+    sized for a full batch of long sequences then costs the memory of the tokens it holds, not
+    its size, at start (docs/performance.md, "Choices: memory")."""
     nbytes = math.prod(shape) * dtype.itemsize
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)  # not shmem: plain anonymous
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
@@ -92,9 +92,9 @@ class KVPool:
     def _layer_views(self, order: list[int]) -> None:
         """Per model layer (its storage slot in ``order``): ``kv``, ``k``, ``v`` and, viewed as
         whole blocks of one head, ``kv_blocks`` [2 * kv_heads * blocks, block_size * head_dim]
-        (a gather along dim 0 of this flat view, block ids offset per head, runs 2x faster on
-        CPU than one along the blocks axis of [2 * kv_heads, blocks, ...]); ``scales`` and
-        ``scale_blocks`` alike."""
+        (a gather along dim 0 of this flat view, block ids offset per head, is faster on CPU
+        than one along the blocks axis of [2 * kv_heads, blocks, ...]: docs/performance.md);
+        ``scales`` and ``scale_blocks`` alike."""
         h, rows = self.num_kv_heads, 2 * self.num_kv_heads * self.num_blocks
         self.kv = [self.storage[s] for s in order]
         self.k = [self.storage[s, :h] for s in order]

@@ -6,10 +6,8 @@ llama.cpp's q8_0 (a scale per 32 values) and vLLM's fp8 cache. The scale is per 
 not per block: a block is written a token at a time (decodes), so a block scale would either
 be fixed by the block's first tokens (later outliers clip) or requantize the tokens already
 stored. Per token, no stored code ever changes, and the int8 round trip errs by half a step at
-most: 1/254 of the row's largest value. On the SmolLM2-135M shape (random weights, 512 tokens,
-bench/quant_quality.py's text) the per-token int8 cache's mean KL against the float cache is
-1.2e-5, a per-block one's (16 tokens, its scale known in advance: the best case) 2.6e-5; the
-scales cost 4 bytes a row of 64 codes (the pool holds 3.76x the float32 blocks, not 3.98x).
+most: 1/254 of the row's largest value, closer to the float cache than a scale per block
+(docs/performance.md, "Choices: weights"). The scales cost 4 bytes a row of 64 codes.
 
 fp8 codes are kept in uint8 storage: torch's CPU index_copy_ has no float8 kernel.
 """

@@ -1,8 +1,8 @@
 """CUDA graphs of decode-only steps.
 
 On a GPU a small or mid-sized model's decode step is bound by kernel launches, not arithmetic:
-the lean forward still issues a few hundred kernels per step, each queued from Python (measured
-on an H100: 41 tok/s for one stream of the SmolLM2-135M shape, eager). A decode-only step has
+the lean forward still issues a few hundred kernels per step, each queued from Python
+(docs/performance.md, "On a GPU"). A decode-only step has
 the same shapes from one step to the next once its batch and its longest context are rounded up
 to buckets, so each (batch, blocks) bucket is captured once, on first use, and replayed after:
 one launch per step.

@@ -4,7 +4,7 @@ op, without their per-call machinery.
 
 At small batches a step is bound by per-op overhead, not by arithmetic: transformers' forward
 goes through module calls, output-capturing hooks and kwargs plumbing for every one of ~40 ops
-per layer, which measured about two thirds of a batch-1 decode step on 2 cores. This walks the
+per layer, most of a batch-1 decode step on a CPU (docs/performance.md). This walks the
 layers itself with the models' own weights: query, key and value projections in one matmul
 (one read of the activations, one kernel launch), gate and up in another, rotary embedding
 applied to queries and keys together, and attention through the paged kernel. In bfloat16 on

@@ -206,10 +206,9 @@ def own_memory(model: torch.nn.Module, copies: WeightCopies) -> None:
     """Copy the weights still in the model (the embedding, the norms, a head) out of the file
     they were loaded from. Loaded from a safetensors file of their own dtype they are views of
     the file's mapping, and the whole mapping stays resident while any one of them lives, long
-    after the projections were fused into memory of their own: on the SmolLM2-135M shape in
-    bfloat16 a worker held the 269 MB file besides its fused weights (RSS after building this
-    forward 932 MiB, with the copies 727 MiB). The fused weights (``copies.fused``), which the
-    modules' weights view unpacked, are left."""
+    after the projections were fused into memory of their own, so a worker would hold the
+    whole file besides its fused weights (docs/performance.md, "Choices: memory"). The fused
+    weights (``copies.fused``), which the modules' weights view unpacked, are left."""
     for param in model.parameters():  # shared (tied) parameters come once
         if param.numel() and param.untyped_storage().data_ptr() not in copies.fused:
             original = param.data

@@ -4,19 +4,16 @@ loaded and the CPU has AVX512-BF16.
 
 ``F.linear`` on a bfloat16 CPU tensor goes to oneDNN too, but reorders the plain row-major
 weight into oneDNN's blocked layout inside every call. At decode batch sizes the matmul itself
-is a few tens of microseconds, so the reorder is a large share of it: packing each weight once
-at load measured 1.5-3.5x faster at one row and 1.2-1.4x at 32-64 rows on 2 cores, with the
-same bits as ``F.linear`` (the same kernel, minus the reorder). Packing is used only where it
-gives the same bits; float32 keeps ``F.linear`` (its oneDNN kernel rounds differently from the
+is a few tens of microseconds, so the reorder is a large share of it: each weight is packed
+once at load instead, with the same bits as ``F.linear`` (the same kernel, minus the reorder;
+docs/performance.md, "What made the difference"). Packing is used only where it gives the
+same bits; float32 keeps ``F.linear`` (its oneDNN kernel rounds differently from the
 default one, and float32 is where output must equal transformers' ``generate``).
 
 llmq's panels: the weights in the pair-interleaved order vdpbf16ps reads, 32 output columns a
-panel, each panel one contiguous run. Against the packed oneDNN matmul on SmolLM2-135M's
-projections and head, 2 cores, weights cycled through 256 MB of copies so they come from
-memory as in a step (``bench/cpu_kernels.py --projections``): 1.2-1.8x faster at one row (21-29
-GB/s, the memory's pace), 1.04-1.66x at 4-32 rows, 1.01-1.26x at 64-256 rows (up to 436
-GFLOP/s). Not F.linear's bits (another summation order): float32 keeps F.linear; bfloat16
-output differs by roundings.
+panel, each panel one contiguous run: faster than the packed oneDNN matmul at every row
+count (docs/performance.md, "What made the difference"). Not F.linear's bits (another
+summation order): float32 keeps F.linear; bfloat16 output differs by roundings.
 """
 
 from __future__ import annotations
@@ -86,9 +83,8 @@ def panel_sums(fma: bool) -> Iterator[None]:
 def choose_panel_sums(repeats: int = 5) -> str:
     """Time the matmul's two sums, vdpbf16ps ("dot") and float32 FMAs ("fma", the same sums),
     on a prompt chunk's shape (64 rows of a 576-wide input into 1,536 outputs), alternating,
-    and keep the faster (the FMAs only if at least 10% faster). One CPU ran vdpbf16ps at a
-    quarter of its float32 FMA rate (prompt chunks 1.45x faster with the FMAs), where another
-    reached 436 GFLOP/s with it; the choice is the machine's. About 20 ms, once."""
+    and keep the faster (the FMAs only if at least 10% faster): which is faster differs from
+    CPU to CPU (docs/performance.md, "Choices: CPU kernels"). Timed once, at load."""
     global _panel_sums
     if _panel_sums is not None:
         return _panel_sums
@@ -158,7 +154,7 @@ def padded_rows(rows: int) -> int:
     to 16 rows as they are (a lone stream's decode), above in four steps per doubling (at most
     a quarter more rows, most often far less: decodes are bandwidth-bound, and a 128-token
     prefill chunk with 32 decodes is 160 rows as it is). The real rows' bits are unchanged
-    (tested). Worker peak RSS at 64 streams: 1.54-1.56 -> 1.41-1.48 GiB."""
+    (tested). The bound lowers a worker's peak RSS (docs/performance.md, "Choices: memory")."""
     if rows <= 16:
         return rows
     step = 1 << ((rows - 1).bit_length() - 3)

@@ -14,10 +14,8 @@ run with integer dot products as llama.cpp runs its quantized types (W8A8, W4A8)
 activations quantized to int8 per block of 32 inputs, one float32 scaling per block; by default
 (``LLMQ_INT_ACTIVATIONS=2``) in two terms, the residual quantized again (closer to the float
 product than bfloat16 activations; llama.cpp's single Q8_1 term moved a real model's answers).
-Speed with one term, on the 1B shape's projections (bench/cpu_kernels.py --quantized): on an
-AVX512 EPYC 2.3-3.1x torch's kernels at 16 rows and 3.2-5.2x at 128, faster than bfloat16
-there, at one row 1.0-1.7x, both at the memory's pace; on an AVX2-only EPYC 2.2-3.3x at 16 rows, 1.9-3.1x at 128 and 1.3-2.6x at
-one row (17-25 GB/s of weights read).
+They beat torch's weight-only kernels at every row count, by most from a few rows on
+(docs/performance.md, "Choices: CPU kernels").
 Tolerance (tests/worker/runner/test_int_matmul.py): against the float64 product of the
 activations as quantized and the dequantized weights, within ``1e-5`` of the sum of the terms'
 magnitudes (the rounding to bfloat16 of a bfloat16 output besides); a row gets the same bits in
@@ -27,9 +25,8 @@ Elsewhere (W8A16, W4A16) on ``aten._weight_int8pack_mm`` and
 ``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``.
 
 torch's kernels have vectorized (AVX2 / AVX-512) paths for bfloat16 activations only: float32
-activations fall to scalar code, measured 6-17x slower than bfloat16 on a 2-core AVX2 EPYC (a
-16,384 x 2,048 matrix at one row: int8 91 ms against 11 ms, int4 157 ms against 9 ms). So the
-activations enter the kernels in bfloat16 (the A16 of W8A16) whatever the model's dtype, and
+activations fall to scalar code, many times slower (docs/performance.md, "Choices: weights").
+So the activations enter the kernels in bfloat16 (the A16 of W8A16) whatever the model's dtype, and
 the output comes back in it.
 
 Their tolerance (tested over odd shapes): against the float32 matmul of the bfloat16-rounded
@@ -174,8 +171,8 @@ def q8_panels_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def panel_rows(q: torch.Tensor, rows: int, step: int = _PACK_ROWS):
     """(first row, rows [step or fewer, K]) of ``q`` padded with zero rows (a copy) up to
-    ``rows``: a panel layout is built a slice at a time, its temporaries a few MiB (the whole
-    49,152-row head at once took 0.5 GiB of RSS more at start)."""
+    ``rows``: a panel layout is built a slice at a time, its temporaries a few MiB, so a large
+    head does not raise the start's peak RSS (docs/performance.md, "Choices: memory")."""
     for start in range(0, rows, step):
         part = q[start : start + step]
         yield start, F.pad(part, (0, 0, 0, min(step, rows - start) - part.shape[0]))

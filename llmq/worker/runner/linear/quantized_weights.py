@@ -16,8 +16,8 @@ from llmq.worker.runner.loaders import mapped_pages
 GROUP = 32  # int4 group size: llama.cpp's Q4_K sub-block, and exact for GGUF Q4_K
 ACTIVATIONS = torch.bfloat16  # the kernels' fast path
 
-# Rows quantized at a time: their float32 copy and its temporaries stay tens of MiB (the whole
-# 49,152 x 2,048 table of the 1B shape at once took 1.1 GiB more peak RSS at start).
+# Rows quantized at a time: their float32 copy and its temporaries stay tens of MiB, so a large
+# table does not raise the start's peak RSS (docs/performance.md, "Choices: memory").
 _CHUNK_BYTES = 32 << 20
 
 
@@ -130,9 +130,8 @@ class Int4Blocks:
     byte each here), d and m_step float16 per super-block of 8 groups [N, ceil(K / 256)], a
     group's codes sc uint8 and m int8 [N, K / 32]. llama.cpp's Q4_K with 8-bit codes where it
     has 6 (its ``-dmin`` and codes are held exactly): 4.625 bits a weight against the 5 of a
-    bfloat16 scale and zero per group, with the same error (random 4,096 x 2,048 weights' mean
-    squared error 1.0003x; the 1B shape's KL to bfloat16 0.0869 against 0.0875,
-    ``bench/quant_quality.py``)."""
+    bfloat16 scale and zero per group, with the same error (docs/performance.md, "Choices:
+    weights")."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -241,15 +240,14 @@ REFITS = 2  # least-squares refits of a group's step and base (see _fitted_steps
 def _fitted_steps(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's step and base (the value of q = 0) for w [N, G, 32]: min/max, then refitted
     ``REFITS`` times by least squares to the values rounded against the last fit (as llama.cpp's
-    ``make_qkx2_quants`` refits its candidates). Random weights' mean squared error before the
-    codes: 0.88x min/max's at 4 bits, 0.89x at 6 (three refits: 0.87x, 0.88x); once coded,
-    0.88x and 0.93x."""
+    ``make_qkx2_quants`` refits its candidates): a lower error than min/max's, and a third
+    refit gains little (docs/performance.md, "Choices: weights")."""
     low = w.amin(dim=2)
     step = (w.amax(dim=2) - low) / levels
     step = _grid_step(w, low, step * levels, levels)
     n, sum_w = w.shape[2], w.sum(2)
-    # One buffer for q, its sums as batched dot products: a fresh tensor a pass (page faults on
-    # new memory) took 4-5x the time of the arithmetic.
+    # One buffer for q, its sums as batched dot products: a fresh tensor a pass spends more time
+    # in page faults on new memory than in the arithmetic.
     q = torch.empty_like(w)
     rows, cols = q.view(-1, 1, n), w.view(-1, n, 1)
     for _ in range(REFITS):

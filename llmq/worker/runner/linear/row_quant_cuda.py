@@ -3,9 +3,8 @@ projections' quantization, the same numbers as its torch form (``quantize_rows``
 divide, clamp, round, cast) in one launch instead of seven.
 
 A W8A8 projection quantizes its input on every call, four times a layer: in torch's ops that
-was seven launches a call, and on the 1B shape on an H200 the fp8 and int8 forms' lone stream
-ran at 0.67x and 0.56x of bfloat16's (bench/gpu_quant.py), the step bound by launches, not by
-the weights' bytes.
+was seven launches a call, which left a lone stream's step bound by launches, not by the
+weights' bytes, and slower than bfloat16's (docs/performance.md, "Choices: weights").
 """
 
 from __future__ import annotations

@@ -201,8 +201,7 @@ class GGUFTensors:
     def data(self, tensor) -> np.ndarray:
         """The tensor's data read from the file, as the reader's ``tensor.data`` holds it. Not
         through the reader's mapping: its pages stay in the process's RSS while the reader
-        lives (building the 1B shape's forward from its Q5_K_M file peaked at 2.5 GiB through
-        it, 1.75 GiB so)."""
+        lives, which raised the build's peak RSS (docs/performance.md, "Choices: memory")."""
         out = np.empty(tensor.data.shape, dtype=tensor.data.dtype)
         with open(self.path, "rb") as f:
             f.seek(tensor.data_offset)

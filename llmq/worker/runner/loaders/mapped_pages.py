@@ -2,9 +2,9 @@
 
 Loaded from a safetensors file of their own dtype, a model's weights are views of the file's
 mapping. Building the forward copies each one (fused, packed or quantized), and every
-page it read stays resident in the mapping until the whole file is unmapped, at the end: on the
-Llama-3.2-1B shape (a 2.1 GB bf16 file) building an int4 forward peaked at 4.5 GiB of RSS to
-end at 1.1 GiB. ``release`` hands a copied weight's pages back as soon as it is copied
+page it read stays resident in the mapping until the whole file is unmapped, at the end, and
+the build's peak RSS is several times what it keeps (docs/performance.md, "Choices: memory").
+``release`` hands a copied weight's pages back as soon as it is copied
 (``madvise(MADV_DONTNEED)``: a clean page of a file mapping is read again from the file if it
 is touched later, so nothing is lost), and the peak falls to about what the forward keeps.
 
@@ -34,9 +34,8 @@ _FILE_PAGE = 1 << 61  # pagemap: a page of a file (or shared); cleared once copi
 
 def _file_mapping_of(address: int) -> tuple[int, int] | None:
     """(start, end) of the private mapping of a regular file that holds ``address``; None where
-    another kind of memory holds it. Only the line that holds it is parsed further: parsing and
-    checking every line (785 with torch's and transformers' libraries mapped) took 5 ms a call,
-    and building the 1B shape's int4 forward makes 367."""
+    another kind of memory holds it. Only the line that holds it is parsed further: a forward's
+    build makes hundreds of calls, and parsing every line each time cost seconds in all."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             span, _, rest = line.partition(" ")
@@ -98,7 +97,7 @@ def _written(start: int, end: int) -> bool:
 def released_as_run(model: torch.nn.Module) -> list:
     """Hooks that ``release`` each module's own parameters once its forward has run: a pass
     over the whole model (the attention probe) then holds one layer's pages resident at a
-    time, not the file (2 GiB on the 1B shape). Whatever reads a weight next faults it in again
+    time, not the file. Whatever reads a weight next faults it in again
     (from the page cache). Remove the returned handles after the pass."""
 
     def drop(module: torch.nn.Module, _args, _out) -> None:

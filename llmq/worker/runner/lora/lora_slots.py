@@ -11,12 +11,11 @@ rank's rows (its docstring gives the figures). Elsewhere torch's ops do, per pro
 rows of each adapter gathered into its slot (padded to the largest group with zero rows), one
 batched matmul with A, one per part with B, times each slot's scale, added back to the rows. A
 few ops per projection whatever the number of adapters, where a matmul per adapter cost two
-each: on the SmolLM2-135M shape, 32 decodes over 8 adapters of rank 16 (float32, 2 cores), one
-qkv projection's deltas took 140 us batched against 270-420 us adapter by adapter. A step whose
+each, faster than adapter by adapter (docs/performance.md, "Choices: weights"). A step whose
 groups are very unequal (a long prefill chunk beside decodes) would pad too much: its deltas
 are added run by run instead. There, on CPU, the slots hold float32 whatever the model's
-dtype: bfloat16 matmuls this small ran 5-15x slower than float32 on an AVX2 host (no bfloat16
-in hardware).
+dtype: bfloat16 matmuls this small run far slower than float32 on a CPU without bfloat16 in
+hardware (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -187,8 +186,8 @@ class StepAdapters:
         xg = xg.to(a.dtype)
         if self.mask is not None:
             xg = xg * self.mask
-        # Not through oneDNN: float32 bmm of 8 slots x 4 rows, rank 48 -> 960 outputs took 20 ms
-        # there on 2 threads (every call), 70 us in torch's own batched gemm.
+        # Not through oneDNN: its float32 bmm of these small shapes was hundreds of times slower
+        # than torch's own batched gemm (docs/performance.md, "Choices: weights").
         mkldnn = torch._C._get_mkldnn_enabled()
         torch._C._set_mkldnn_enabled(False)
         try:
