@@ -80,7 +80,7 @@ class EngineStep(bootsteps.StartStopStep):
             # The model loads and runs on this one thread. OpenMP keeps a thread team per
             # thread that runs parallel regions; a second team (the model loaded on the main
             # thread) puts more OpenMP threads than cores in the process, and libgomp then
-            # sleeps between regions instead of spinning: a two-thread step took 2x as long.
+            # sleeps between regions instead of spinning, which slows every step.
             from llmq.worker.service import build_engine_loop
 
             try:

@@ -23,9 +23,8 @@ from llmq.worker.runner.token_mask import TokenMask
 log = logging.getLogger(__name__)
 
 # Constrained rows from which the mask is filled by llguidance's thread pool rather than one
-# matcher after another. 49152-token vocabulary, a JSON schema (in a string, before a number, in
-# a pattern), 2 cores: one row fills in 0.005 ms; 4 rows 0.015 ms in a loop, 0.02 in parallel;
-# 8 rows 0.03 either way; 32 rows 0.11 ms in a loop, 0.045 in parallel.
+# matcher after another: below it the pool's overhead outweighs its gain (docs/performance.md,
+# "Choices: serving").
 PARALLEL_FILL_ROWS = 8
 
 

@@ -73,10 +73,9 @@ class EngineLoop:
             self.idle_block_ms = min(idle_block_ms, PLACEMENT_IDLE_BLOCK_MS)
         self.clock = clock  # wall time: deadlines are unix times
         # Requests taken per turn, at most: a burst is split among the engines serving the
-        # model as they turn, not swallowed whole by the first one that finds it (measured:
-        # two workers on 64 streams ran 0.92x one worker when each could take all 64). An
-        # engine with no live peer takes all it has room for: one worker given 32 prompts it
-        # had cached took them 8 a step, TTFT p99 0.33 s; all at once 0.17 s.
+        # model as they turn, not swallowed whole by the first one that finds it. An engine
+        # with no live peer takes all it has room for, which halves a burst's TTFT p99
+        # (docs/performance.md, "Choices: serving").
         self.pull_per_turn = max(1, backend.max_batch_size // 8)
         self.active: dict[str, Active] = {}
         self.stopping = threading.Event()

@@ -2,13 +2,12 @@
 
 A grammar (the JSON text ``LLMatcher.grammar_from_*`` returns) is parsed into a template
 matcher in a small thread pool; every sequence constrained by it gets a ``deep_copy()`` of
-the template. Measured on a 49152-token vocabulary (2 cores): a mid-size JSON schema (seven
-properties, a nested object, two arrays, enums, bounds, a pattern) builds in 0.9-1.9 ms, its
-deep copy takes 0.002-0.03 ms: a thousand requests with one schema parse it once and copy it on
-the engine thread for next to nothing. The tokenizer's llguidance view is built once, in the
+the template: a copy costs a small fraction of a build (docs/performance.md, "Choices:
+serving"), so a thousand requests with one schema parse it once and copy it on the engine
+thread for next to nothing. The tokenizer's llguidance view is built once, in the
 pool, for the first grammar, as vLLM builds its grammar backend: a worker that never sees one
-does not hold it. For that vocabulary it held 62 MB and the Hugging Face tokenizer it is built
-from 46 MB (``LazyTokenizer``: loaded then), and took 0.3-0.9 s and 0.2 s to build and load.
+does not hold it (nor the Hugging Face tokenizer it is built from: ``LazyTokenizer``, loaded
+then).
 """
 
 from __future__ import annotations

@@ -37,8 +37,7 @@ log = logging.getLogger("llmq.worker.models")
 TICK_S = 0.1
 # A load's claim lapses this many heartbeat TTLs after its worker died (20 s by default).
 # Renewed every RENEW_S, but a load can hold the GIL for seconds at a time (a 262k-token
-# tokenizer parsed in Rust): at 5 s a claim lapsed during a load on a busy host and a second
-# worker loaded the same model.
+# tokenizer parsed in Rust), so a shorter lapse lets a second worker load the same model.
 CLAIM_TTLS = 4
 RENEW_S = 1.0
 RESCAN_S = 30.0
@@ -100,7 +99,7 @@ class ModelManager:
     @staticmethod
     def warm_imports() -> None:
         """What every load needs imported, at start: the first load then takes the time a
-        model's own load takes (the imports alone took 20 s on a busy 2-core host)."""
+        model's own load takes, not the imports' too (docs/performance.md, "Choices: memory")."""
         started = time.monotonic()
         import torch  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
@@ -114,7 +113,8 @@ class ModelManager:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
         # The libraries' objects out of the collector's sight: the full collection that frees
-        # an unloaded model's cycles then looks at the models' objects only (0.7 s to 0.0 s).
+        # an unloaded model's cycles then looks at the models' objects only (docs/performance.md,
+        # "Models on demand: the first request's wait").
         gc.collect()
         gc.freeze()
         log.info("load phase: libraries imported in %.2f s", time.monotonic() - started)
@@ -383,9 +383,9 @@ class ModelManager:
 
 
 def warm_up(backend) -> None:
-    """One short generation before the model is announced: a first step's one-time costs (5 s
-    on Gemma 3 270M on a busy 2-core host, against 0.16 s later) belong to the load, not to
-    the first request that waited for it."""
+    """One short generation before the model is announced: a first step's one-time costs
+    belong to the load, not to the first request that waited for it (docs/performance.md,
+    "Models on demand: the first request's wait")."""
     if backend.kind != "generate":
         return
     from llmq.common.sampling_params import SamplingParams

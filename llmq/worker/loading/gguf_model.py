@@ -1,10 +1,10 @@
 """A GGUF file's model with its quantized tensors left in the file.
 
-transformers' own GGUF loading dequantizes every tensor into the model (the 1B shape's Q5_K_M
-file, 0.77 GB: 3.5 GiB of the worker's peak RSS, 18 s), and llmq's forward then reads the
-file's blocks again for its kernels (``worker/runner/loaders/gguf_weights.py``). Here the model is
-built from the file's config with its weights left uninitialized (memory never touched is not
-resident), and only the file's float tensors (norms, biases) are read into it, through
+transformers' own GGUF loading dequantizes every tensor into the model (several times the file's
+size in the worker's peak RSS: docs/performance.md, "Choices: memory"), and llmq's forward then
+reads the file's blocks again for its kernels (``worker/runner/loaders/gguf_weights.py``). Here the
+model is built from the file's config with its weights left uninitialized (memory never touched is
+not resident), and only the file's float tensors (norms, biases) are read into it, through
 transformers' own tensor processors and name map; the quantized ones are read by the forward's
 quantizer from the file (``llmq_gguf_lean`` on the config says so).
 

@@ -32,7 +32,7 @@ def resolve_device(device: str = "auto") -> str:
 def cpu_has_native_bfloat16(cpuinfo: str | None = None) -> bool:
     """Whether the CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX on x86, the BF16
     extension on Arm). Without it oneDNN emulates bfloat16 matmuls, several times slower than
-    float32 (measured on an AVX2-only EPYC: 8 against 52 GFLOP/s on one core)."""
+    float32 (docs/performance.md)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
