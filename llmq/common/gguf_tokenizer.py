@@ -5,8 +5,8 @@ transformers builds the tokenizer a GGUF file describes (``gguf_file=``), but it
 reader imports torch, which the API process must not. This reads the same keys with the
 ``gguf`` package's reader (numpy only) and hands them to transformers' converter
 (``convert_gguf_tokenizer``), as ``get_gguf_tokenizer`` would. Reading the metadata is most of
-a GGUF start's tokenizer cost (the reader parses each vocabulary entry as a field: Gemma 3's
-262k took 30 s on a busy 2-core host, SmolLM2's 49k 5.6 s), so the converted tokenizer is saved
+a GGUF start's tokenizer cost (the reader parses each vocabulary entry as a field:
+docs/performance.md, "Start-up: a GGUF's tokenizer"), so the converted tokenizer is saved
 under ``<LLMQ_TOKENIZER_CACHE_DIR>/<sha256 of the file>`` and read from there by every later
 start, the worker's and the API's alike.
 """

@@ -88,12 +88,9 @@ def plan_workers(
     """The environment of each worker `llmq up` starts.
 
     CUDA: one worker per GPU, each seeing its own. CPU: one worker with every core as its torch
-    threads. With decode steps in C++ (``worker/runner/kernels/``) one worker keeps 1.7 of 2
-    cores busy; two single-threaded workers made 1.09-1.11x its output on prompts seen for the
-    first time (32 and 64 streams), but each cached only the prompts it served: on the same
-    prompts again one worker made 1.18-1.40x theirs with a third of their TTFT p50 (107 against
-    359 ms at 32 streams), a lone stream 1.11x, at 0.65x their peak RSS (`bench/compare.py
-    --servers llmq --llmq-env LLMQ_WORKERS=1|2`). ``workers`` (LLMQ_WORKERS) asks for more,
+    threads. With decode steps in C++ (``worker/runner/kernels/``) one worker keeps most cores busy,
+    and it caches every prompt where two would each cache half: one worker serves repeats faster at
+    less memory (docs/performance.md, "Choices: serving"). ``workers`` (LLMQ_WORKERS) asks for more,
     sharing the cores as torch threads unless LLMQ_TORCH_THREADS says otherwise."""
     on_cuda = device == "cuda" or (device == "auto" and gpus > 0)
     if on_cuda:
@@ -219,9 +216,8 @@ def start_embedded_redis() -> tuple[RedisServer, Path]:
     # AOF fsynced once a second, not at every write: each write is in the file (the page cache)
     # before Redis answers it, so a Redis that crashes or is killed loses nothing it answered;
     # only the host's own crash could lose the last second, and the data directory is a
-    # temporary one that such a crash leaves behind anyway. An fsync a write made each of a
-    # stream's token writes wait 0.30 ms instead of 0.11 (p50, this host's disk), and the
-    # kernel's writeback took 6% of a core under a lone stream.
+    # temporary one that such a crash leaves behind anyway. An fsync a write made a stream's
+    # token writes wait longer and cost CPU (docs/performance.md, "Choices: serving").
     server = RedisServer(
         appendonly=True, appendfsync="everysec", own_session=True, password=password
     ).start()

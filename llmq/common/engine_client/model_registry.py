@@ -135,8 +135,9 @@ class ModelRegistry:
         return await pipeline, engine
 
     async def _ready_pipeline(self, name: str, source: str) -> TokenGeneratorPipeline:
-        """The pipeline with its tokenizer's profile read, while a worker loads the model: a
-        262k-token vocabulary (Gemma 3's) took 2 s, which the first request paid."""
+        """The pipeline with its tokenizer's profile read, while a worker loads the model, so
+        the first request does not pay for it (docs/performance.md, "Models on demand: the
+        first request's wait")."""
         pipeline = await self._pipeline(name, source)
         await pipeline.encoder.profile()
         return pipeline

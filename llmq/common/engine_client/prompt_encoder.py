@@ -150,7 +150,7 @@ class PromptEncoder:
         self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict[str, Any]
     ) -> str:
         """``messages`` (and the ``tools`` offered) through the chat template, as text, on the
-        pool (the render is linear in its input: 2 MB of content renders in about 10 ms)."""
+        pool (the render is linear in its input)."""
         check_counts(messages, tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template; use /v1/completions")

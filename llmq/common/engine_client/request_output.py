@@ -118,8 +118,8 @@ class OutputReader:
         served its model for no_worker_grace (it is then cancelled: a worker that comes back
         later drops it), or once it has been inactive for too long. Waiting its turn in the
         queue of a served model is not inactivity, nor is running on a worker whose engine
-        keeps stepping (a long prompt's prefill, or others' before its first token: on a slow
-        CPU, 16 prompts of 128 tokens on a 1B model took over 60 s to their first tokens);
+        keeps stepping (a long prompt's prefill, or others' before its first token, which on a
+        slow CPU can take minutes);
         a worker whose loop stops is the stall timeout's, which withholds its heartbeat."""
         if state is None:  # its record lives until past its deadline unless Redis lost it
             raise Unavailable(

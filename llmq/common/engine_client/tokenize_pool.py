@@ -1,10 +1,10 @@
 """The threads that tokenize and render chat templates, with a bound on the bytes in flight.
 
-Two lanes: inputs up to ``small_bytes`` run on threads of their own and never wait behind the
-bytes of larger ones; larger inputs share a budget of ``bytes_in_flight`` (tokenizing takes
-about 250 bytes of memory per byte of text: a 2 MB prompt, 520 MiB) and wait for room at most
-``wait`` seconds before a 429 with Retry-After. An input larger than the whole budget runs when
-it is alone. The tokenizers release the GIL, so neither lane holds up the event loop."""
+Two lanes: inputs up to ``small_bytes`` run on threads of their own and never wait behind the bytes
+of larger ones; larger inputs share a budget of ``bytes_in_flight`` (tokenizing takes a few hundred
+bytes of memory per byte of text: docs/performance.md, "Choices: memory") and wait for room at most
+``wait`` seconds before a 429 with Retry-After. An input larger than the whole budget runs when it
+is alone. The tokenizers release the GIL, so neither lane holds up the event loop."""
 
 from __future__ import annotations
 

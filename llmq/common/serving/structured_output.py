@@ -30,9 +30,9 @@ JSON_OPTIONS: JsonCompileOptions = {
 }
 ANY_JSON_OBJECT = '{"type": "object"}'
 
-# Building and validating a grammar takes about 0.6 ms per KB of schema on this machine's cores
-# (1 ms for 2 KB, 12 ms for 20 KB, 67 ms for 125 KB): above this many characters of source it
-# runs in a thread (llguidance drops the GIL), so that a large schema does not stall the loop.
+# Building and validating a grammar takes time linear in the schema (docs/performance.md,
+# "Structured output"): above this many characters of source it runs in a thread (llguidance
+# drops the GIL), so that a large schema does not stall the loop.
 INLINE_SOURCE_CHARS = 4096
 MAX_ERROR_CHARS = 500
 

@@ -3,7 +3,8 @@ then, and the tail generated since, in its worker's step log.
 
 Redis work per step, not per token: a worker appends one entry a step to its own log stream
 (``{p}:log:{worker}``: the frames it published that step), and moves the tails into the requests' lists only every ``CONSOLIDATE_EVERY`` steps (and when a request ends),
-so a step costs a few Redis commands whatever its batch (measured in ``bench/redis_cost.py``).
+so a step costs a few Redis commands whatever its batch (docs/performance.md, "How many workers
+can one Redis feed?").
 Readers (a client filling a gap, a claimer, a worker taking its own requests back) read both:
 the list, then the owner's log values for the request, merged by position.
 
@@ -31,7 +32,7 @@ CLAIM_MARK = "~claimed"
 
 def encode_frame(records: list[tuple[str, str]]) -> str:
     """One step's messages for one API process, published and logged as they are (one copy
-    into Redis, not two: a 4 KB argument measured 4.5 us of Redis CPU inside a script):
+    into Redis, not two: copying an argument inside a script costs Redis CPU, docs/performance.md):
     ``\\x1e<key>\\x1f<value>`` for each (key, ``frame_value``)."""
     return "".join(f"\x1e{key}\x1f{value}" for key, value in records)
 
