@@ -169,10 +169,8 @@ class EmbeddingBackend:
 
     kind = "embed"
     # On a CPU a step costs about its padded tokens: keep batches at least this full (real
-    # tokens over padded ones). all-MiniLM-L6-v2, 2000 stdlib lines, 4 requests of 32 in
-    # flight, the worker's batches replayed through the runner (1 torch thread): padded
-    # tokens 64k -> 39k, 53 -> 79 texts/s, against no floor (bench/embeddings.py measures the
-    # whole path). On CUDA padding is nearly free next to a step's fixed cost: no floor.
+    # tokens over padded ones), which raises throughput (docs/performance.md, "Embeddings").
+    # On CUDA padding is nearly free next to a step's fixed cost: no floor.
     cpu_min_efficiency = 0.75
 
     def __init__(self, runner, max_batch_size: int, max_batch_tokens: int, max_model_len: int):

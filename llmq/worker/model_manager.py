@@ -107,8 +107,8 @@ class ModelManager:
         import llmq.worker.llm_engine  # noqa: F401
         import llmq.worker.service  # noqa: F401
 
-        # What a first load imports lazily (57 MB resident with SmolLM2's GGUF file): counted
-        # in the idle worker, not left behind by the first model unloaded.
+        # What a first load imports lazily: counted in the idle worker, not left behind by the
+        # first model unloaded.
         for name in _LOAD_IMPORTS:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)

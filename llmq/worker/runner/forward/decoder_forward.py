@@ -193,8 +193,8 @@ class DecoderForward:
         if self.packed and not tied:
             head.weight.data = head.weight.new_empty(0)
         if quantization:
-            # Quantizing the table from the file, not from a copy, spared the 1B shape's int4
-            # start 0.17 GB of peak RSS (the table's bf16 copy beside its quantization).
+            # The table is quantized from the file, not from a copy: its bf16 copy beside its
+            # quantization would raise the start's peak RSS (docs/performance.md).
             finish_quantization(self, quantizer, quantization)
             own_memory(model, copies)  # the norms, and a head or table kept float
             if isinstance(self.lm_head, Linear):  # kept float: onto the owned copy

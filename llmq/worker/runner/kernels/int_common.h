@@ -191,8 +191,8 @@ void run_terms(const at::Tensor& x, int64_t k, const float* bias, at::Tensor& ou
 }
 
 // Independent integer sums a row keeps in a pass: a lone row's group is a chain of vpdpbusd (5
-// cycles' latency each), which bounded one row's pass to about 22 GB/s of weights read from
-// memory with one sum; few rows split it in two (AVX2's chains are of one-cycle adds).
+// cycles' latency each), which bounds one row's pass below the memory's pace with one sum
+// (docs/performance.md); few rows split it in two (AVX2's chains are of one-cycle adds).
 template <int R>
 constexpr int kSums = lanes::kChainedDots && R <= 4 ? 2 : 1;
 

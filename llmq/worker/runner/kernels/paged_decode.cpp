@@ -2,8 +2,8 @@
 //
 // The eager path gathers every sequence's blocks into a contiguous buffer, then runs a bf16
 // baddbmm, a softmax and a bmm: the keys and values are copied once and read twice, and each
-// of the three calls pays oneDNN's per-call primitive lookup (34 + 4 + 22 us a layer for one
-// sequence at context 256 on 2 cores). Here each (sequence, KV head) task reads its keys and
+// of the three calls pays oneDNN's per-call primitive lookup (docs/performance.md, "Choices:
+// CPU kernels"). Here each (sequence, KV head) task reads its keys and
 // values once from the pool, with the scores and the softmax in float32.
 //
 // A layer may ask more (Features, as attention_features.py does on the gathered path): a
@@ -47,10 +47,8 @@ using llmq::paged::softmax_rows;
 
 // The two passes over a sequence's keys and values with the group size G and the head dim D
 // known to the compiler: the G query vectors and the G running sums stay in registers (at
-// D = 64, G = 3: 12 AVX-512 registers each), where the generic pass reloads them per key.
-// One thread, 32 sequences at context 256 (G = 3, D = 64): 705 -> 251 us a layer (gather and
-// bmm: 395 us), 222 us with 16 keys' scores summed at once (sum_lanes_16); one sequence: 21.8
-// -> 8.4 -> 6.8 us.
+// D = 64, G = 3: 12 AVX-512 registers each), where the generic pass reloads them per key:
+// several times faster (docs/performance.md).
 #if defined(CPU_CAPABILITY_AVX512)
 // The lane sums of 16 vectors as one vector (v[j]'s sum in lane j): 45 shuffles and adds where
 // 16 separate reductions take about 130.

@@ -82,8 +82,8 @@ def fallback_bits(bits: int, in_features: int) -> int:
     """2 bits more for a 4- or 6-bit tensor whose input width is not a multiple of 256 (a k-quant
     super-block), as llama.cpp's ``llama_tensor_get_type`` falls back there (Q4_K to Q5_0, Q6_K
     to Q8_0; llmq has no 5-bit form: 6 bits). Gemma 3 270M's width of 640 makes its Q4_K_M file's q, k,
-    v, gate and up Q5_0 and its table Q8_0: taken to 4 and 6 bits at load, its top-1
-    disagreement with the float model was 0.245 (`bench/quality_lib.py gemma3 --forms int4`)."""
+    v, gate and up Q5_0 and its table Q8_0: taken to 4 and 6 bits at load, it was several times
+    further from the float model (docs/performance.md, "Quantized weights")."""
     if bits in (4, 6) and in_features % (GROUP * 8):
         return bits + 2
     return bits

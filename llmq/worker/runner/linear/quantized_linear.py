@@ -155,8 +155,8 @@ def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 def q8_panels_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q8_panels(Int8Weight.quantize(weight))`` built ``_PACK_ROWS`` rows at a time: the
-    whole int8 weight is never held beside its panels (the 1B shape's 49,152-row head: 0.1 GB
-    less at start)."""
+    whole int8 weight is never held beside its panels, which lowers the start's peak RSS
+    (docs/performance.md, "Choices: memory")."""
     n, k = weight.shape
     panels, groups = round_up(n, PANEL_COLS) // PANEL_COLS, round_up(k, GROUP) // GROUP
     packed = torch.empty(panels, groups, 8, PANEL_COLS, 4, dtype=torch.uint8)

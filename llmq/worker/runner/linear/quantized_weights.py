@@ -27,8 +27,8 @@ def round_up(n: int, multiple: int) -> int:
 
 def _row_chunks(weight: torch.Tensor) -> Iterator[torch.Tensor]:
     """``weight``'s rows a chunk at a time; a weight read from its file hands the file's pages
-    of each chunk back once it was read (a later read faults them in again): quantizing the 1B
-    shape's tied table from its file held its 0.2 GB of pages besides the quantized copy."""
+    of each chunk back once it was read (a later read faults them in again), so the file's pages
+    are not held besides the quantized copy (docs/performance.md, "Choices: memory")."""
     for rows in weight.detach().split(max(1, _CHUNK_BYTES // (4 * weight.shape[1]))):
         yield rows
         mapped_pages.release(rows)
@@ -38,8 +38,8 @@ def _row_chunks(weight: torch.Tensor) -> Iterator[torch.Tensor]:
 class Int8Weight:
     """``weight ~= q * scale``: q int8 [N, K] in -127..127; scale per output channel [N]
     (bfloat16: torch's kernel) or per group of 32 input columns [N, ceil(K / 32)] (float16, as
-    llama.cpp's Q8_0 holds it: llmq's kernel; 6% more bytes than q, half the KL to bfloat16
-    of the per-channel form on the 1B shape, bench/quant_quality.py)."""
+    llama.cpp's Q8_0 holds it: llmq's kernel; a few more bytes than q for a lower KL to
+    bfloat16 than the per-channel form, docs/performance.md)."""
 
     q: torch.Tensor
     scale: torch.Tensor
