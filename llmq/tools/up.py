@@ -105,8 +105,8 @@ def plan_workers(
 
 
 def _gpu_count() -> int:
-    """CUDA devices, asked of torch in a child process: importing torch here would keep about
-    0.2 GiB resident in the API process for the whole serve (it needs no torch). No NVIDIA
+    """CUDA devices, asked of torch in a child process: importing torch here would keep
+    torch resident in the API process for the whole serve (it needs no torch). No NVIDIA
     driver: no devices, without asking."""
     if not Path("/proc/driver/nvidia").exists():
         return 0

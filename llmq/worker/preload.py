@@ -1,9 +1,9 @@
 """One load of a CPU model, shared by several workers forked from it (``llmq worker --fork N``).
 
 Each worker process held its own copy of what it loads before serving: torch's relocated code and
-data, the tokenizer, and the weights (the SmolLM2-135M shape in bfloat16: 0.31 GiB packed for
-oneDNN). Loaded once and forked, the workers share those pages copy-on-write; nothing writes the
-weights, so they stay shared. RSS counts a shared page in every process that maps it, PSS once.
+data, the tokenizer, and the weights (docs/performance.md: PSS with and without the fork). Loaded
+once and forked, the workers share those pages copy-on-write; nothing writes the weights, so they
+stay shared. RSS counts a shared page in every process that maps it, PSS once.
 
 What may cross a fork: no OpenMP thread team (libgomp's does not survive one: the load runs on
 one torch thread, which runs no parallel region), no thread of any kind, no connection (Redis and

@@ -148,9 +148,9 @@ def padded_rows(rows: int) -> int:
     """The row count a packed projection runs ``rows`` rows as.
 
     oneDNN builds (JIT-compiles) a primitive for every input shape and keeps up to 1,024 of
-    them, 0.26-0.8 MiB each for these bf16 matmuls (heaptrack; RSS), so a step's token count,
-    which takes any value up to the step budget (512), grew a worker by hundreds of MiB and
-    kept building kernels. Rounded up, 36 row counts up to 512 reach oneDNN per projection: up
+    them, each holding memory (docs/performance.md), so a step's token count, which takes any
+    value up to the step budget (512), grew a worker by hundreds of MiB and kept building
+    kernels. Rounded up, 36 row counts up to 512 reach oneDNN per projection: up
     to 16 rows as they are (a lone stream's decode), above in four steps per doubling (at most
     a quarter more rows, most often far less: decodes are bandwidth-bound, and a 128-token
     prefill chunk with 32 decodes is 160 rows as it is). The real rows' bits are unchanged
