@@ -214,15 +214,24 @@ class ModelManager:
         return True
 
     def _expire(self, now: float) -> None:
+        for name, why in self._expired(now).items():
+            self.unload(name, why)
+
+    def _expired(self, now: float) -> dict[str, str]:
+        """The models to unload now, and why. Apart from ``_expire``'s loop: a ``Held`` in its
+        frame kept the model alive through ``unload``'s collection and trim (SmolLM2 left
+        100 MB resident after its unload)."""
         asked = {as_text(k): float(v) for k, v in self.client.hgetall(self.keys.unload).items()}
+        out = {}
         for name, held in list(self.held.items()):
             if not self._idle(name, held, now):
                 continue
             keep = self.keep_alive(name)
             if name in asked and asked[name] >= held.loaded_at:
-                self.unload(name, "an unload was asked for")
+                out[name] = "an unload was asked for"
             elif keep != FOREVER and now - held.last_busy >= keep:
-                self.unload(name, f"idle past its keep-alive of {keep:g} s")
+                out[name] = f"idle past its keep-alive of {keep:g} s"
+        return out
 
     def unload(self, name: str, why: str) -> None:
         from llmq.worker.runner.malloc_tuning import return_freed_memory
