@@ -79,7 +79,7 @@ class Settings(BaseSettings):
         4, ge=1, description="Longest run of last tokens the n-gram proposer looks up."
     )
     speculative_max_batch: int = Field(
-        8,
+        4,
         ge=0,
         description="Decoding sequences past which a step proposes nothing: in a large batch "
         "checking proposals costs more than it saves.",

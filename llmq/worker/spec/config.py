@@ -20,7 +20,7 @@ class SpecConfig:
     num_tokens: int = 4  # most draft tokens per sequence and step
     ngram_min: int = 2
     ngram_max: int = 4
-    max_batch: int = 8  # decoding sequences past which no step proposes
+    max_batch: int = 4  # decoding sequences past which no step proposes
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SpecConfig | None:
