@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from llmq.common.catalogue import (
@@ -241,8 +242,11 @@ class ModelManager:
         held.loop.stop(0.0)
         held.thread.join(30)
         stopped = time.monotonic()
+        loop = weakref.ref(held.loop)
         del held
         gc.collect()
+        if loop() is not None:  # what holds it holds the model: its memory is not given back
+            log.warning("unloaded %s, but its engine loop is still referenced", name)
         return_freed_memory()
         self.publish(time.time())
         log.info(
