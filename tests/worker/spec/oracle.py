@@ -9,8 +9,10 @@ from llmq.worker.engine.sequence import Sequence
 
 
 class OracleProposer:
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]], vocab: int, wrong_every: int = 4):
+    def __init__(self, outputs: dict[tuple, list[int]], vocab: int, wrong_every: int = 4, key=None):
+        """``outputs``: by ``key(seq)`` (default: its prompt's tokens, as a tuple)."""
         self.outputs = outputs
+        self.key = key or (lambda seq: tuple(seq.prompt_token_ids))
         self.vocab = vocab
         self.wrong_every = wrong_every
         self.calls = 0
@@ -20,7 +22,7 @@ class OracleProposer:
         return [self._one(s, k) for s, k in zip(seqs, limits, strict=True)]
 
     def _one(self, seq: Sequence, k: int) -> list[int]:
-        known = self.outputs.get(tuple(seq.prompt_token_ids), [])
+        known = self.outputs.get(self.key(seq), [])
         at = seq.num_output_tokens
         draft = list(known[at : at + k])
         for j in range(len(draft)):

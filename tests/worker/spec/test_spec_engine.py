@@ -185,3 +185,26 @@ def test_structured_output_with_drafts(llama_dir):
     assert spec == base
     stats = engine.speculator.stats
     assert 0 < stats.accepted < stats.proposed, stats
+
+
+def test_lora_adapters_with_drafts(lora_cases):
+    """Requests under four LoRA adapters and the base model, with drafts: PEFT's tokens."""
+    from tests.worker.lora_cases import ADAPTERS, drive, mismatches, mixed_requests
+
+    names = ["", *ADAPTERS]
+    lora = lora_cases("llama")
+    outputs = {
+        (name, tuple(p)): lora.expected[name][i]
+        for name in names
+        for i, p in enumerate(lora.prompts)
+    }
+    proposer = OracleProposer(
+        outputs, 1024, key=lambda s: (s.lora.name if s.lora else "", tuple(s.prompt_token_ids))
+    )
+    model = load_causal_lm(lora.base, "float32", "cpu")
+    engine = LLMEngine(model, EngineConfig(num_blocks=256), eos_token_ids={2})
+    engine.speculator = Speculator(proposer, 4, 64, engine.max_model_len)
+    result = drive(engine, mixed_requests(lora, names))
+    assert not result.errors and not mismatches(lora, result, names)
+    stats = engine.speculator.stats
+    assert 0 < stats.accepted < stats.proposed, stats
