@@ -45,6 +45,8 @@ RESCAN_S = 30.0
 # A worker that must evict to load leaves a wish this long to workers with free room.
 EVICT_DEFER_S = 0.3
 LOADING_VALID_S = 10.0
+# How long a model loaded for requests waits for the first of them before its keep-alive counts.
+FIRST_REQUEST_S = 10.0
 
 
 _LOAD_IMPORTS = (
@@ -65,6 +67,7 @@ class Held:
     thread: threading.Thread
     loaded_at: float
     last_busy: float = field(default_factory=time.time)
+    served: bool = False  # it has had a request since its load
 
     def busy(self) -> bool:
         return bool(self.loop.active)
@@ -206,11 +209,8 @@ class ModelManager:
     def _idle(self, name: str, held: Held, now: float) -> bool:
         """Nothing running and nothing queued for it (its stream empty: finished entries are
         deleted), as of now."""
-        if held.busy():
-            held.last_busy = now
-            return False
-        if self.client.xlen(self.keys.for_model(name).requests(name)) > 0:
-            held.last_busy = now
+        if held.busy() or self.client.xlen(self.keys.for_model(name).requests(name)) > 0:
+            held.last_busy, held.served = now, True
             return False
         return True
 
@@ -230,9 +230,17 @@ class ModelManager:
             keep = self.keep_alive(name)
             if name in asked and asked[name] >= held.loaded_at:
                 out[name] = "an unload was asked for"
-            elif keep != FOREVER and now - held.last_busy >= keep:
+            elif keep != FOREVER and now - held.last_busy >= keep and self._had_its_turn(held, now):
                 out[name] = f"idle past its keep-alive of {keep:g} s"
         return out
+
+    @staticmethod
+    def _had_its_turn(held: Held, now: float) -> bool:
+        """A model loaded for requests is kept until one of them reached it, or for
+        ``FIRST_REQUEST_S`` at most: with a keep-alive of 0 it was otherwise unloaded between its
+        load and the waiting request's arrival (the API queues it once it sees the model up),
+        and that request failed as one for a model no worker serves."""
+        return held.served or now - held.loaded_at >= FIRST_REQUEST_S
 
     def unload(self, name: str, why: str) -> None:
         from llmq.worker.runner.malloc_tuning import return_freed_memory
