@@ -19,6 +19,7 @@ def model_card(e: EngineStatus) -> ModelCard:
         max_model_len=e.max_model_len,
         kind=e.kind,
         random_weights=True if e.random_weights else None,
+        images=True if e.images else None,
     )
 
 

@@ -219,7 +219,9 @@ class EmbeddingList(WireModel):
 
 # ---- models ----------------------------------------------------------------------------------
 class ModelCard(WireModel):
-    omit_if_none = frozenset({"random_weights", "parent", "max_model_len", "kind", "workers"})
+    omit_if_none = frozenset(
+        {"random_weights", "images", "parent", "max_model_len", "kind", "workers"}
+    )
 
     id: str
     object: str = "model"
@@ -232,6 +234,7 @@ class ModelCard(WireModel):
     max_model_len: int | None = None
     kind: str | None = None
     random_weights: bool | None = None  # only for a demo model's random weights
+    images: bool | None = None  # only for a model that takes image input
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     workers: list[str] | None = None  # a catalogue model's: the workers holding it
 
