@@ -62,12 +62,30 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(
         64, ge=1, description="Largest LoRA rank an adapter may have; a larger one is refused."
     )
-    speculative_method: Literal["off", "ngram"] = Field(
+    speculative_method: Literal["off", "ngram", "draft", "suffix"] = Field(
         "off",
         description="Speculative decoding: `ngram` proposes the tokens that followed the last "
-        "few tokens' latest earlier occurrence in the request's prompt and output, checked by "
-        "the model several at a time; output is unchanged (a request turns it off with "
+        "few tokens' latest earlier occurrence in the request's prompt and output; `draft`, "
+        "the tokens a smaller model with the same tokenizer (LLMQ_SPECULATIVE_MODEL) "
+        "generates; `suffix`, the most frequent continuation of the longest match in the "
+        "request's prompt and output and in recent requests' outputs. The model checks them "
+        "several at a time; output is unchanged (a request turns it off with "
         '`"speculative": false`).',
+    )
+    speculative_model: str = Field(
+        "",
+        description="The draft model of `draft` speculation (a folder or GGUF file, as "
+        "LLMQ_MODEL): one with the served model's tokenizer, loaded in the same worker; the "
+        "served model itself with LLMQ_SPECULATIVE_QUANTIZATION drafts as a smaller copy.",
+    )
+    speculative_quantization: Literal["none", "int8", "int4", "fp8"] = Field(
+        "none", description="Quantization of the draft model at load, as LLMQ_QUANTIZATION."
+    )
+    speculative_suffix_requests: int = Field(
+        256,
+        ge=0,
+        description="Finished requests whose outputs `suffix` speculation keeps to propose "
+        "from (the oldest dropped first).",
     )
     speculative_tokens: int = Field(
         4, ge=0, description="Most proposed tokens a sequence has checked in one step."

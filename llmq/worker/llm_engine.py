@@ -157,7 +157,7 @@ class LLMEngine:
             max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
         )
         self.sampler = Sampler(eos_token_ids)
-        self.speculator = _speculator(config, self.max_model_len, self.kv_layout)
+        self.speculator = _speculator(self, tokenizer)
         self.constrained = (
             _constrained_sequences(tokenizer, self.vocab_size, eos_token_ids, config)
             if tokenizer is not None
@@ -446,12 +446,21 @@ class LLMEngine:
         return out
 
 
-def _speculator(config: EngineConfig, max_model_len: int, kv_layout) -> Speculator | None:
+def _speculator(engine: LLMEngine, tokenizer) -> Speculator | None:
     """The speculation the config asks for. Not with KV groups: their windowed block tables
-    have no tail to trim after a rejected draft."""
-    if config.speculative is None or kv_layout is not None:
+    have no tail to trim after a rejected draft. A draft model is loaded here, its pool beside
+    the engine's."""
+    spec = engine.config.speculative
+    if spec is None or engine.kv_layout is not None:
         return None
-    return config.speculative.speculator(max_model_len)
+    proposer = None
+    if spec.method == "draft":
+        from llmq.worker.spec.draft_model import load_draft_proposer
+
+        proposer = load_draft_proposer(
+            spec, engine.model, tokenizer, engine.config, engine.num_blocks, engine.max_model_len
+        )
+    return spec.speculator(engine.max_model_len, proposer)
 
 
 def _constrained_sequences(
