@@ -39,6 +39,7 @@ class EngineStatus:
     requests_total: int = 0
     prefix_cache_hit_tokens: int = 0
     images_encoded: int = 0  # images its vision encoder ran on (a kept or cached one: not again)
+    preemptions_total: int = 0  # sequences it preempted to free blocks (computed again later)
     # Prompt tokens of the requests it finished: served from its prefix cache, and computed.
     prompt_tokens_cached: int = 0
     prompt_tokens_computed: int = 0

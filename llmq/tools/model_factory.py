@@ -15,6 +15,7 @@ from typing import Literal
 
 # `llmq make-model --arch`; the coverage tests build every architecture of model_archs.ARCHS.
 CLI_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "llava", "llava_next", "idefics3")
+CLI_ARCHS += ("qwen2_5_vl",)  # vision_qwen.py
 Arch = str
 Size = Literal["tiny", "smollm2-135m", "moe-1b", "llama-1b", "llama-8b"]
 
@@ -228,11 +229,14 @@ def _config(arch: str, size: Size, shape: dict, ids: dict):
 def make_vision_model(path: Path, arch: str, size: Size, shape, ids, tokenizer, seed: int) -> Path:
     """A tiny LLaVA-1.5, LLaVA-NeXT or Idefics3 on ``make_model``'s text shape and tokenizer."""
     from llmq.tools.vision_models import make_idefics3, make_llava
+    from llmq.tools.vision_qwen import make_qwen2_5_vl
 
     if size != "tiny":
         raise ValueError(f"{arch} is built at the tiny size only")
     if arch == "idefics3":
         return make_idefics3(path, shape, ids, tokenizer, seed)
+    if arch == "qwen2_5_vl":
+        return make_qwen2_5_vl(path, shape, ids, tokenizer, seed)
     return make_llava(path, shape, ids, tokenizer, seed, anyres=arch == "llava_next")
 
 
@@ -266,6 +270,8 @@ def make_model(
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    if arch == "qwen2_5_vl":  # the image processor and tokenizer, no processor
+        return make_vision_model(path, arch, size, shape, ids, tokenizer, seed)
     if arch in ("llava", "llava_next", "idefics3"):  # vision-language: tower, processor, template
         return make_vision_model(path, arch, size, shape, ids, tokenizer, seed)
     config = _config(arch, size, shape, ids)

@@ -134,6 +134,7 @@ class GenerationBackend:
             "tokens_total": e.num_generated,
             "requests_total": e.num_requests_total,
             "prefix_cache_hit_tokens": bm.prefix_hits,
+            "preemptions_total": e.scheduler.num_preemptions,
             "pending_tokens": sum(bm.tokens_to_compute(s) for s in e.requests.values()),
             "block_size": bm.block_size if bm.enable_prefix_caching else 0,
             "loras": e.loras.names() if e.loras is not None else "",

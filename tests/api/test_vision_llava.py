@@ -4,7 +4,7 @@ model's ``generate`` in float32 on the same images and prompt, for one request, 
 with different images (of different shapes: NeXT's tile grids differ), a second turn repeating
 the image (encoded once: the heartbeat's counter), and through the openai, anthropic and
 ollama packages; chunked (LLaVA-NeXT) and in a small cache (Idefics3). One Redis and one API;
-a worker per family, and one given a Qwen2.5-VL folder,
+a worker per family, and one given a Llama 3.2 Vision folder,
 which it refuses by name (it exits without a traceback; the API's 400 names the class)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import ollama
 import pytest
 import torch
 from PIL import Image
-from transformers import Qwen2_5_VLConfig
+from transformers import MllamaConfig
 
 from llmq.common.transport.redis_server import RedisServer
 from llmq.tools.model_factory import make_model
@@ -62,9 +62,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refused(llama_dir, tmp_path_factory):
-    """A Qwen2.5-VL folder (config and tokenizer only): a family llmq refuses by name."""
-    folder = tmp_path_factory.mktemp("refused") / "qwen-vl"
-    return vision_folder(llama_dir, folder, Qwen2_5_VLConfig)
+    """A Llama 3.2 Vision folder (config and tokenizer only): a family llmq refuses by name."""
+    folder = tmp_path_factory.mktemp("refused") / "mllama"
+    return vision_folder(llama_dir, folder, MllamaConfig)
 
 
 @pytest.fixture(scope="module")
@@ -238,10 +238,10 @@ def test_a_worker_refuses_a_vision_family_not_served_by_name(served, refused):
     _, base, worker = served
     assert worker.proc.wait(120) != 0
     log = worker.log(20_000)
-    assert "Qwen2_5_VLConfig is a vision-language model" in log
+    assert "MllamaConfig is a vision-language model" in log
     assert "Traceback" not in log and "Unrecognized configuration" not in log, log
     body = {"model": str(refused), "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["code"] == "model_not_supported" and "Qwen2_5_VLConfig" in error["message"]
+    assert error["code"] == "model_not_supported" and "MllamaConfig" in error["message"]

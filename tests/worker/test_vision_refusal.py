@@ -8,13 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import Gemma3Config, Mistral3Config, MllamaConfig, Qwen2_5_VLConfig
+from transformers import Gemma3Config, Mistral3Config, MllamaConfig
 
 from llmq.worker.vision.families import UnservedVisionModel, refuse_unserved
 
 CONFIGS = {
     "MllamaConfig": MllamaConfig,
-    "Qwen2_5_VLConfig": Qwen2_5_VLConfig,
     "Mistral3Config": Mistral3Config,
     "Gemma3Config": Gemma3Config,
 }

@@ -15,6 +15,8 @@ import json
 import math
 from typing import Any
 
+from llmq.common.errors import InvalidRequest
+
 
 def parse_layout(text: str) -> dict[str, Any]:
     return json.loads(text) if text else {}
@@ -29,6 +31,9 @@ def image_token_count(layout: dict[str, Any], width: int, height: int) -> int:
     if family == "idefics3":
         rows, cols = idefics3_grid(layout, width, height)
         return (rows * cols + 1 if rows else 1) * int(layout["seq"])
+    if family == "qwen2_5_vl":
+        rows, cols = qwen2_5_vl_grid(layout, width, height)
+        return rows * cols
     raise ValueError(f"no image token count for the image layout {layout!r}")
 
 
@@ -109,3 +114,27 @@ def idefics3_text(layout: dict[str, Any], width: int, height: int) -> str:
         for r in range(rows)
     )
     return f"{tiles}\n{whole}"
+
+
+def qwen2_5_vl_grid(layout: dict[str, Any], width: int, height: int) -> tuple[int, int]:
+    """The (rows, columns) of image tokens Qwen2.5-VL reads for an image: its processor's
+    ``smart_resize`` (each side rounded to whole ``patch * merge`` units, the area scaled into
+    ``min_pixels``..``max_pixels`` keeping the aspect ratio), one token per unit."""
+    factor = int(layout["patch"]) * int(layout["merge"])
+    lo, hi = int(layout["min_pixels"]), int(layout["max_pixels"])
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequest(
+            f"an image of {width} x {height}: the model takes aspect ratios up to 200",
+            "messages",
+        )
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > hi:
+        beta = math.sqrt((height * width) / hi)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < lo:
+        beta = math.sqrt(lo / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h // factor, w // factor

@@ -217,7 +217,8 @@ class ModelRunner:
             if images:
                 logits = self.vision.forward(self.model, batch, images, keep_rows, meta)
             else:
-                logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta)
+                positions = self.vision.positions(batch) if self.vision is not None else None
+                logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta, positions)
         return logits.float(), batch.sampled_entries, batch.prompt_rows
 
     def _fits_graphs(self, batch: PackedBatch) -> bool:
@@ -273,7 +274,10 @@ class ModelRunner:
         positions: list[int],
         keep_rows: torch.Tensor,
         meta: StepMetadata,
+        rope: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``rope``: the rows' M-RoPE positions [3, 1, rows] (transformers' forward only: a
+        model with M-RoPE never gets llmq's)."""
         dev = self.device
         if self.forward is not None:
             logits = self.forward(
@@ -283,9 +287,10 @@ class ModelRunner:
                 meta,
             )
         else:
+            position_ids = torch.tensor([positions]) if rope is None else rope
             logits = self.model(
                 input_ids=torch.tensor([input_ids], device=dev),
-                position_ids=torch.tensor([positions], device=dev),
+                position_ids=position_ids.to(dev),
                 use_cache=False,
                 logits_to_keep=keep_rows,
                 llmq_step=meta,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmq.worker.request_error import RequestError
+from llmq.worker.vision.mrope import RopeIndex, rope_index, step_positions
 
 # Images whose embeddings are kept after their step.
 KEPT_IMAGES = 64
@@ -85,6 +86,8 @@ class VisionRuntime:
         self.pending: dict[str, bytes] = {}  # digest -> bytes not yet encoded
         self.kept: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.images_encoded = 0
+        # Per request, its M-RoPE positions (an encoder with ``mrope``: Qwen2.5-VL).
+        self.ropes: dict[str, RopeIndex] = {}
 
     def register(self, request_id: str, prompt: list[int], digests: list[str]) -> list[ImageSpan]:
         enc = self.encoder
@@ -93,11 +96,16 @@ class VisionRuntime:
             if d not in self.pending:
                 self.pending[d] = self._bytes(d)
             counts.append(enc.token_count(self.pending[d]))
-        self.spans[request_id] = image_spans(prompt, enc.image_token_id, digests, counts)
-        return self.spans[request_id]
+        spans = image_spans(prompt, enc.image_token_id, digests, counts)
+        if getattr(enc, "mrope", False):
+            grids = [enc.grid(self.pending[d]) for d in digests]
+            self.ropes[request_id] = rope_index(spans, grids)
+        self.spans[request_id] = spans
+        return spans
 
     def drop(self, request_id: str) -> None:
         """Forget a request that ended; bytes no other request waits for go with it."""
+        self.ropes.pop(request_id, None)
         if self.spans.pop(request_id, None) is None:
             return
         waiting = {s.digest for spans in self.spans.values() for s in spans}
@@ -141,6 +149,10 @@ class VisionRuntime:
             raise RequestError(f"image {digest[:12]}... expired before its request ran")
         return data
 
+    def positions(self, batch) -> torch.Tensor | None:
+        """The step's rows' M-RoPE positions [3, 1, rows]; None: their indices serve."""
+        return step_positions(batch, self.ropes) if self.ropes else None
+
     def forward(self, model, batch, rows, keep_rows: torch.Tensor, meta) -> torch.Tensor:
         """transformers' forward of the step (llmq's paged attention), the image rows'
         embeddings replaced by the images'."""
@@ -150,9 +162,12 @@ class VisionRuntime:
         feats = self.embeddings({d for _, d, _ in rows})
         index = torch.tensor([r for r, _, _ in rows], device=dev)
         embeds[index] = torch.stack([feats[d][i] for _, d, i in rows]).to(embeds.dtype)
+        positions = self.positions(batch)
+        if positions is None:
+            positions = torch.tensor([batch.positions])
         return model(
             inputs_embeds=embeds[None],
-            position_ids=torch.tensor([batch.positions], device=dev),
+            position_ids=positions.to(dev),
             use_cache=False,
             logits_to_keep=keep_rows,
             llmq_step=meta,

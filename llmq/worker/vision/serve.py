@@ -20,13 +20,16 @@ def vision_backend(settings: Settings, tokenizer, served_name: str):
     from llmq.worker.llm_engine import EngineConfig, LLMEngine
     from llmq.worker.loading.model_loader import eos_token_ids, resolve_device, resolve_dtype
     from llmq.worker.vision.backend import VisionBackend
+    from llmq.worker.vision.families import vision_model_type
     from llmq.worker.vision.llava import load_vision_lm
+    from llmq.worker.vision.qwen2_5_vl import load_qwen2_5_vl
     from llmq.worker.vision.runtime import VisionRuntime
 
     if settings.quantization != "none":
         log.warning("LLMQ_QUANTIZATION ignored: vision-language models are served unquantized")
     device = resolve_device(settings.device)
-    lm, encoder = load_vision_lm(settings.model, resolve_dtype(settings.dtype, device), device)
+    load = load_qwen2_5_vl if vision_model_type(settings.model) == "qwen2_5_vl" else load_vision_lm
+    lm, encoder = load(settings.model, resolve_dtype(settings.dtype, device), device)
     eos = eos_token_ids(lm, tokenizer)
     lazy = LazyTokenizer(functools.partial(load_tokenizer, settings.model), len(tokenizer))
     engine = LLMEngine(lm, EngineConfig.from_settings(settings), eos, tokenizer=lazy)

@@ -1,0 +1,147 @@
+"""Qwen2.5-VL (tiny, random weights: ``llmq/tools/vision_qwen.py``) served through real
+processes, exact against transformers: greedy tokens through the API equal the model's float32
+``generate`` on the same images and prompt, for images of different grids (so different
+M-RoPE positions and shifts after them), one request and four at once (prefilled in chunks
+cut inside images, in a cache too small for all four: some are preempted and computed again),
+and a second turn that finds the image's blocks in the prefix cache (the image not encoded
+again). One Redis, one worker, one API."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from llmq.common.transport.redis_server import RedisServer
+from llmq.tools.model_factory import make_model
+from tests.api.test_vision_llava import _answer, _ask, _counters_after, _question, picture
+from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_worker
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+NEW = 6
+# (width, height): grids of 6 x 5, 4 x 10, 6 x 6 and 9 x 2 image tokens.
+SHAPES = [(40, 50), (80, 30), (50, 50), (20, 70)]
+# Chunks of 24 tokens (cut inside images); 6 blocks of 16 tokens: the four prompts (50 to 80
+# tokens) cannot all be held at once.
+WORKER = {"max_batch_tokens": 24, "kv_blocks": 6}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("qwen-vl") / "qwen2_5_vl", arch="qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def served(model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("qwen-vl-logs")
+    with RedisServer() as server:
+        worker = start_worker(server.url, model, "w-qwen", logs, wait=False, **WORKER)
+        api, base = start_api(server.url, str(model), logs, "api-qwen-vl")
+        try:
+            wait_worker(server.url, "w-qwen", worker)
+            yield server.url, base
+        finally:
+            kill_all([worker, api])
+
+
+class Reference:
+    """transformers' Qwen2.5-VL in float32: the image pad token repeated as its processor
+    repeats it, then ``generate``."""
+
+    def __init__(self, path):
+        from transformers import (
+            AutoImageProcessor,
+            AutoTokenizer,
+            Qwen2_5_VLForConditionalGeneration,
+        )
+
+        self.images = AutoImageProcessor.from_pretrained(path)
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            path, dtype=torch.float32
+        ).eval()
+
+    def inputs(self, messages: list[dict], images: list[bytes]) -> dict:
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pil = [Image.open(io.BytesIO(d)).convert("RGB") for d in images]
+        pixels = self.images(pil, return_tensors="pt")
+        merge = self.images.merge_size**2
+        pieces = text.split("<|image_pad|>")
+        counts = [int(g.prod()) // merge for g in pixels["image_grid_thw"]]
+        runs = zip(counts, pieces[1:], strict=True)
+        text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in runs)
+        ids = self.tok(text, return_tensors="pt")["input_ids"]
+        mm = (ids == self.model.config.image_token_id).int()
+        return {"input_ids": ids, "mm_token_type_ids": mm, **pixels}
+
+    def answer(self, messages: list[dict], images: list[bytes]) -> list[int]:
+        inputs = self.inputs(messages, images)
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return Reference(model)
+
+
+def _template(text: str = "What is in the picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
+
+
+def _preemptions(redis_url: str) -> int:
+    return int(heartbeat(redis_url, "w-qwen").get("preemptions_total", 0))
+
+
+def test_one_and_four_at_once_equal_generate(served, reference):
+    redis_url, base = served
+    images = [picture(s, size) for s, size in enumerate(SHAPES)]
+    expected = [reference.answer(_template(), [img]) for img in images]
+    assert len({tuple(e) for e in expected}) == 4, expected  # the image changes the answer
+    assert _ask(base, "qwen2_5_vl", _question(images[0])) == expected[0]
+    before = _preemptions(redis_url)
+
+    async def at_once():
+        return await asyncio.gather(*(_answer(base, "qwen2_5_vl", _question(i)) for i in images))
+
+    assert [ids for ids, _ in asyncio.run(at_once())] == expected
+    _counters_after(redis_url, "w-qwen", time.time())
+    assert _preemptions(redis_url) > before  # some were computed again
+
+
+def test_plain_positions_would_give_other_tokens(reference):
+    """The exactness test above can fail for positions: the same model with every token's
+    three positions equal to its index answers otherwise."""
+    inputs = reference.inputs(_template(), [picture(0, SHAPES[1])])
+    ids = inputs["input_ids"]
+    plain = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        mrope = reference.model(**inputs).logits[0]
+        flat = reference.model(**inputs, position_ids=plain).logits[0]
+    image_end = int(torch.nonzero(inputs["mm_token_type_ids"][0])[-1]) + 1
+    changed = (mrope.argmax(-1) != flat.argmax(-1))[image_end:]
+    assert changed.any()
+
+
+def test_a_second_turn_reuses_the_image_and_equals_generate(served, reference):
+    redis_url, base = served
+    image = picture(11, (48, 32))
+    encoded, _ = _counters_after(redis_url, "w-qwen", time.time())
+    _, text = asyncio.run(_answer(base, "qwen2_5_vl", _question(image)))
+    after_first, hits = _counters_after(redis_url, "w-qwen", time.time())
+    assert after_first == encoded + 1
+    follow = [*_question(image), {"role": "assistant", "content": text}]
+    follow.append({"role": "user", "content": "And the colours?"})
+    template = [*_template(), {"role": "assistant", "content": text}, follow[-1]]
+    assert _ask(base, "qwen2_5_vl", follow) == reference.answer(template, [image])
+    after_second, hits_second = _counters_after(redis_url, "w-qwen", time.time())
+    assert after_second == encoded + 1
+    image_end = reference.inputs(_template(), [image])["input_ids"].shape[1] - 6
+    assert hits_second - hits >= image_end - 16  # all but a partial block: from the cache
