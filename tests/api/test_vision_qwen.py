@@ -3,7 +3,7 @@ processes, exact against transformers: greedy tokens through the API equal the m
 ``generate`` on the same images and prompt, for images of different grids (so different
 M-RoPE positions and shifts after them), one request and four at once (prefilled in chunks
 cut inside images, in a cache too small for all four: some are preempted and computed again),
-and a second turn that finds the image's blocks in the prefix cache (the image not encoded
+the four again (some of their image blocks found in the prefix cache), and a second turn that finds the image's blocks in the prefix cache (the image not encoded
 again). One Redis, one worker, one API."""
 
 from __future__ import annotations
@@ -112,8 +112,11 @@ def test_one_and_four_at_once_equal_generate(served, reference):
         return await asyncio.gather(*(_answer(base, "qwen2_5_vl", _question(i)) for i in images))
 
     assert [ids for ids, _ in asyncio.run(at_once())] == expected
-    _counters_after(redis_url, "w-qwen", time.time())
+    _, hits = _counters_after(redis_url, "w-qwen", time.time())
     assert _preemptions(redis_url) > before  # some were computed again
+    assert [ids for ids, _ in asyncio.run(at_once())] == expected  # again: blocks from the cache
+    _, hits_again = _counters_after(redis_url, "w-qwen", time.time())
+    assert hits_again > hits
 
 
 def test_plain_positions_would_give_other_tokens(reference):
