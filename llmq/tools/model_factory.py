@@ -270,9 +270,7 @@ def make_model(
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    if arch == "qwen2_5_vl":  # the image processor and tokenizer, no processor
-        return make_vision_model(path, arch, size, shape, ids, tokenizer, seed)
-    if arch in ("llava", "llava_next", "idefics3"):  # vision-language: tower, processor, template
+    if arch in ("llava", "llava_next", "idefics3", "qwen2_5_vl"):  # tower, processor, template
         return make_vision_model(path, arch, size, shape, ids, tokenizer, seed)
     config = _config(arch, size, shape, ids)
     if context is not None:
