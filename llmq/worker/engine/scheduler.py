@@ -164,7 +164,11 @@ class Scheduler:
                     step.deferred.append(seq)
                     i += 1
                     continue
-                num_new = min(num_new, step.prompt_tokens_left)
+                num_new = seq.whole_runs(
+                    seq.num_computed_tokens,
+                    min(num_new, step.prompt_tokens_left, step.tokens_left),
+                    step.tokens_left,
+                )
                 if num_new < 1:  # this step's prompt tokens are spent: decodes only
                     i += 1
                     continue
@@ -210,9 +214,10 @@ class Scheduler:
             seq = self.waiting[0]
             if first_priority is not None and seq.priority > first_priority:
                 break
-            num_new, cached = self.block_manager.uncached(seq)
-            num_new = min(num_new, step.tokens_left, step.prompt_tokens_left)
-            if not self.block_manager.allocate(seq, num_new, cached):
+            uncached, cached = self.block_manager.uncached(seq)
+            budget = min(uncached, step.tokens_left, step.prompt_tokens_left)
+            num_new = seq.whole_runs(seq.num_tokens - uncached, budget, step.tokens_left)
+            if num_new < 1 or not self.block_manager.allocate(seq, num_new, cached):
                 break
             self.waiting.pop(0)
             first_priority = seq.priority if first_priority is None else first_priority
@@ -279,6 +284,7 @@ class Scheduler:
                 step.tokens_left,
                 step.prompt_tokens_left,
             )
+            num_new = seq.whole_runs(seq.num_computed_tokens, num_new, step.tokens_left)
             if num_new < 1:
                 break
             next_victim = partial(self._pop_last_deferred, deferred, seq)

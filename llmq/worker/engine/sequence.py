@@ -57,6 +57,9 @@ class Sequence:
     # Block index -> the images (their content hashes) whose tokens it holds, folded into its
     # hash (worker/vision): image tokens are one id whatever the image.
     hash_salts: dict[int, int] = field(default_factory=dict)
+    # Runs [start, end) of prompt positions that attend to each other both ways (a Gemma 3
+    # image's tokens): a prefill chunk never ends inside one (``whole_runs``).
+    bidirectional: list[tuple[int, int]] = field(default_factory=list)
     # Tokens a proposer guessed to follow (speculative decoding), for the next step to check;
     # the scheduler takes them.
     draft: list[int] = field(default_factory=list)
@@ -89,3 +92,16 @@ class Sequence:
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
+
+    def whole_runs(self, start: int, num_new: int, most: int) -> int:
+        """``num_new`` tokens from ``start``, cut back to the start of a bidirectional run the
+        chunk would end inside; a run the chunk starts in is taken whole, up to ``most``
+        tokens (0: it waits for a step with room): a query of the run must see all its keys,
+        and a later chunk's keys are not there yet."""
+        end = start + num_new
+        for first, last in self.bidirectional:
+            if first < end < last:
+                if first > start:
+                    return first - start
+                return last - start if last - start <= most else 0
+        return num_new

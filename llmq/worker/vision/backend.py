@@ -9,7 +9,8 @@ import json
 
 from llmq.common.protocol import EngineRequest, OutputMessage
 from llmq.worker.backends import GenerationBackend
-from llmq.worker.vision.runtime import VisionRuntime, image_salts
+from llmq.worker.vision.gemma3 import bidirectional_runs
+from llmq.worker.vision.runtime import ImageSpan, VisionRuntime, image_salts
 
 
 class VisionBackend(GenerationBackend):
@@ -23,12 +24,20 @@ class VisionBackend(GenerationBackend):
             return super().add(request, prior_tokens)
         spans = self.vision.register(request.id, request.prompt_token_ids, request.images)
         try:
+            runs = self._bidirectional(spans)
             super().add(request, prior_tokens)
         except BaseException:
             self.vision.drop(request.id)
             raise
         seq = self.engine.requests[request.id]
         seq.hash_salts = image_salts(spans, self.engine.block_manager.block_size)
+        seq.bidirectional = runs
+
+    def _bidirectional(self, spans: list[ImageSpan]) -> list[tuple[int, int]]:
+        """The runs of image tokens that attend to each other both ways (Gemma 3's)."""
+        if not getattr(self.vision.encoder, "bidirectional", False):
+            return []
+        return bidirectional_runs(spans, self.engine.scheduler.max_batch_tokens)
 
     def abort(self, request_id: str) -> OutputMessage | None:
         self.vision.drop(request_id)

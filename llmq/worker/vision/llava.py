@@ -55,9 +55,15 @@ class LlavaEncoder:
 
 def load_vision_lm(path: str, dtype: torch.dtype, device: str):
     """(the text model as a causal LM sharing the checkpoint's modules, the image encoder) of
-    a LLaVA-1.5, LLaVA-NeXT or Idefics3 folder."""
-    from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
+    a LLaVA-1.5, LLaVA-NeXT, Idefics3 or Gemma 3 folder."""
+    from transformers import (
+        AutoImageProcessor,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoProcessor,
+    )
 
+    from llmq.worker.vision.gemma3 import Gemma3Encoder
     from llmq.worker.vision.idefics3 import Idefics3Encoder
 
     vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
@@ -72,6 +78,8 @@ def load_vision_lm(path: str, dtype: torch.dtype, device: str):
     lm.config.llmq_random_weights = getattr(vlm.config, "llmq_random_weights", False)
     lm.config.name_or_path = path
     lm.eval()
+    if vlm.config.model_type == "gemma3":  # its processor writes the image's tokens
+        return lm, Gemma3Encoder(vlm, AutoProcessor.from_pretrained(path))
     images = AutoImageProcessor.from_pretrained(path)
     encoder = Idefics3Encoder(vlm, images) if idefics else LlavaEncoder(vlm, images)
     return lm, encoder

@@ -81,7 +81,10 @@ class StepBuilder:
             slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=self.device),
             num_decodes=len(batch.decodes),
             decode_chunks=self.decode_chunks(batch.decodes) if batch.decodes and not kernel else [],
-            prefills=[self.prefill_chunk(item, q_start) for item, q_start in batch.prefills],
+            prefills=[
+                self.prefill_chunk(item, q_start, _runs(item, 0))
+                for item, q_start in batch.prefills
+            ],
             decode_tables=self.decode_tables(batch.decodes) if kernel else None,
             windows=self.windows,
             max_model_len=self.max_model_len,
@@ -106,21 +109,29 @@ class StepBuilder:
             context_lens=torch.tensor(contexts, dtype=torch.int32),
         )
 
-    def prefill_chunk(self, item: ScheduledSequence, q_start: int) -> PrefillChunk:
+    def prefill_chunk(
+        self, item: ScheduledSequence, q_start: int, runs: list[tuple[int, int]] = ()
+    ) -> PrefillChunk:
+        """``runs``: the chunk's bidirectional runs (``Sequence.bidirectional``), in the
+        item's positions: their queries see the run's later keys too."""
         dev = self.device
         ctx_len = item.start + item.num_new_tokens
         n_blocks = -(-ctx_len // self.block_size)
         mask = None
         window_masks = None
-        if item.start or self.featured:
+        if item.start or self.featured or runs:
             # Additive, in the model's dtype: SDPA on CPU takes it as is (a bool mask it
             # first converts). Query i sits at position start + i and sees keys 0..start+i.
             q_pos = self.positions(ctx_len)[item.start :]
             k_pos = self.positions(ctx_len)[None, :]
-            mask = _additive(k_pos > q_pos[:, None], self.dtype)
-            # A window of W: keys more than W - 1 positions before the query are hidden too.
+            hidden = k_pos > q_pos[:, None]
+            if runs:  # and the keys of its own run after it
+                hidden &= ~_same_run(runs, item.start, ctx_len, dev)
+            mask = _additive(hidden, self.dtype)
+            # A window of W: keys more than W - 1 positions before the query are hidden too
+            # (transformers' AND of the window with the causal-or-run mask).
             window_masks = {
-                w: _additive((k_pos > q_pos[:, None]) | (k_pos <= q_pos[:, None] - w), self.dtype)
+                w: _additive(hidden | (k_pos <= q_pos[:, None] - w), self.dtype)
                 for w in self.windows
             }
         return PrefillChunk(
@@ -206,10 +217,13 @@ class StepBuilder:
         self, batch: PackedBatch, group: int, window: int | None, kernel: bool
     ) -> StepMetadata:
         decodes = [_view(item, group, window, self.block_size) for item in batch.decodes]
-        prefills = [(_view(item, group, window, self.block_size), q) for item, q in batch.prefills]
+        prefills = []
+        for item, q_start in batch.prefills:
+            view = _view(item, group, window, self.block_size)
+            prefills.append((view, q_start, _runs(item, item.start - view.start)))
         # Where every query sees at most the window's keys in its group's part of the table, the
         # window hides nothing there (a layer may drop it); else the layer must ask it.
-        longest = max([v.start + v.num_new_tokens for v in decodes + [v for v, _ in prefills]])
+        longest = max([v.start + v.num_new_tokens for v in decodes + [p[0] for p in prefills]])
         if not decodes or kernel:
             chunks = []
         elif window is None:
@@ -221,7 +235,7 @@ class StepBuilder:
             slot_mapping=torch.tensor(self._group_slots(batch, group), device=self.device),
             num_decodes=len(decodes),
             decode_chunks=chunks,
-            prefills=[self.prefill_chunk(view, q_start) for view, q_start in prefills],
+            prefills=[self.prefill_chunk(*prefill) for prefill in prefills],
             decode_tables=self.decode_tables(decodes) if decodes and kernel else None,
             windows=self.windows,
             max_model_len=self.max_model_len,
@@ -278,6 +292,28 @@ def _view(
     return ScheduledSequence(
         TableView(table[first:]), item.start - first * block_size, item.num_new_tokens
     )
+
+
+def _runs(item: ScheduledSequence, shift: int) -> list[tuple[int, int]]:
+    """The bidirectional runs of ``item``'s sequence that its chunk holds rows of, ``shift``
+    positions earlier (a sliding group's view)."""
+    end = item.start + item.num_new_tokens
+    return [
+        (first - shift, last - shift)
+        for first, last in item.seq.bidirectional
+        if first < end and last > item.start
+    ]
+
+
+def _same_run(
+    runs: list[tuple[int, int]], start: int, ctx_len: int, device: torch.device
+) -> torch.Tensor:
+    """[queries from ``start``, keys] True where query and key lie in the same run."""
+    run = torch.full((ctx_len,), -1, dtype=torch.long, device=device)
+    for i, (first, last) in enumerate(runs):
+        run[max(first, 0) : last] = i
+    query = run[start:, None]
+    return (query == run[None, :]) & (query >= 0)
 
 
 def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
