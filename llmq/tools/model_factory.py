@@ -16,6 +16,8 @@ from typing import Literal
 # `llmq make-model --arch`; the coverage tests build every architecture of model_archs.ARCHS.
 CLI_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "llava", "llava_next", "idefics3")
 CLI_ARCHS += ("qwen2_5_vl",)  # vision_qwen.py
+CLI_ARCHS += ("gemma3_vl",)  # vision_gemma3.py: Gemma 3's vision-language model
+VISION_ARCHS = ("llava", "llava_next", "idefics3", "qwen2_5_vl", "gemma3_vl")
 Arch = str
 Size = Literal["tiny", "smollm2-135m", "moe-1b", "llama-1b", "llama-8b"]
 
@@ -237,6 +239,10 @@ def make_vision_model(path: Path, arch: str, size: Size, shape, ids, tokenizer, 
         return make_idefics3(path, shape, ids, tokenizer, seed)
     if arch == "qwen2_5_vl":
         return make_qwen2_5_vl(path, shape, ids, tokenizer, seed)
+    if arch == "gemma3_vl":  # Gemma 3's tiny text model with a SigLIP tower and its processor
+        from llmq.tools.vision_gemma3 import make_gemma3_vl
+
+        return make_gemma3_vl(path, ids, tokenizer, seed)
     return make_llava(path, shape, ids, tokenizer, seed, anyres=arch == "llava_next")
 
 
@@ -270,7 +276,7 @@ def make_model(
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    if arch in ("llava", "llava_next", "idefics3", "qwen2_5_vl"):  # tower, processor, template
+    if arch in VISION_ARCHS:  # tower, processor, template
         return make_vision_model(path, arch, size, shape, ids, tokenizer, seed)
     config = _config(arch, size, shape, ids)
     if context is not None:

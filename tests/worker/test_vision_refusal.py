@@ -8,14 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import Gemma3Config, Mistral3Config, MllamaConfig
+from transformers import Mistral3Config, MllamaConfig, PaliGemmaConfig
 
 from llmq.worker.vision.families import UnservedVisionModel, refuse_unserved
 
 CONFIGS = {
     "MllamaConfig": MllamaConfig,
     "Mistral3Config": Mistral3Config,
-    "Gemma3Config": Gemma3Config,
+    "PaliGemmaConfig": PaliGemmaConfig,
 }
 
 

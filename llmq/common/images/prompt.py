@@ -11,7 +11,7 @@ from llmq.common.engine_client.prompt_encoder import context_exceeded
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import InvalidRequest
 from llmq.common.images.decode import CheckedImage
-from llmq.common.images.tokens import idefics3_text, image_token_count, parse_layout
+from llmq.common.images.tokens import image_text, image_token_count, parse_layout
 
 
 def expand_images(
@@ -46,7 +46,7 @@ def image_tokens(engine: EngineStatus, image: CheckedImage) -> int:
 
 
 # Families whose processor puts text around the image tokens: expanded in the rendered text.
-TEXT_EXPANDED = frozenset({"idefics3"})
+TEXT_EXPANDED = frozenset({"idefics3", "gemma3"})
 
 
 def text_expansion(engine: EngineStatus, images: list[CheckedImage]) -> Callable[[str], str] | None:
@@ -65,7 +65,7 @@ def text_expansion(engine: EngineStatus, images: list[CheckedImage]) -> Callable
             )
         parts = [pieces[0]]
         for image, piece in zip(images, pieces[1:], strict=True):
-            parts += [idefics3_text(layout, image.width, image.height), piece]
+            parts += [image_text(layout, image.width, image.height), piece]
         return "".join(parts)
 
     return expand

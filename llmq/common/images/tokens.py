@@ -7,7 +7,8 @@ resolution that keeps most of its pixels (least padding on ties), cut into tiles
 size, their features unpadded back to the image's aspect ratio with a newline embedding per
 row, after the base tile's features. Idefics3 (SmolVLM): tiles of a grid the image is
 resized onto, each tagged with its row and column in the prompt, then the whole image; the
-prompt's text around the image tokens is the processor's (``idefics3_text``)."""
+prompt's text around the image tokens is the processor's (``idefics3_text``). Gemma 3: a
+fixed count (pan-and-scan off), between its begin- and end-of-image tokens (``image_text``)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,17 @@ def parse_layout(text: str) -> dict[str, Any]:
     return json.loads(text) if text else {}
 
 
+def image_text(layout: dict[str, Any], width: int, height: int) -> str:
+    """What the processor of a family that writes text around its image tokens puts in the
+    prompt for an image: Gemma 3's is the same for every image (``text``)."""
+    if layout.get("family") == "gemma3":
+        return str(layout["text"])
+    return idefics3_text(layout, width, height)
+
+
 def image_token_count(layout: dict[str, Any], width: int, height: int) -> int:
     family = layout.get("family")
-    if family == "llava":
+    if family in ("llava", "gemma3"):
         return int(layout["tokens"])
     if family == "llava_next":
         return _anyres_count(layout, width, height)

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 # model_type of the vision-language families served (each added with its test against
 # transformers).
-SERVED: frozenset[str] = frozenset({"llava", "llava_next", "idefics3", "qwen2_5_vl"})
+SERVED: frozenset[str] = frozenset({"llava", "llava_next", "idefics3", "qwen2_5_vl", "gemma3"})
 
 
 class UnservedVisionModel(UnsupportedModel):
