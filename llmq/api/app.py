@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmq.api.errors import error_response, install_error_handlers
 from llmq.api.metrics import Metrics
 from llmq.api.streaming import watch_shutdown
+from llmq.common.engine_client.deadline import fix_deadline
 from llmq.common.engine_client.model_registry import ModelRegistry
 from llmq.common.errors import AuthenticationFailed, BodyTooLarge
 from llmq.common.serving import GenerationService
@@ -139,6 +140,12 @@ async def require_api_key(request: Request) -> None:
     current_owner.set(owner)
 
 
+async def start_deadline(request: Request) -> None:
+    """Fix the request's deadline (LLMQ_REQUEST_TIMEOUT from its arrival) in the route's context:
+    a wait for its model's load and its generation count against the same one."""
+    fix_deadline(request.app.state.settings.request_timeout)
+
+
 def _include_routes(app: FastAPI) -> None:
     from llmq.api import (
         adapter_routes,
@@ -164,7 +171,9 @@ def _include_routes(app: FastAPI) -> None:
     keyed += (message_batches_routes,)
     keyed += (model_admin_routes,)
     for routes in (*keyed, messages_routes, ollama_routes, batches_routes, tokenizer_routes):
-        app.include_router(routes.router, dependencies=[Depends(require_api_key)])
+        app.include_router(
+            routes.router, dependencies=[Depends(require_api_key), Depends(start_deadline)]
+        )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -10,8 +10,9 @@ import time
 from contextvars import ContextVar
 
 from llmq.common.catalogue import FAILED_LOAD_HOLD_S, decode, fresh_residents
+from llmq.common.engine_client.deadline import current_deadline
 from llmq.common.engine_status import EngineStatus
-from llmq.common.errors import DeadlineExceeded, LLMQError
+from llmq.common.errors import LLMQError
 from llmq.common.transport import Keys
 
 # The keep_alive the request being handled gave (Ollama's routes), for every model lookup it
@@ -76,22 +77,23 @@ class OnDemand:
 
     async def load(self, model: str, probe, kind) -> EngineStatus:
         """Wait for a worker to load ``model`` (asking for it); its engine once one serves it.
-        A load that failed a moment ago, or fails while this waits, is a ModelLoadFailed."""
+        A load that failed a moment ago, or fails while this waits, is a ModelLoadFailed; the
+        wait ends at the request's deadline (``engine_client/deadline``) with its error."""
         started = time.time()
         error = await self.failure(model, started - FAILED_LOAD_HOLD_S)
-        deadline = started + self.wait_s
+        deadline = current_deadline(self.wait_s)
         wished = 0.0
         while error is None:
             if any(e.model == model for e in await probe.engines(max_age=0.0)):
                 return await probe.require_engine(model, kind)
-            if time.time() > deadline:
-                raise DeadlineExceeded(
-                    f"no worker loaded {model!r} within {self.wait_s:g} s: workers with "
-                    "LLMQ_CATALOGUE and room for it are needed"
+            if deadline.passed():
+                raise deadline.exceeded(
+                    f"no worker loaded {model!r} in that time (workers with LLMQ_CATALOGUE "
+                    "and room for it are needed)"
                 )
             if time.monotonic() - wished >= REWISH_S:
-                await self.wish(model, started, deadline)
+                await self.wish(model, started, deadline.at)
                 wished = time.monotonic()
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(min(POLL_S, max(0.0, deadline.at - time.time())))
             error = await self.failure(model, started)
         raise ModelLoadFailed(f"the model {model!r} could not be loaded: {error}")

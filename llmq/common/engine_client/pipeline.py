@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from llmq.common.engine_client.deadline import Deadline, current_deadline
 from llmq.common.engine_client.prompt_encoder import (
     PromptEncoder,
     PromptLimits,
@@ -202,23 +203,22 @@ class TokenGeneratorPipeline:
         content hashes of the prompt's images (stored in Redis), in order.
         Iterate the returned stream for its output; ``aclose()`` it when done."""
         request_id = request_id or uuid.uuid4().hex
-        timeout = timeout or self.request_timeout
-        started = time.time()
+        deadline = self._deadline(timeout)
         request = EngineRequest(
             id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             model=model or self.base_model,
             priority=priority,
-            deadline=started + timeout,
-            created=started,
+            deadline=deadline.at,
+            created=deadline.arrived,
             images=list(images or ()),
         )
         if self.adapter is not None:
             request.lora_name, request.lora_path = self.adapter.name, self.adapter.path
         queue, request.reply_to = await self.transport.subscribe(request_id, request.model)
         try:
-            entry = await self._enqueue(request, timeout, attach, queue_slots)
+            entry = await self._enqueue(request, attach, queue_slots)
         except BaseException:
             self.transport.release(request_id, request.model, cancel=True)  # it may be enqueued
             raise
@@ -227,10 +227,21 @@ class TokenGeneratorPipeline:
             raise QueueFull(f"the queue holds {self.max_queue} requests; retry shortly")
         return RequestStream(self, request, queue, stop or [], include_stop)
 
-    async def _enqueue(
-        self, request: EngineRequest, timeout: float, attach: bool, queue_slots: int
-    ) -> str | None:
-        ttl = int(timeout) + self.record_ttl
+    def _deadline(self, timeout: float | None) -> Deadline:
+        """The request's deadline: ``timeout`` from now where given, else the one fixed at its
+        arrival (the time it waited for its model's load counted), else LLMQ_REQUEST_TIMEOUT
+        from now; raises where it has passed already."""
+        if timeout:
+            now = time.time()
+            deadline = Deadline(now, now + timeout)
+        else:
+            deadline = current_deadline(self.request_timeout)
+        if deadline.passed():
+            raise deadline.exceeded()
+        return deadline
+
+    async def _enqueue(self, request: EngineRequest, attach: bool, queue_slots: int) -> str | None:
+        ttl = int(max(1.0, request.deadline - time.time())) + self.record_ttl
         target = await self.placer.target(request) if self.placer is not None else ""
         if attach:  # batch lines: bounded by the task's concurrency, not the queue
             return await self.transport.enqueue(request, 0, ttl, attach=True, target=target)
@@ -266,8 +277,7 @@ class TokenGeneratorPipeline:
         (``attach`` as for ``submit``). ``kind`` "score": inputs are pairs a cross-encoder
         scores, each answered as a vector of one."""
         request_id = request_id or uuid.uuid4().hex
-        timeout = timeout or self.request_timeout
-        started = time.time()
+        deadline = self._deadline(timeout)
         request = EngineRequest(
             id=request_id,
             prompt_token_ids=[],
@@ -276,13 +286,13 @@ class TokenGeneratorPipeline:
             options={**(options or {}), **({"dimensions": dimensions} if dimensions else {})},
             model=model or self.base_model,
             priority=priority,
-            deadline=started + timeout,
-            created=started,
+            deadline=deadline.at,
+            created=deadline.arrived,
         )
         queue, request.reply_to = await self.transport.subscribe(request_id, request.model)
         finished = False
         try:
-            entry = await self._enqueue(request, timeout, attach, 1)
+            entry = await self._enqueue(request, attach, 1)
             if entry is None:
                 raise QueueFull(f"the queue holds {self.max_queue} requests; retry shortly")
             async for msg in self.output.messages(request, queue):

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from llmq.common.engine_client.deadline import deadline_exceeded
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import (
     DeadlineExceeded,
@@ -273,9 +274,7 @@ def _seconds(value: float) -> str:
 
 
 def _deadline(request: EngineRequest) -> DeadlineExceeded:
-    return DeadlineExceeded(
-        f"the request did not finish within {_seconds(request.deadline - request.created)}s"
-    )
+    return deadline_exceeded(request.deadline - request.created)
 
 
 def _engine_error(msg: OutputMessage) -> LLMQError:
