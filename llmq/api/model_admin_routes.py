@@ -1,13 +1,18 @@
 """POST /models/load and /models/unload (llama.cpp's router mode's routes): a catalogue model
-loaded by a worker with room, or unloaded from every worker holding it, by hand."""
+loaded by a worker with room, or unloaded from every worker holding it, by hand; and vLLM's
+sleep mode per model: POST /models/sleep and /models/wake_up, GET /models/is_sleeping."""
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from llmq.common.catalogue import keep_alive_seconds
+from llmq.common.catalogue import decode, keep_alive_seconds, state_of
+from llmq.common.engine_client.deadline import current_deadline
 from llmq.common.errors import InvalidRequest, ModelNotFound
+from llmq.common.on_demand import POLL_S, OnDemand
 
 router = APIRouter()
 
@@ -46,3 +51,37 @@ async def unload(body: ModelAction, request: Request) -> dict:
     name = await _catalogue_name(request, body.model)
     await request.app.state.registry.on_demand.unload(name)
     return {"model": name, "state": "unloading"}
+
+
+@router.post("/models/sleep")
+async def sleep(body: ModelAction, request: Request) -> dict:
+    """vLLM's /sleep, per model: each worker holding it stops its engine and gives its memory
+    back once its requests are done, keeping its place. Answers once no worker holds it awake."""
+    name = await _catalogue_name(request, body.model)
+    on_demand = request.app.state.registry.on_demand
+    await on_demand.sleep(name)
+    deadline = current_deadline(request.app.state.settings.request_timeout)
+    while await on_demand.awake(name):
+        if deadline.passed():
+            raise deadline.exceeded(f"{name!r} is still running requests")
+        await asyncio.sleep(POLL_S)
+    return {"model": name, "state": await _state(on_demand, name)}
+
+
+@router.post("/models/wake_up")
+async def wake_up(body: ModelAction, request: Request) -> dict:
+    """vLLM's /wake_up, per model: a load, by the worker that has it asleep where one does."""
+    return await load(body, request)
+
+
+@router.get("/models/is_sleeping")
+async def is_sleeping(model: str, request: Request) -> dict:
+    """vLLM's /is_sleeping, per model: asleep on a worker and awake on none."""
+    name = await _catalogue_name(request, model)
+    state = await _state(request.app.state.registry.on_demand, name)
+    return {"model": name, "is_sleeping": state == "sleeping", "state": state}
+
+
+async def _state(on_demand: OnDemand, name: str) -> str:
+    loading = {r.get("model") for r in decode(await on_demand.r.hgetall(on_demand.keys.loading))}
+    return state_of(await on_demand.residents(), name, name in loading)

@@ -1,11 +1,12 @@
 """GET /v1/models and /v1/models/{id}: the models live workers serve, those workers are
-loading, and the catalogue's (``state``: ready, loading or available; ``workers`` holding it)."""
+loading, and the catalogue's (``state``: ready, loading, sleeping or available; ``workers``
+holding it, or with it asleep)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from llmq.common.catalogue import holders
+from llmq.common.catalogue import holders, sleepers, state_of
 from llmq.common.errors import ModelNotFound
 from llmq.common.on_demand import OnDemand
 from llmq.common.serving.model_cards import loading_card_named, with_loading
@@ -52,6 +53,9 @@ async def catalogue_cards(on_demand: OnDemand, listed: ModelList, loading: list[
     loading_names = {r["model"] for r in loading}
     for name, entry in catalogue.items():
         if name not in cards:
-            state = "loading" if name in loading_names else "available"
-            cards[name] = ModelCard(id=name, created=0, root=entry["source"], state=state)
+            state = state_of(residents, name, name in loading_names)
+            card = ModelCard(id=name, created=0, root=entry["source"], state=state)
+            if state == "sleeping":
+                card.workers = sleepers(residents, name)
+            cards[name] = card
     return ModelList(data=sorted(cards.values(), key=lambda m: m.id))

@@ -124,7 +124,7 @@ def decode(raw: dict) -> dict[str, dict]:
 
 def fresh_residents(raw: dict, now: float | None = None) -> dict[str, dict]:
     """The ``resident`` hash's records of live workers: worker -> {models: {model: {size,
-    expires_at}}, budget, held, loading, updated}."""
+    expires_at}}, asleep: {model: {size, since}}, budget, held, loading, updated}."""
     now = time.time() if now is None else now
     return {
         w: r for w, r in decode(raw).items() if now - float(r.get("updated", 0)) < RESIDENT_STALE_S
@@ -134,6 +134,20 @@ def fresh_residents(raw: dict, now: float | None = None) -> dict[str, dict]:
 def holders(residents: dict[str, dict], model: str) -> list[str]:
     """The workers whose resident record holds ``model``."""
     return sorted(w for w, r in residents.items() if model in r.get("models", {}))
+
+
+def sleepers(residents: dict[str, dict], model: str) -> list[str]:
+    """The workers that have ``model`` asleep (the next request for it wakes it there)."""
+    return sorted(w for w, r in residents.items() if model in r.get("asleep", {}))
+
+
+def state_of(residents: dict[str, dict], model: str, loading: bool) -> str:
+    """A catalogue model's state: ready (a worker holds it), loading, sleeping or available."""
+    if holders(residents, model):
+        return "ready"
+    if loading:
+        return "loading"
+    return "sleeping" if sleepers(residents, model) else "available"
 
 
 def expires_at(residents: dict[str, dict], model: str) -> float | None:

@@ -9,7 +9,7 @@ import json
 import time
 from contextvars import ContextVar
 
-from llmq.common.catalogue import FAILED_LOAD_HOLD_S, decode, fresh_residents
+from llmq.common.catalogue import FAILED_LOAD_HOLD_S, decode, fresh_residents, holders
 from llmq.common.engine_client.deadline import current_deadline
 from llmq.common.engine_status import EngineStatus
 from llmq.common.errors import LLMQError
@@ -61,6 +61,14 @@ class OnDemand:
     async def unload(self, model: str) -> None:
         """Have the workers holding ``model`` unload it once idle."""
         await self.r.hset(self.keys.unload, model, repr(time.time()))
+
+    async def sleep(self, model: str) -> None:
+        """Have the workers holding ``model`` put it to sleep once idle."""
+        await self.r.hset(self.keys.sleep, model, repr(time.time()))
+
+    async def awake(self, model: str) -> bool:
+        """Whether a worker holds ``model`` (not asleep, not unloaded)."""
+        return bool(holders(await self.residents(), model))
 
     async def wish(self, model: str, since: float, until: float) -> None:
         """Ask for ``model`` for a request waiting since ``since``, until ``until``."""

@@ -128,6 +128,12 @@ class Settings(BaseSettings):
         "Ollama's keep_alive (`30s`, `5m`, `1h`, or seconds; 0 unloads it at once, -1 keeps "
         "it); a request's own keep_alive overrides it.",
     )
+    sleep_idle_seconds: float = Field(
+        0,
+        ge=0,
+        description="A model loaded on demand and idle this long is put to sleep: its memory "
+        "given back, its place kept (its next request wakes it on the same worker). 0: never.",
+    )
     tokenizer_cache_dir: str | None = Field(
         None,
         description="Where a GGUF file's tokenizer, converted once, is kept by the file's "

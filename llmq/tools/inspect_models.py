@@ -7,7 +7,7 @@ import time
 
 import redis
 
-from llmq.common.catalogue import decode, fresh_residents, holders
+from llmq.common.catalogue import decode, fresh_residents, holders, sleepers, state_of
 from llmq.common.transport import Keys
 
 
@@ -24,8 +24,8 @@ def snapshot(client: redis.Redis, keys: Keys) -> dict:
     failed = decode(client.hgetall(keys.load_failed))
     models = []
     for name, entry in sorted(catalogue.items()):
-        held_by = holders(residents, name)
-        state = "ready" if held_by else "loading" if name in loading else "available"
+        state = state_of(residents, name, name in loading)
+        held_by = sleepers(residents, name) if state == "sleeping" else holders(residents, name)
         model = {"name": name, "state": state, "workers": held_by, "size": entry.get("size", 0)}
         if name in loading:
             model["loading"] = loading[name]
@@ -59,6 +59,7 @@ def render(snap: dict) -> list[str]:
         for name, h in sorted(r.get("models", {}).items()):
             until = h.get("expires_at")
             held.append(f"{name} (until unloaded in {until - now:.0f} s)" if until else name)
+        held += [f"{name} (asleep)" for name in sorted(r.get("asleep", {}))]
         out.append(
             f"  worker {worker}: {r.get('held', 0) / 2**20:.0f} MB of {budget} held: "
             f"{', '.join(held) or 'nothing'}"

@@ -3,7 +3,8 @@ their keep-alive (``common/catalogue`` has the protocol).
 
 The manager's thread ticks every ``TICK_S``: it publishes the catalogue and what this worker
 holds (``resident``), unloads models whose keep-alive ran out or whose unload was asked for,
-and takes a wish (``wanted``) it has room for: it claims the load, evicts the least recently
+puts to sleep those asked to sleep or idle past LLMQ_SLEEP_IDLE_SECONDS (unloaded, their place
+kept: listed as asleep, and woken by this worker for their next request), and takes a wish (``wanted``) it has room for: it claims the load, evicts the least recently
 used idle models it must, and loads. Each loaded model is an engine loop of its own (named
 ``{worker}/{model}``), on a thread of its own that loads it and then runs it, as the worker's
 single engine does; its heartbeat, queue and crash recovery are those of any engine.
@@ -47,6 +48,8 @@ EVICT_DEFER_S = 0.3
 LOADING_VALID_S = 10.0
 # How long a model loaded for requests waits for the first of them before its keep-alive counts.
 FIRST_REQUEST_S = 10.0
+# A wish for a model asleep on another worker is left to that worker this long (it wakes it).
+WAKE_DEFER_S = 2.0
 
 
 _LOAD_IMPORTS = (
@@ -73,6 +76,15 @@ class Held:
         return bool(self.loop.active)
 
 
+@dataclass
+class Asleep:
+    """A model put to sleep: its engine stopped and its memory given back, its place kept (it
+    is listed as sleeping, and the next request for it wakes it here)."""
+
+    entry: Entry
+    since: float
+
+
 class ModelManager:
     def __init__(self, settings: Settings, worker: str):
         self.settings, self.worker = settings, worker
@@ -83,6 +95,8 @@ class ModelManager:
         self.default_keep_alive = keep_alive_seconds(settings.keep_alive, 300.0)
         self.catalogue: dict[str, Entry] = {}
         self.held: dict[str, Held] = {}
+        self.asleep: dict[str, Asleep] = {}
+        self.sleep_idle = float(settings.sleep_idle_seconds)
         self.loading: str | None = None
         self.seen: dict[str, float] = {}  # wish -> when this worker first saw it
         self.stopping = threading.Event()
@@ -190,8 +204,10 @@ class ModelManager:
                 "last_used": held.last_busy,
                 "busy": held.busy(),
             }
+        asleep = {n: {"size": a.entry.size, "since": a.since} for n, a in self.asleep.items()}
         record = {
             "models": models,
+            "asleep": asleep,
             "budget": self.budget,
             "held": self.held_bytes(),
             "loading": self.loading,
@@ -215,23 +231,35 @@ class ModelManager:
         return True
 
     def _expire(self, now: float) -> None:
-        for name, why in self._expired(now).items():
-            self.unload(name, why)
+        for name, (why, sleep) in self._expired(now).items():
+            self.unload(name, why, sleep)
 
-    def _expired(self, now: float) -> dict[str, str]:
-        """The models to unload now, and why. Apart from ``_expire``'s loop: a ``Held`` in its
-        frame kept the model alive through ``unload``'s collection and trim (SmolLM2 left
-        100 MB resident after its unload)."""
-        asked = {as_text(k): float(v) for k, v in self.client.hgetall(self.keys.unload).items()}
+    def _asked(self, key: str) -> dict[str, float]:
+        return {as_text(k): float(v) for k, v in self.client.hgetall(key).items()}
+
+    def _expired(self, now: float) -> dict[str, tuple[str, bool]]:
+        """The models to unload or put to sleep (True) now, and why. Apart from ``_expire``'s
+        loop: a ``Held`` in its frame kept the model alive through ``unload``'s collection and
+        trim (SmolLM2 left 100 MB resident after its unload)."""
+        asked, sleeps = self._asked(self.keys.unload), self._asked(self.keys.sleep)
+        for name, asleep in list(self.asleep.items()):
+            if asked.get(name, 0.0) >= asleep.since:
+                log.info("forgot %s, asleep (an unload was asked for)", name)
+                self.asleep.pop(name)
         out = {}
         for name, held in list(self.held.items()):
             if not self._idle(name, held, now):
                 continue
-            keep = self.keep_alive(name)
-            if name in asked and asked[name] >= held.loaded_at:
-                out[name] = "an unload was asked for"
-            elif keep != FOREVER and now - held.last_busy >= keep and self._had_its_turn(held, now):
-                out[name] = f"idle past its keep-alive of {keep:g} s"
+            keep, turn = self.keep_alive(name), self._had_its_turn(held, now)
+            idle_s = now - held.last_busy
+            if asked.get(name, 0.0) >= held.loaded_at:
+                out[name] = ("an unload was asked for", False)
+            elif keep != FOREVER and idle_s >= keep and turn:
+                out[name] = (f"idle past its keep-alive of {keep:g} s", False)
+            elif sleeps.get(name, 0.0) >= held.loaded_at:
+                out[name] = ("a sleep was asked for", True)
+            elif self.sleep_idle and idle_s >= self.sleep_idle and turn:
+                out[name] = (f"idle for {self.sleep_idle:g} s (LLMQ_SLEEP_IDLE_SECONDS)", True)
         return out
 
     @staticmethod
@@ -242,10 +270,14 @@ class ModelManager:
         and that request failed as one for a model no worker serves."""
         return held.served or now - held.loaded_at >= FIRST_REQUEST_S
 
-    def unload(self, name: str, why: str) -> None:
+    def unload(self, name: str, why: str, sleep: bool = False) -> None:
+        """Stop the model's engine and give its memory back; ``sleep``: keep its place (listed
+        as asleep here, woken here by its next request)."""
         from llmq.worker.runner.malloc_tuning import return_freed_memory
 
         held = self.held.pop(name)
+        if sleep:
+            self.asleep[name] = Asleep(held.entry, time.time())
         started = time.monotonic()
         held.loop.stop(0.0)
         held.thread.join(30)
@@ -258,7 +290,8 @@ class ModelManager:
         return_freed_memory()
         self.publish(time.time())
         log.info(
-            "unloaded %s (%s) in %.2f s (%.2f s of it freeing its memory); %.0f MB held",
+            "%s %s (%s) in %.2f s (%.2f s of it freeing its memory); %.0f MB held",
+            "put to sleep" if sleep else "unloaded",
             name,
             why,
             time.monotonic() - started,
@@ -303,6 +336,15 @@ class ModelManager:
         return defer
 
     # ---- loading -------------------------------------------------------------------------
+    def _sleeps(self, model: str) -> bool:
+        """Whether another worker has ``model`` asleep (the one to wake it)."""
+        residents = fresh_residents(self.client.hgetall(self.keys.resident))
+        return any(
+            model in record.get("asleep", {})
+            for worker, record in residents.items()
+            if worker != self.worker
+        )
+
     def _live(self, model: str) -> bool:
         """Whether a live engine (on any worker) serves ``model``."""
         for engine in self.client.zrange(self.keys.engines_index, 0, -1):
@@ -322,6 +364,9 @@ class ModelManager:
             self.client.hdel(self.keys.wanted, model)
             return False
         entry = self.catalogue[model]
+        first_seen = self.seen.setdefault(model, now)
+        if model not in self.asleep and now - first_seen < WAKE_DEFER_S and self._sleeps(model):
+            return False
         if self.budget and entry.size > self.budget:
             self._failed(
                 model,
@@ -330,7 +375,6 @@ class ModelManager:
             )
             return True
         evict = self._evictions(entry.size)
-        first_seen = self.seen.setdefault(model, now)
         if evict is None or (evict and now - first_seen < self._evict_defer(evict[0], entry)):
             return False
         claim = self.keys.load_claim(model)
@@ -348,6 +392,7 @@ class ModelManager:
     def load(self, entry: Entry) -> None:
         """Load ``entry`` on a thread of its own (which then runs its engine loop), renewing the
         claim and the loading record while it loads."""
+        from llmq.worker.runner.malloc_tuning import return_freed_memory
         from llmq.worker.service import build_engine_loop
 
         settings = self.settings.model_copy(
@@ -359,6 +404,7 @@ class ModelManager:
             try:
                 box["loop"] = build_engine_loop(settings, f"{self.worker}/{entry.name}")
                 warm_up(box["loop"].backend)
+                return_freed_memory()  # the load's temporaries, kept by the raised thresholds
             except BaseException as exc:
                 box["error"] = exc
                 return
@@ -381,13 +427,15 @@ class ModelManager:
         self.loading = None
         self.client.hdel(self.keys.loading, self.worker)
         if "error" in box:
+            self.asleep.pop(entry.name, None)
             self._failed(entry.name, f"{type(box['error']).__name__}: {box['error']}")
             return
         self.held[entry.name] = Held(entry, box.pop("loop"), thread, time.time())
+        woke = self.asleep.pop(entry.name, None) is not None
         self.client.hdel(self.keys.wanted, entry.name)
         self.client.hdel(self.keys.load_failed, entry.name)
         self.publish(time.time())
-        log.info("loaded %s in %.2f s", entry.name, time.time() - since)
+        log.info("%s %s in %.2f s", "woke" if woke else "loaded", entry.name, time.time() - since)
 
     def _renew(self, entry: Entry, since: float) -> None:
         record = {"model": entry.name, "source": entry.source, "since": since}

@@ -229,14 +229,15 @@ class ModelCard(WireModel):
     owned_by: str = "llmq"
     root: str
     # or "loading": a worker loads it, its limits not known yet; or "available": a catalogue
-    # model no worker holds, loaded by the first request that names it
+    # model no worker holds, loaded by the first request that names it; or "sleeping": asleep
+    # on ``workers``, woken by the first request that names it
     state: str = "ready"
     max_model_len: int | None = None
     kind: str | None = None
     random_weights: bool | None = None  # only for a demo model's random weights
     images: bool | None = None  # only for a model that takes image input
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
-    workers: list[str] | None = None  # a catalogue model's: the workers holding it
+    workers: list[str] | None = None  # a catalogue model's: the workers holding it (or asleep)
 
 
 class ModelList(WireModel):

@@ -36,10 +36,10 @@ Everything stored is JSON or plain text, so redis-cli shows a person what is hap
 - ``{p}:loading``                  hash: worker -> JSON model, source, since, until: a worker
                                    loading its model (renewed until it serves or dies)
 - ``{p}:catalogue``, ``{p}:wanted``, ``{p}:load:{model}``, ``{p}:load_failed``,
-  ``{p}:keep_alive``, ``{p}:resident``, ``{p}:unload``
+  ``{p}:keep_alive``, ``{p}:resident``, ``{p}:unload``, ``{p}:sleep``
                                    models on demand (``common/catalogue``): what may load, what
                                    requests wait for, who loads it, failed loads, keep-alives,
-                                   what workers hold, unloads asked for
+                                   what workers hold, unloads and sleeps asked for
 - ``{p}:loras``                    hash: every LoRA adapter offered -> JSON base model, folder,
                                    owner (``common/lora_adapters.AdapterRecord``)
 - ``{p}:files:{id}``, ``{p}:files:{id}:content``, ``{p}:files:expiry``
@@ -254,6 +254,12 @@ class Keys:
     def unload(self) -> str:
         """Hash: model -> time an unload was asked for (workers unload it once idle)."""
         return f"{self._g}:unload"
+
+    @property
+    def sleep(self) -> str:
+        """Hash: model -> time a sleep was asked for (workers holding it put it to sleep once
+        idle)."""
+        return f"{self._g}:sleep"
 
 
 # ARGV[12]: the worker placement chose for it ('' none: whichever reads it first).
