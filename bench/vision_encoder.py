@@ -1,12 +1,13 @@
 """The vision encoder's time per image on this machine: LLaVA-1.5's image encoder (CLIP
-ViT-L/14 at 336 x 336, its second-to-last layer, the two-layer projector to 4096), or
-SmolVLM-256M's (``--family smolvlm``), with random weights, run by llmq's encoders (the image
-processor's PIL path included) on batches of 640 x 480 images; the median of ``--rounds``
-runs per batch.
+ViT-L/14 at 336 x 336, its second-to-last layer, the two-layer projector to 4096),
+SmolVLM-256M's (``--family smolvlm``) or Qwen2.5-VL-3B's (``--family qwen``), with random
+weights, run by llmq's encoders (the image processor's PIL path included) on batches of
+640 x 480 images; the median of ``--rounds`` runs per batch.
 
     .venv/bin/python bench/vision_encoder.py                    # float32, 1 and 4 images
     .venv/bin/python bench/vision_encoder.py --dtype bfloat16 --rounds 3
     .venv/bin/python bench/vision_encoder.py --family smolvlm --batches 1 --rounds 2
+    .venv/bin/python bench/vision_encoder.py --family qwen --batches 1 --rounds 2
 """
 
 from __future__ import annotations
@@ -78,6 +79,35 @@ def smolvlm_encoder(dtype: torch.dtype):
     return Idefics3Encoder(model, images)
 
 
+def qwen_encoder(dtype: torch.dtype):
+    """Qwen2.5-VL-3B's image encoder: a 32-block ViT of width 1280 on 14-pixel patches (window
+    attention in 28 blocks, full in 4), merged 2 x 2 to 2048; a 640 x 480 photo resized to
+    644 x 476: 23 x 17 = 391 tokens."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    from llmq.worker.vision.qwen2_5_vl import Qwen2_5_VLEncoder
+
+    vision = dict(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=2048,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+    )
+    text = dict(hidden_size=2048, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=16, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=63)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(dtype).eval()
+    images = Qwen2VLImageProcessorPil(size={"shortest_edge": 3136, "longest_edge": 12845056})
+    return Qwen2_5_VLEncoder(model, images)
+
+
 def png(seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (480, 640, 3), generator=g, dtype=torch.uint8).numpy()
@@ -90,10 +120,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--family", default="llava", choices=["llava", "smolvlm"])
+    parser.add_argument("--family", default="llava", choices=["llava", "smolvlm", "qwen"])
     parser.add_argument("--batches", default="1,4", help="images per call, comma-separated")
     args = parser.parse_args()
-    build = encoder if args.family == "llava" else smolvlm_encoder
+    build = {"llava": encoder, "smolvlm": smolvlm_encoder, "qwen": qwen_encoder}[args.family]
     enc = build(getattr(torch, args.dtype))
     images = [png(s) for s in range(4)]
     enc.encode(images[:1])  # warm
