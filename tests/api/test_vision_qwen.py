@@ -18,8 +18,9 @@ from PIL import Image
 
 from llmq.common.transport.redis_server import RedisServer
 from llmq.tools.model_factory import make_model
-from tests.api.test_vision_llava import _answer, _ask, _counters_after, _question, picture
-from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_worker
+from tests.api.api_stack import aclient
+from tests.api.test_vision_llava import picture, url
+from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for, wait_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NEW = 6
@@ -92,6 +93,46 @@ def reference(model):
     return Reference(model)
 
 
+def question(image: bytes, text: str = "What is in the picture?") -> list[dict]:
+    parts = [
+        {"type": "text", "text": text},
+        {"type": "image_url", "image_url": {"url": url(image)}},
+    ]
+    return [{"role": "user", "content": parts}]
+
+
+async def answer(base: str, messages: list[dict]) -> tuple[list[int], str]:
+    """The greedy token ids and text of the served model's answer."""
+    out = await aclient(base).chat.completions.create(
+        model="qwen2_5_vl",
+        messages=messages,
+        max_tokens=NEW,
+        temperature=0,
+        logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    choice = out.choices[0]
+    ids = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+    return ids, choice.message.content
+
+
+def ask(base: str, messages: list[dict]) -> list[int]:
+    return asyncio.run(answer(base, messages))[0]
+
+
+def counters_after(redis_url: str, moment: float) -> tuple[int, int]:
+    """The worker's (images_encoded, prefix_cache_hit_tokens) in a heartbeat written after
+    ``moment``."""
+    beat = {}
+
+    def fresh():
+        beat.update(heartbeat(redis_url, "w-qwen"))
+        return float(beat.get("updated", 0)) > moment
+
+    wait_for(fresh, 30, "a fresh heartbeat", 0.05)
+    return int(beat["images_encoded"]), int(beat["prefix_cache_hit_tokens"])
+
+
 def _template(text: str = "What is in the picture?") -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
 
@@ -105,18 +146,32 @@ def test_one_and_four_at_once_equal_generate(served, reference):
     images = [picture(s, size) for s, size in enumerate(SHAPES)]
     expected = [reference.answer(_template(), [img]) for img in images]
     assert len({tuple(e) for e in expected}) == 4, expected  # the image changes the answer
-    assert _ask(base, "qwen2_5_vl", _question(images[0])) == expected[0]
+    assert ask(base, question(images[0])) == expected[0]
     before = _preemptions(redis_url)
 
     async def at_once():
-        return await asyncio.gather(*(_answer(base, "qwen2_5_vl", _question(i)) for i in images))
+        return await asyncio.gather(*(answer(base, question(i)) for i in images))
 
     assert [ids for ids, _ in asyncio.run(at_once())] == expected
-    _, hits = _counters_after(redis_url, "w-qwen", time.time())
+    _, hits = counters_after(redis_url, time.time())
     assert _preemptions(redis_url) > before  # some were computed again
     assert [ids for ids, _ in asyncio.run(at_once())] == expected  # again: blocks from the cache
-    _, hits_again = _counters_after(redis_url, "w-qwen", time.time())
+    _, hits_again = counters_after(redis_url, time.time())
     assert hits_again > hits
+
+
+def test_a_request_without_images_equals_generate(served, reference):
+    """Text alone, beside nothing: every row's three positions are its index."""
+    _, base = served
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = reference.tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.inference_mode():
+        out = reference.model.generate(
+            input_ids=ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert ask(base, messages) == out[0, ids.shape[1] :].tolist()
 
 
 def test_plain_positions_would_give_other_tokens(reference):
@@ -136,15 +191,15 @@ def test_plain_positions_would_give_other_tokens(reference):
 def test_a_second_turn_reuses_the_image_and_equals_generate(served, reference):
     redis_url, base = served
     image = picture(11, (48, 32))
-    encoded, _ = _counters_after(redis_url, "w-qwen", time.time())
-    _, text = asyncio.run(_answer(base, "qwen2_5_vl", _question(image)))
-    after_first, hits = _counters_after(redis_url, "w-qwen", time.time())
+    encoded, _ = counters_after(redis_url, time.time())
+    _, text = asyncio.run(answer(base, question(image)))
+    after_first, hits = counters_after(redis_url, time.time())
     assert after_first == encoded + 1
-    follow = [*_question(image), {"role": "assistant", "content": text}]
+    follow = [*question(image), {"role": "assistant", "content": text}]
     follow.append({"role": "user", "content": "And the colours?"})
     template = [*_template(), {"role": "assistant", "content": text}, follow[-1]]
-    assert _ask(base, "qwen2_5_vl", follow) == reference.answer(template, [image])
-    after_second, hits_second = _counters_after(redis_url, "w-qwen", time.time())
+    assert ask(base, follow) == reference.answer(template, [image])
+    after_second, hits_second = counters_after(redis_url, time.time())
     assert after_second == encoded + 1
     image_end = reference.inputs(_template(), [image])["input_ids"].shape[1] - 6
     assert hits_second - hits >= image_end - 16  # all but a partial block: from the cache
