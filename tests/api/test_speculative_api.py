@@ -1,12 +1,17 @@
 """Speculative decoding behind the API: a worker with prompt lookup on answers as one without
 (a request's ``"speculative": false`` turns it off), and its acceptance shows in the heartbeat,
-``/metrics`` and ``llmq inspect``."""
+``/metrics`` and ``llmq inspect``. Every surface's opt-out (chat's and Responses' extra body
+field, Anthropic's top-level field, Ollama's option) leaves the worker's draft counter as it
+was, where the same request without it adds drafts."""
 
 from __future__ import annotations
 
 import subprocess
+import time
 
+import anthropic
 import httpx
+import ollama
 import pytest
 
 from tests.api.api_stack import PROMPT, client, stack
@@ -42,13 +47,13 @@ def test_speculation_is_lossless_and_visible(spec_stack):
     def metrics() -> str:
         return httpx.get(f"{s.base}/metrics", timeout=10).text
 
-    text = wait_for(
-        lambda: "llmq:spec_decode_acceptance_rate{" in (m := metrics()) and m,
-        30,
-        "the speculation gauges in /metrics",
-    )
-    rate = next(x for x in text.splitlines() if x.startswith("llmq:spec_decode_acceptance_rate{"))
-    assert 0 < float(rate.split()[-1]) <= 1
+    def rate(text: str) -> float:
+        gauge = "llmq:spec_decode_acceptance_rate{"
+        return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(gauge)), 0)
+
+    # The API reads heartbeats it may have cached from before the biased requests' drafts.
+    text = wait_for(lambda: rate(m := metrics()) > 0 and m, 30, "the speculation gauges")
+    assert 0 < rate(text) <= 1
     assert "llmq:spec_decode_mean_accepted_length{" in text
 
     shown = subprocess.run(
@@ -60,3 +65,51 @@ def test_speculation_is_lossless_and_visible(spec_stack):
     )
     assert shown.returncode == 0, shown.stderr
     assert "speculative decoding:" in shown.stdout and "draft tokens accepted" in shown.stdout
+
+
+# A prompt that repeats itself: its greedy continuation on the random model meets tokens it
+# has seen, which prompt lookup proposes.
+REPEATS = "one two three one two three one two three one two three"
+
+
+def _beat_after(s, moment: float) -> dict[str, str]:
+    """The first heartbeat written after ``moment`` (the worker's wall clock, this host's)."""
+    return wait_for(
+        lambda: float((h := s.heartbeat()).get("updated", 0)) > moment and h,
+        30,
+        "a heartbeat after the request",
+    )
+
+
+def test_every_surface_opts_out(spec_stack):
+    s = spec_stack
+    user = [{"role": "user", "content": REPEATS}]
+    messages = anthropic.Anthropic(base_url=s.base, api_key="none", max_retries=0, timeout=120)
+    oc = ollama.Client(host=s.base, timeout=120)
+    c = client(s.base)
+
+    def anthropic_sent(on: bool) -> int:
+        extra = {"temperature": 0} | ({} if on else {"speculative": False})
+        r = messages.messages.create(model=s.model, max_tokens=64, messages=user, extra_body=extra)
+        return r.usage.output_tokens
+
+    def ollama_chat(on: bool) -> int:
+        options = {"temperature": 0, "num_predict": 64} | ({} if on else {"speculative": False})
+        return oc.chat(model=s.model, messages=user, options=options).eval_count
+
+    def responses(on: bool) -> int:
+        extra = {} if on else {"extra_body": {"speculative": False}}
+        r = c.responses.create(
+            model=s.model, input=REPEATS, max_output_tokens=64, temperature=0, **extra
+        )
+        return r.usage.output_tokens
+
+    # Each request's drafts: the heartbeats' count from one written after the request before
+    # it answered to one written after it answered.
+    beat = _beat_after(s, time.time())
+    for send in (anthropic_sent, ollama_chat, responses):
+        for on in (False, True):
+            assert send(on) > 0  # output tokens
+            before, beat = beat, _beat_after(s, time.time())
+            drafts = int(beat["spec_proposed"]) - int(before["spec_proposed"])
+            assert (drafts > 0) == on, (send.__name__, on, drafts)

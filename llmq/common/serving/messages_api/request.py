@@ -7,7 +7,8 @@ prompt (the prefix cache keeps every prompt's blocks, marked or not) and make th
 usage count the cache writes (objects.message_usage).
 ``output_config.effort`` is passed to a chat template that has ``reasoning_effort`` and accepted
 otherwise (the answer says it was not applied: translate.py); ``context_management`` edits
-are validated and applied where they change llmq's prompt (context_edits.py)."""
+are validated and applied where they change llmq's prompt (context_edits.py). One top-level
+field is llmq's own: ``speculative`` (false: no speculative decoding for the request)."""
 
 from __future__ import annotations
 
@@ -231,6 +232,8 @@ class MessagesRequest(MessagesPrompt):
     container: SkipJsonSchema[Any] = None
     inference_geo: SkipJsonSchema[str | None] = None  # accepted, ignored
     diagnostics: SkipJsonSchema[dict[str, Any] | None] = None  # accepted, ignored
+    # llmq's own, as on chat (the SDK's extra_body): false turns speculative decoding off.
+    speculative: SkipJsonSchema[bool] = True
 
     @field_validator("container")
     @classmethod

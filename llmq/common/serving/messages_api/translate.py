@@ -116,6 +116,7 @@ def _answer_fields(body: MessagesRequest) -> dict[str, Any]:
         "top_k": body.top_k,
         "stop": body.stop_sequences,
         "user": body.user(),
+        "speculative": body.speculative,
     }
     fields |= {k: v for k, v in optional.items() if v is not None}
     config = body.output_config

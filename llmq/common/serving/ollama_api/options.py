@@ -2,7 +2,9 @@
 request. Mapped: temperature, top_p, top_k, min_p, seed, num_predict, stop, repeat_penalty,
 presence_penalty, frequency_penalty. num_ctx is accepted: the context window is the served
 model's (LLMQ_MAX_MODEL_LEN), a larger num_ctx capped to it as Ollama caps one past a model's
-trained length, and a prompt with its output over it refused with the usual 400. Accepted and ignored: the options that
+trained length, and a prompt with its output over it refused with the usual 400. llmq's own
+``speculative`` (false: no speculative decoding for the request) is an option too, the one
+place where Ollama's clients send a field of their own. Accepted and ignored: the options that
 place or load the model (threads, GPUs, memory mapping, batch size), which change no answer.
 Refused (400) unless neutral: the samplers llmq does not run (mirostat, tfs_z, typical_p) and a
 repeat_last_n window other than the whole context."""
@@ -58,6 +60,7 @@ class OllamaOptions(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     num_ctx: Annotated[int, Field(ge=1)] | None = None
     repeat_last_n: Annotated[int, Field(ge=-1)] | None = None  # -1: the whole context
+    speculative: bool | None = None  # llmq's: false turns speculative decoding off
     mirostat: int | None = None
     tfs_z: float | None = None
     typical_p: float | None = None
@@ -141,5 +144,7 @@ def sampling_fields(options: OllamaOptions | None) -> dict[str, Any]:
         fields["seed"] = options.seed
     if options.num_predict is not None and options.num_predict > 0:
         fields["max_tokens"] = options.num_predict
+    if options.speculative is not None:
+        fields["speculative"] = options.speculative
     fields = {k: v for k, v in fields.items() if v is not None}
     return fields | _penalties(options)

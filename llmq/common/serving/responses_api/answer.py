@@ -49,6 +49,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
         "top_p": body.top_p,
         "max_completion_tokens": body.max_output_tokens,
         "user": body.user,
+        "speculative": body.speculative,
     }
     fields |= {k: v for k, v in optional.items() if v is not None}
     fields |= _tool_fields(body)
@@ -87,6 +88,7 @@ def echoed_fields(body: ResponsesRequest) -> dict[str, Any]:
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": "disabled",
         "user": body.user,
+        "speculative": body.speculative,
     }
 
 

@@ -147,6 +147,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: SkipJsonSchema[bool] = True
     text: SkipJsonSchema[TextConfig | None] = None
     background: SkipJsonSchema[bool] = False
+    # llmq's own, as on chat (the SDK's extra_body): false turns speculative decoding off.
+    speculative: SkipJsonSchema[bool] = True
 
     @field_validator("tools", mode="before")
     @classmethod
