@@ -34,114 +34,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CODE = '''def summarize_orders(orders, tax_rate=0.2):
-    """Total the orders per customer, with tax, skipping cancelled ones."""
-    totals = {}
-    for order in orders:
-        if order.get("status") == "cancelled":
-            continue
-        customer = order["customer"]
-        amount = order["quantity"] * order["unit_price"]
-        amount = amount * (1 + tax_rate)
-        totals[customer] = totals.get(customer, 0) + amount
-    ranked = sorted(totals.items(), key=lambda item: item[1], reverse=True)
-    report = []
-    for customer, total in ranked:
-        line = f"{customer}: {total:.2f}"
-        report.append(line)
-    return "\\n".join(report)
 
+def workloads(tok) -> dict[str, list[list[int]]]:
+    """Per workload's title, its four prompts (chat-templated token ids)."""
+    from llmq.tools.bench_workloads import workload_chats
 
-def load_orders(path):
-    """Read the orders of a JSON lines file, one order per line."""
-    orders = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            orders.append(json.loads(line))
-    return orders
-'''
-CODE_ASKS = [
-    "Rewrite summarize_orders so that tax_rate defaults to 0.1. Give the whole code.",
-    "Rename the variable totals to per_customer in summarize_orders. Give the whole code.",
-    "Add a docstring line to load_orders saying it skips blank lines. Give the whole code.",
-    "Make load_orders take an encoding argument. Give the whole code.",
-]
-QA_ASKS = [
-    "Quote the sentences of the text that describe Holmes's rooms.",
-    "Quote the sentences that say how Watson came to pass by Baker Street.",
-    "Quote exactly the sentences about Irene Adler.",
-    "Quote the sentences that tell what Holmes had been doing lately.",
-]
-JSON_TEXT = (
-    "Order 4471 was placed on 12 March 2024 by Maria Gonzalez (maria.gonzalez@example.com, "
-    "+34 612 555 019) for delivery to Calle Mayor 14, 28013 Madrid, Spain. She bought two "
-    "Aeropress coffee makers at 39.90 EUR each and one bag of Ethiopia Yirgacheffe beans, "
-    "250 g, at 14.50 EUR. Payment was by Visa ending 4242; the order shipped with DHL "
-    "Express, tracking number JD014600006281, on 13 March 2024. Ticket 99812 notes that "
-    "the customer asked for a gift wrap and an invoice in the name of Gonzalez Design SL, "
-    "VAT number ESB12345678. Support agent Tom Becker closed the ticket on 15 March 2024."
-)
-JSON_ASKS = [
-    "Extract the order id, customer name, email, phone and city as JSON.",
-    "Extract every product with its quantity and unit price as a JSON list.",
-    "Extract the payment card, carrier, tracking number and ship date as JSON.",
-    "Extract the ticket number, agent, invoice name and VAT number as JSON.",
-]
-CHAT = [
-    ("user", "I am planning a three day trip to Lisbon in May. What should I see?"),
-    (
-        "assistant",
-        "Day 1: Walk through Alfama, visit the Sao Jorge Castle and watch the sunset from the "
-        "Miradouro da Senhora do Monte. Day 2: Take tram 28 to Belem, see the Jeronimos "
-        "Monastery, the Belem Tower and eat a pastel de nata at Pasteis de Belem. Day 3: Go to "
-        "Sintra by train, visit the Pena Palace and the Quinta da Regaleira, and return for "
-        "dinner in Bairro Alto.",
-    ),
-    ("user", "Great. Can you repeat the plan but move Sintra to day 1?"),
-    (
-        "assistant",
-        "Day 1: Go to Sintra by train, visit the Pena Palace and the Quinta da Regaleira, and "
-        "return for dinner in Bairro Alto. Day 2: Walk through Alfama, visit the Sao Jorge "
-        "Castle and watch the sunset from the Miradouro da Senhora do Monte. Day 3: Take tram "
-        "28 to Belem, see the Jeronimos Monastery, the Belem Tower and eat a pastel de nata at "
-        "Pasteis de Belem.",
-    ),
-]
-CHAT_ASKS = [
-    "Now repeat the plan once more, with Belem on day 1.",
-    "Repeat the plan as a list, with Alfama on day 3.",
-    "Repeat the last plan word for word, then add one restaurant per day.",
-    "Repeat the first plan and say which day is the most tiring.",
-]
-FREE_ASKS = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Write a poem about autumn in a big city.",
-    "Write a letter from a cat to its owner about the new dog.",
-    "Write an essay on why people like to travel.",
-]
-
-
-def workloads(tok, text: str) -> dict[str, list[list[int]]]:
-    """Per workload, its four prompts (chat-templated token ids)."""
-
-    def chat(turns):
-        messages = [{"role": r, "content": c} for r, c in turns]
-        ids = tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    def ids(messages):
+        return list(
+            tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         )
-        return list(ids)
 
-    doc = "\n\n".join(text.split("\n\n")[:3])[:1800]
-    return {
-        "code edit": [chat([("user", f"```python\n{CODE}```\n\n{a}")]) for a in CODE_ASKS],
-        "document QA (quotes)": [chat([("user", f"{doc}\n\n{a}")]) for a in QA_ASKS],
-        "JSON extraction": [chat([("user", f"{JSON_TEXT}\n\n{a}")]) for a in JSON_ASKS],
-        "multi-turn chat": [chat(CHAT + [("user", a)]) for a in CHAT_ASKS],
-        "free writing": [chat([("user", a)]) for a in FREE_ASKS],
-    }
+    return {title: [ids(c) for c in chats] for title, chats in workload_chats().values()}
 
 
 def child(config: str, tokens: int, folder: str, kinds: list[str]) -> dict:
@@ -166,9 +71,7 @@ def child(config: str, tokens: int, folder: str, kinds: list[str]) -> dict:
         speculative_ngram_max=int(fields.get("max_n", 4)),
     )
     engine = build_backend(settings)[0].engine
-    tok = AutoTokenizer.from_pretrained(folder)
-    text = (ROOT / "tests/data/scandal_in_bohemia.txt").read_text()
-    loads = workloads(tok, text)
+    loads = workloads(AutoTokenizer.from_pretrained(folder))
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=False)
     engine.generate([loads["free writing"][0]], SamplingParams(temperature=0, max_tokens=8))
     result = {}
@@ -203,8 +106,7 @@ def crossover(kind: str, tokens: int, folder: str) -> None:
         s = Settings(model=folder, device="cpu", dtype="bfloat16", speculative_method=method)
         s.speculative_max_batch = 1024
         engines[method] = build_backend(s)[0].engine
-    tok = AutoTokenizer.from_pretrained(folder)
-    prompts = workloads(tok, (ROOT / "tests/data/scandal_in_bohemia.txt").read_text())[kind]
+    prompts = workloads(AutoTokenizer.from_pretrained(folder))[kind]
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
     for engine in engines.values():  # warm: the first steps build what later ones reuse
         engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))

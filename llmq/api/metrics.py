@@ -32,6 +32,7 @@ class _ModelLoad:
     spec_verified: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    updated: float = 0.0  # the oldest heartbeat's time
 
 
 class Metrics:
@@ -72,6 +73,16 @@ class Metrics:
         self.spec_mean_length = g(
             "spec_decode_mean_accepted_length",
             "Tokens a sequence-step that checked a draft yielded (accepted drafts plus one).",
+        )
+        # The totals behind those rates (vLLM's counters' names) and when the heartbeats last
+        # counted them: a client measures its own run by their change over it.
+        self.spec_drafts = g("spec_decode_num_drafts", "Sequence-steps that checked a draft.")
+        self.spec_draft_tokens = g("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = g(
+            "spec_decode_num_accepted_tokens", "Draft tokens the model accepted."
+        )
+        self.heartbeat_time = g(
+            "engine_heartbeat_time", "Unix time of the oldest of the live engines' heartbeats."
         )
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -132,6 +143,7 @@ class Metrics:
             load.spec_verified += e.spec_verified
             load.spec_proposed += e.spec_proposed
             load.spec_accepted += e.spec_accepted
+            load.updated = min(load.updated or e.updated, e.updated)
         for model in set(per_model) | set(streams):
             load = per_model.get(model, _ModelLoad())
             lag, pending = streams.get(model, (0, 0))
@@ -142,7 +154,11 @@ class Metrics:
             self.kv_usage.labels(model).set(load.used / load.total if load.total else 0.0)
             self.kv_blocks_used.labels(model).set(load.used)
             self.engines.labels(model).set(load.engines)
+            self.heartbeat_time.labels(model).set(load.updated)
             if load.spec_verified:
                 self.spec_acceptance.labels(model).set(load.spec_accepted / load.spec_proposed)
                 verified, accepted = load.spec_verified, load.spec_accepted
                 self.spec_mean_length.labels(model).set((accepted + verified) / verified)
+                self.spec_drafts.labels(model).set(verified)
+                self.spec_draft_tokens.labels(model).set(load.spec_proposed)
+                self.spec_accepted_tokens.labels(model).set(accepted)

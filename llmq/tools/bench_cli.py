@@ -15,6 +15,12 @@ asked once more without them (and the result says so).
 Load: ``--concurrency N`` keeps N requests in flight (closed loop); ``--rate R`` sends requests
 at Poisson arrivals of R per second whatever the server does (open loop).
 
+``--workload NAME`` sends the chats of speculative decoding's benchmark instead (a function to
+edit, a document to quote, ...; ``llmq/tools/bench_workloads.py``), each to its natural end or
+``--output-tokens``; ``--no-speculative`` asks llmq to run no speculative decoding for the
+requests. Where the server is llmq and its workers speculate, the report gives the run's
+acceptance and mean tokens per checking step (from /metrics).
+
     llmq bench --base-url http://127.0.0.1:8000 --concurrency 32 --requests 64 \\
         --prompt-tokens 128 --output-tokens 64 --json out.json --plot out.png
 """
@@ -33,6 +39,13 @@ from typing import TYPE_CHECKING
 from llmq.tools.bench_load import Progress, RequestResult, RequestShape, one_request, run_load
 from llmq.tools.bench_prompts import PromptSet, build_prompts
 from llmq.tools.bench_report import format_result, plot, summarize
+from llmq.tools.bench_spec import (
+    WORKLOADS,
+    format_spec,
+    spec_figures,
+    totals_after,
+    workload_prompts,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -99,6 +112,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="do not send min_tokens / ignore_eos (servers that reject unknown fields)",
     )
     p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        help="send this workload's chats (speculative decoding's benchmark) instead of random "
+        "prompts, without min_tokens/ignore_eos; --prompt-tokens does not apply",
+    )
+    p.add_argument(
+        "--no-speculative",
+        action="store_true",
+        help='ask for no speculative decoding ("speculative": false, llmq\'s field)',
+    )
+    p.add_argument(
         "--images", type=int, default=0, help="images of random pixels in each chat request (0)"
     )
     p.add_argument(
@@ -132,11 +156,12 @@ async def _first_model(http: httpx.AsyncClient, base: str) -> str:
 
 
 async def _probe(
-    http: httpx.AsyncClient, url: str, shape: RequestShape, prompt: str, args: argparse.Namespace
+    http: httpx.AsyncClient, url: str, shape: RequestShape, prompt, args: argparse.Namespace
 ) -> tuple[bool, bool]:
     """A first short request (which also warms the server): does it take the extra fields?
     Returns (extras sent, extras dropped after a refusal)."""
-    extras = not args.no_extra_params
+    # A workload's chats run to their own end: whether the model copies, then stops.
+    extras = not args.no_extra_params and not args.workload
     dropped = False
     probe = await one_request(
         http, url, shape.body(prompt, 2, extras), time.perf_counter(), args.timeout
@@ -218,6 +243,8 @@ def _config(
         "tokenizer": tokenizer,
         "extra_params_sent": extras,
         "extra_params_dropped": dropped,
+        "workload": args.workload,
+        "speculative": not args.no_speculative,
         "prompt_lengths": prompts.length_range,
         "prompt_note": prompts.note,
     }
@@ -236,18 +263,25 @@ async def bench(args: argparse.Namespace) -> dict:
         tokenizer = args.tokenizer
         if not tokenizer and Path(model).is_dir():
             tokenizer = model
-        prompts = build_prompts(
-            tokenizer, args.endpoint, args.seed, args.requests + args.warmup, args.prompt_tokens
-        )
+        count = args.requests + args.warmup
+        if args.workload:
+            prompts = workload_prompts(args.workload, count)
+        else:
+            prompts = build_prompts(tokenizer, args.endpoint, args.seed, count, args.prompt_tokens)
         width, height = map(int, args.image_size.lower().split("x"))
-        shape = RequestShape(model, args.endpoint, args.temperature, args.images, (width, height))
+        size, speculative = (width, height), not args.no_speculative
+        shape = RequestShape(model, args.endpoint, args.temperature, args.images, size, speculative)
         url = base + shape.path
+        root = base.removesuffix("/v1")
+        before = await totals_after(http, root, model, time.time())
         extras, dropped = await _probe(http, url, shape, prompts.texts[0], args)
         results, duration = await _measure(http, url, shape, prompts, extras, args)
+        spec = spec_figures(before, await totals_after(http, root, model, time.time()))
+    summary = summarize(results, duration, args.output_tokens) | {"speculative": spec}
     return {
         "label": args.label or args.base_url,
         "config": _config(args, model, tokenizer, prompts, extras, dropped),
-        "summary": summarize(results, duration, args.output_tokens),
+        "summary": summary,
         "_results": results,
     }
 
@@ -274,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--requests and --concurrency must be at least 1")
     if args.rate is not None and args.rate <= 0:
         raise SystemExit("--rate must be positive")
+    if args.workload and args.endpoint != "chat":
+        raise SystemExit("--workload sends chats: --endpoint chat")
     try:
         res = asyncio.run(bench(args))
     except BenchError as exc:
@@ -289,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     results = res.pop("_results")
     if not args.quiet:
-        print(format_result(res), flush=True)
+        lines = [format_result(res), *format_spec(res["summary"]["speculative"])]
+        print("\n".join(lines), flush=True)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(res, indent=2) + "\n")

@@ -47,14 +47,16 @@ class RequestShape:
     temperature: float
     images: int = 0  # images in each chat request, after the prompt (each request its own)
     image_size: tuple[int, int] = (640, 480)
+    speculative: bool = True  # False: each request opts out of speculative decoding (llmq's)
 
     @property
     def path(self) -> str:
         return "/chat/completions" if self.endpoint == "chat" else "/completions"
 
-    def body(self, prompt: str, max_tokens: int, extras: bool) -> dict:
+    def body(self, prompt: str | list[dict], max_tokens: int, extras: bool) -> dict:
         """Streamed, with usage; ``extras`` asks for exactly ``max_tokens`` (min_tokens and
-        ignore_eos, which not every server takes)."""
+        ignore_eos, which not every server takes). A list is a chat's messages, sent as they
+        are."""
         b: dict = {
             "model": self.model,
             "max_tokens": max_tokens,
@@ -62,7 +64,9 @@ class RequestShape:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.endpoint == "chat":
+        if isinstance(prompt, list):
+            b["messages"] = prompt
+        elif self.endpoint == "chat":
             content = [{"type": "text", "text": prompt}, *self.image_parts(prompt)]
             b["messages"] = [{"role": "user", "content": content if self.images else prompt}]
         else:
@@ -70,6 +74,8 @@ class RequestShape:
         if extras:
             b["min_tokens"] = max_tokens
             b["ignore_eos"] = True
+        if not self.speculative:
+            b["speculative"] = False
         return b
 
     def image_parts(self, prompt: str) -> list[dict]:

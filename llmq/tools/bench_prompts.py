@@ -98,7 +98,7 @@ def fallback_prompt(target: int, rng: random.Random) -> str:
 class PromptSet:
     """The prompts of one run, with their token counts where a tokenizer measured them."""
 
-    texts: list[str]
+    texts: list[str] | list[list[dict[str, str]]]  # prompts, or chats (a workload's)
     lengths: list[int | None]
     note: str | None  # what the report should say about the prompts' lengths, if anything
     measured: bool  # built with a tokenizer: lengths are exact counts

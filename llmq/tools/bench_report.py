@@ -65,9 +65,10 @@ def format_result(res: dict) -> str:
     s = res["summary"]
     c = res["config"]
     load = f"rate {c['rate']}/s (Poisson)" if c["rate"] else f"concurrency {c['concurrency']}"
+    prompts = f"workload {c['workload']}" if c.get("workload") else f"{c['prompt_tokens']} in"
     lines = [
         f"{res['label']}: model {c['model']}, {c['endpoint']}, {load}, {c['requests']} requests, "
-        f"{c['prompt_tokens']} in / {c['output_tokens']} out",
+        f"{prompts} / {c['output_tokens']} out",
         f"  completed {s['completed']}, errors {s['errors']}, outputs not of the asked length "
         f"{s['short_outputs']}, {s['duration_s']:.2f} s",
         f"  output {s['output_tok_s']:.1f} tok/s, {s['requests_s']:.2f} requests/s, "

@@ -6,6 +6,8 @@ was, where the same request without it adds drafts."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import subprocess
 import time
 
@@ -113,3 +115,29 @@ def test_every_surface_opts_out(spec_stack):
             before, beat = beat, _beat_after(s, time.time())
             drafts = int(beat["spec_proposed"]) - int(before["spec_proposed"])
             assert (drafts > 0) == on, (send.__name__, on, drafts)
+
+
+def _bench(s, *flags: str) -> dict:
+    """One short `llmq bench` run of the code-edit workload against the stack, in-process."""
+    from llmq.tools.bench_cli import add_arguments, bench
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    run = ["--base-url", s.base, "--requests", "2", "--output-tokens", "64"]
+    args = parser.parse_args([*run, "--workload", "code-edit", *flags])
+    return asyncio.run(bench(args))["summary"]
+
+
+def test_bench_reports_the_runs_acceptance(spec_stack):
+    from llmq.tools.bench_cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    shown = parser.format_help()
+    assert "--workload" in shown and "code-edit" in shown and "--no-speculative" in shown
+    on = _bench(spec_stack)
+    assert on["completed"] == 2 and on["speculative"]["drafts"] > 0
+    assert 0 <= on["speculative"]["acceptance"] <= 1
+    assert on["speculative"]["mean_accepted_length"] >= 1
+    off = _bench(spec_stack, "--no-speculative")
+    assert off["completed"] == 2 and off["speculative"]["drafts"] == 0
