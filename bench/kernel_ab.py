@@ -4,7 +4,8 @@ tree's, side by side.
 Each side's ``kernels/*.cpp`` and headers are compiled into a library of their own (the cache key
 is the sources), and each round runs one process per side in turn, timing the 1B shape's
 projections in int4 and int8 (``quantized_linear`` on llmq's kernels; ``--bits`` also 6, 16:
-bfloat16 panels, q6k: GGUF's Q6_K blocks), weights cycled through 256 MB so that they come from
+bfloat16 panels, q6k: GGUF's Q6_K blocks, 4g and 6g: GGUF's Q4_1 and Q5_1 groups, 8s and 8m:
+int8 symmetric and with a minimum per group, whichever ``8`` is), weights cycled through 256 MB so that they come from
 memory. A side's figure is its fastest round: on a shared 2-core VM a
 build's own rounds of one shape differed by up to 1.4x, so compare the minimums of several
 alternating rounds, not one run each. Prints, per projection, bits and rows, both sides' us,
@@ -62,6 +63,20 @@ def random_q6k(n: int, k: int, gen):
     )
 
 
+def random_groups(n: int, k: int, bits: str, gen):
+    """Q4_1 (4g) or Q5_1 (6g) groups of random values, steps and bases ([N, K] weights)."""
+    import torch
+
+    from llmq.worker.runner.linear.quantized_weights import Int4Groups, Int6Groups
+
+    kind = Int4Groups if bits == "4g" else Int6Groups
+    return kind(
+        torch.randint(0, kind.LEVELS + 1, (n, k), generator=gen, dtype=torch.uint8),
+        (torch.rand(n, k // 32, generator=gen) * 1e-3).half(),
+        (torch.randn(n, k // 32, generator=gen) * 1e-2).half(),
+    )
+
+
 def time_side(
     sources: Path, rows_list: list[int], bits_list: list[str], shapes, march: str, terms: int = 0
 ) -> dict:
@@ -82,13 +97,24 @@ def time_side(
     if terms:
         cpu_kernels.set_activation_terms(terms)
     from llmq.worker.runner.linear.packed_linear import Linear
-    from llmq.worker.runner.linear.quantized_linear import Q6KLinear, quantized_linear
+    from llmq.worker.runner.linear.quantized_linear import (
+        Int4Linear,
+        Int6Linear,
+        Int8Linear,
+        Q6KLinear,
+        quantized_linear,
+    )
 
     def linear(weight, bits: str):  # 16: bfloat16 on the panel kernel (panel_matmul.cpp)
         if bits == "16":
             return Linear(weight.bfloat16(), None, "panels")
         if bits == "q6k":  # Q6_K's blocks (GGUF), random codes: the time is the bytes' and sums'
             return Q6KLinear(random_q6k(*weight.shape, gen), None)
+        if bits in ("4g", "6g"):
+            groups = random_groups(*weight.shape, bits, gen)
+            return Int4Linear(groups, None, True) if bits == "4g" else Int6Linear(groups, None)
+        if bits in ("8s", "8m"):
+            return Int8Linear(weight, None, True, with_min=bits == "8m")
         return quantized_linear(weight, None, int(bits), True)
 
     gen = torch.Generator().manual_seed(0)
@@ -121,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to compare against")
     p.add_argument("--rows", default="1,16,128")
-    p.add_argument("--bits", default="4,8", help="4, 6, 8, q6k (GGUF's Q6_K), 16 (bfloat16)")
+    p.add_argument("--bits", default="4,8", help="4, 6, 8, q6k, 4g, 6g, 8s, 8m, 16 (see above)")
     p.add_argument("--march", default="native", help="the ISA both sides are built for")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shapes", default="", help="OUTxIN,... (default: the 1B's four)")

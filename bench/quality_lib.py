@@ -11,6 +11,7 @@ divergence and both perplexities.
 
     .venv/bin/python bench/quality_lib.py smollm2                # the Q4_1 file, as served
     .venv/bin/python bench/quality_lib.py gemma3 --forms gguf,int8,int4
+    .venv/bin/python bench/quality_lib.py smollm2 --forms gguf,int8 --dtype float32
     LLMQ_INT_ACTIVATIONS=1 .venv/bin/python bench/quality_lib.py smollm2
     .venv/bin/python bench/quality_lib.py smollm2 --terms-speed  # the file's forward, 1 vs 2 terms
 """
@@ -69,16 +70,18 @@ def reference_log_probs(folder: Path, ids: list[int], ctx: int = 512) -> torch.T
 
 @torch.inference_mode()
 def served_log_probs(
-    model: str, ids: list[int], ctx: int = 512, quantization: str = "none"
+    model: str, ids: list[int], ctx: int = 512, quantization: str = "none", dtype: str = "auto"
 ) -> tuple[torch.Tensor, float]:
     """llmq's forward as the worker builds it for ``model`` (a folder or GGUF file) with
-    ``quantization``: log-probabilities as ``reference_log_probs``' and the seconds taken."""
+    ``quantization`` and ``dtype`` (``LLMQ_DTYPE``; auto: bfloat16 on a CPU with it in
+    hardware, else float32): log-probabilities as ``reference_log_probs``' and the seconds
+    taken."""
     from llmq.worker.loading.model_loader import load_causal_lm
     from llmq.worker.runner import cpu_kernels
     from llmq.worker.runner.forward.decoder_forward import build_forward
 
     kernels = cpu_kernels.load()
-    lm = load_causal_lm(str(model), "auto", "cpu", quantization)
+    lm = load_causal_lm(str(model), dtype, "cpu", quantization)
     forward = build_forward(lm, True, True, kernels)
     start, out = time.perf_counter(), None
     for a, b in scored_chunks(len(ids), ctx)[0]:
@@ -145,6 +148,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--terms-speed", action="store_true", help="time the GGUF's forward instead")
+    p.add_argument("--dtype", default="auto", help="the served model's dtype (LLMQ_DTYPE)")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -161,7 +165,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for form in args.forms.split(","):
         path, quant = (gguf, "none") if form == "gguf" else (folder, form)
-        got, seconds = served_log_probs(path, ids, args.ctx, "none" if quant == "float" else quant)
+        quant = "none" if quant == "float" else quant
+        got, seconds = served_log_probs(path, ids, args.ctx, quant, args.dtype)
         s = compare(ref, got, ids, args.ctx)
         print(
             f"| {args.model} | {form} | {s['positions']} | {s['top1_disagreement']:.4f} "

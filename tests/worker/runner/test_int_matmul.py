@@ -2,9 +2,13 @@
 quantize them (int8 per row and block of 32, in one term or two) with the dequantized weights, over odd shapes
 (int8: input widths not a multiple of 32 too; int4: groups of 32 to 256), both dtypes and a
 bias; a row's bits independent of its batch; a tied table's rows read back from the int8
-panels; torch's kernels still served where asked."""
+panels; torch's kernels still served where asked. Weights with a float16 scale and base per
+group (GGUF's Q4_1 and Q5_1, int8 with a minimum) alike, and int8 with a minimum holding the
+grids of a GGUF's weights exactly."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from llmq.worker.runner.linear.quantized_linear import (
     Int4Blocks,
     Int4Linear,
     Int4Weight,
+    Int6Linear,
     Int8Linear,
     Int8Weight,
     int_kernel_available,
@@ -21,6 +26,7 @@ from llmq.worker.runner.linear.quantized_linear import (
     q8_panels_from_float,
     quantized_linear,
 )
+from llmq.worker.runner.linear.quantized_weights import Int4Groups, Int6Groups, Int8Groups
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -174,6 +180,92 @@ def test_int8_kernel_equals_the_quantized_rows_times_the_dequantized_weight(
     assert_near_reference(y, x, deq, bias, deq.abs())
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] == 32])
+@pytest.mark.parametrize("kind", [Int4Groups, Int6Groups], ids=["q4_1", "q5_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float16_groups_equal_the_quantized_rows_times_the_dequantized_weight(
+    shape, kind, dtype, terms
+):
+    """GGUF's Q4_1 and Q5_1 as their files hold them (w = d * q + m, float16 d and m per 32)
+    on the int4 and 6-bit kernels: steps of very different sizes, bases of either sign."""
+    rows, n, k, _ = shape
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    weight = kind(
+        torch.randint(0, kind.LEVELS + 1, (n, k), generator=gen, dtype=torch.uint8),
+        (torch.rand(n, k // 32, generator=gen) * 1e-2 * torch.logspace(-2, 0, k // 32)).half(),
+        (torch.randn(n, k // 32, generator=gen) * 0.05).half(),
+    )
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+    x[0, :32] = 0
+    linear = (
+        Int4Linear(weight, bias, kernel=True) if kind is Int4Groups else Int6Linear(weight, bias)
+    )
+    step, base = (t.double().repeat_interleave(32, 1) for t in weight.group_scales())
+    assert_near_reference(linear(x), x, weight.dequantize(), bias, kind.LEVELS * step + base.abs())
+    if kind is Int6Groups:  # a tied table's rows, read back from the panels
+        ids = torch.tensor([0, n - 1, n // 2])
+        assert torch.equal(linear.rows(ids).dequantize(), weight.rows(ids).dequantize())
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_with_a_minimum_equals_the_quantized_rows_times_the_dequantized_weight(
+    shape, dtype, terms
+):
+    """int8 with a float16 scale and base per group (``Int8Groups``), quantized from float
+    weights whose columns differ in size and groups off zero: its unsigned bytes as they are."""
+    rows, n, k = shape
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    spread = torch.logspace(-3, 1, k)[torch.randperm(k, generator=gen)]
+    floats = torch.randn(n, k, generator=gen) * spread + torch.randn(n, 1, generator=gen)
+    weight = Int8Groups.quantize(floats)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+    x[0, : min(k, 32)] = 0
+    linear = Int8Linear(weight, bias, kernel=True)
+    step, base = (t.double().repeat_interleave(32, 1)[:, :k] for t in weight.group_scales())
+    assert_near_reference(linear(x), x, weight.dequantize(), bias, 255 * step + base.abs())
+    ids = torch.tensor([0, n - 1, n // 2])
+    assert torch.equal(linear.rows(ids).dequantize(), weight.rows(ids).dequantize())
+
+
+def _on_grid(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Float weights on a GGUF type's grid, as a float folder made from its file holds them:
+    each group's extreme levels used."""
+    groups = k // 32
+    d = (torch.rand(n, groups, generator=gen) * 1e-2 + 1e-4).half().float()[..., None]
+    top = {"q4_1": 15, "q5_0": 31, "q8_0": 254}[kind]
+    q = torch.randint(0, top + 1, (n, groups, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, top
+    if kind == "q4_1":
+        m = (torch.randn(n, groups, generator=gen) * 0.05).half().float()[..., None]
+        return (q * d + m).view(n, k)
+    return ((q - (16 if kind == "q5_0" else 127)) * d).view(n, k)
+
+
+def test_int8_with_a_minimum_holds_a_gguf_s_grids_exactly():
+    """Weights dequantized from Q4_1 (a minimum per group), Q5_0 and Q8_0 blocks come back
+    exactly, where the symmetric scale rounds the first two; on float weights no group's
+    squared error is above the symmetric scale's."""
+    gen = torch.Generator().manual_seed(9)
+    for kind in ("q4_1", "q5_0", "q8_0"):
+        w = _on_grid(kind, 48, 256, gen)
+        assert torch.equal(Int8Groups.quantize(w).dequantize(), w), kind
+        symmetric = Int8Weight.quantize(w).dequantize()
+        assert torch.equal(symmetric, w) == (kind == "q8_0"), kind
+    w = torch.randn(64, 512, generator=gen) * 0.02 + torch.randn(64, 1, generator=gen) * 0.01
+
+    def group_error(deq: torch.Tensor) -> torch.Tensor:
+        return (deq - w).square().view(64, -1, 32).sum(2)
+
+    ours, symmetric = (
+        group_error(q.dequantize()) for q in (Int8Groups.quantize(w), Int8Weight.quantize(w))
+    )
+    assert bool((ours <= symmetric * (1 + 1e-5)).all())
+    assert float(ours.sum()) < 0.9 * float(symmetric.sum())
+
+
 @pytest.fixture(params=[1, 2], ids=["1term", "2terms"])
 def terms(request):
     """The kernels' activations in 1 int8 term (llama.cpp's Q8_1 rounding) or 2."""
@@ -239,10 +331,11 @@ def test_two_terms_are_closer_to_the_float_product_than_bfloat16_activations(for
     assert two < bf16 / 10 and one > 2 * bf16, (two, bf16, one)
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["group32", "channel"])
+@pytest.mark.parametrize("grouped", [True, False, "min"], ids=["group32", "channel", "min"])
 def test_a_tied_table_reads_its_rows_from_the_int8_panels(grouped):
     table = torch.randn(50, 40, generator=torch.Generator().manual_seed(4))
-    weight = Int8Weight.quantize(table, grouped)
+    min_ = grouped == "min"
+    weight = Int8Groups.quantize(table) if min_ else Int8Weight.quantize(table, grouped)
     ids = torch.tensor([0, 15, 16, 49, 7, 16])
     rows = Int8Linear(weight, None, kernel=True).rows(ids)
     assert torch.equal(rows.q, weight.q[ids])
@@ -267,8 +360,9 @@ def test_the_kernel_serves_where_loaded_and_torch_s_where_asked(bits):
     torch_s = quantized_linear(weight, None, bits, False)
     assert ours.kernel and not torch_s.kernel
     assert ours.weight.dim() == 5 and torch_s.weight.dim() == 2
-    # the same bytes but scales: int4's k-quant blocks 4.625 bits a weight against torch's 5
-    assert ours.nbytes() < torch_s.nbytes() * (0.93 if bits == 4 else 1.1)
+    # the same bytes but scales: int4's k-quant blocks 4.625 bits a weight against torch's 5;
+    # int8's 8.5 (9 with a minimum per group) against 8 and a scale per channel
+    assert ours.nbytes() < torch_s.nbytes() * (0.93 if bits == 4 else 1.13)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
     # Both are the product with the weight as quantized within their roundings (int8
     # activations against bf16 ones; int8: group scales against channel scales; bf16 outputs).
@@ -282,10 +376,11 @@ def test_panels_built_a_slice_at_a_time_equal_the_whole_weights():
     """``q8_panels_from_float`` (a slice of rows quantized and packed at a time) gives the
     panels and scales of the whole weight quantized at once, past a slice and at odd widths."""
     gen = torch.Generator().manual_seed(5)
-    for n, k in ((2500, 96), (1024, 40), (17, 64)):
+    for (n, k), with_min in itertools.product(((2500, 96), (1024, 40), (17, 64)), (False, True)):
         weight = torch.randn(n, k, generator=gen).bfloat16()
         before = weight.clone()
-        packed, scales = q8_panels_from_float(weight)
-        whole, whole_scales = q8_panels(Int8Weight.quantize(weight))
+        packed, scales = q8_panels_from_float(weight, with_min)
+        quantize = Int8Groups.quantize if with_min else Int8Weight.quantize
+        whole, whole_scales = q8_panels(quantize(weight))
         assert torch.equal(packed, whole) and torch.equal(scales, whole_scales), (n, k)
         assert torch.equal(weight, before)  # quantized from, never written

@@ -1,7 +1,8 @@
 // 6-bit projections (W6A8), for the tensors a 4-bit model keeps at more bits, as llama.cpp's
 // Q4_K_M keeps them in Q6_K: w = scale * q + base per group of 32 input columns, q in 0..63, the
 // scales in k-quant super-blocks as int4's (int_common.h's KBlocks: scale = d * sc, base =
-// m_step * m; quantized_weights.Int6Blocks). 6.625 bits a weight against the 8.5 of int8 in
+// m_step * m; quantized_weights.Int6Blocks), or a float16 scale and base per group (F16Groups:
+// GGUF's Q5_1, quantized_weights.Int6Groups). 6.625 bits a weight against the 8.5 of int8 in
 // groups of 32, with the activations quantized per row as int_matmul.cpp's.
 //
 // Panels of 16 output columns, [P][K / 32][6][16][4] bytes: a group's first 4 x 64 bytes hold
@@ -46,8 +47,8 @@ inline void six_step(Ints (&isum)[R][S], Bytes v, Bytes lo_top, Bytes hi_top, co
 // Rows [0, R) of the quantized x (from row `row`) through one 6-bit panel; out's columns
 // [0, cols). Its frame repeats int_matmul.cpp's q4_pass: one pass templated on how a group's
 // sums are made was slower built for AVX2 (docs/performance.md), so the two stay apart.
-template <int R, typename O>
-void q6_pass(const uint8_t* w, KBlocks scales, const QuantizedRows& x, int64_t row, int64_t k,
+template <int R, typename Scales, typename O>
+void q6_pass(const uint8_t* w, Scales scales, const QuantizedRows& x, int64_t row, int64_t k,
              const float* bias, O* out, int64_t out_stride, int64_t cols) {
   constexpr int S = kSums<R>;
   const auto* words = reinterpret_cast<const int32_t*>(x.xq.data() + row * k);
@@ -183,7 +184,8 @@ void q6k_pass(const uint8_t* w, Q6KBlocks scales, const QuantizedRows& x, int64_
 // x [M, K'] (bfloat16 or float32; K' within 32 of K) times the 6-bit panels with their scales,
 // plus bias [N] (float32): [M, N] in x's dtype. The scales [P, ceil(K / 256), 320] (uint8) are
 // k-quant super-blocks (w = d * sc * q + m_step * m), [P, K / 256, 288] Q6_K's (w = d * sc *
-// (q - 32) per 16 values; K a multiple of 256).
+// (q - 32) per 16 values; K a multiple of 256), [P, K / 32, 2, 16] float16 a group's scale and
+// base (GGUF's Q5_1: w = d * q + m).
 at::Tensor q6_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& scales,
                      int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(int_matmul_available(), "q6_matmul: this build has neither AVX512-VNNI nor AVX2");
@@ -192,12 +194,16 @@ at::Tensor q6_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
                   panels.is_contiguous(),
               "q6_matmul: panels are [P, K / 32, 6, 16, 4] uint8, contiguous");
   const int64_t count = panels.size(0), groups = panels.size(1), k = groups * kGroup;
-  const bool q6k = groups % 8 == 0 && scales.nbytes() == count * groups / 8 * kQ6KBlockBytes;
-  const int64_t scale_bytes = q6k ? groups / 8 * kQ6KBlockBytes : k_block_bytes(groups);
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte &&
+  const bool f16 = scales.scalar_type() == at::kHalf;
+  const bool q6k =
+      !f16 && groups % 8 == 0 && scales.nbytes() == count * groups / 8 * kQ6KBlockBytes;
+  const int64_t scale_bytes = f16   ? f16_group_bytes(groups)
+                              : q6k ? groups / 8 * kQ6KBlockBytes
+                                    : k_block_bytes(groups);
+  TORCH_CHECK(scales.is_contiguous() && (f16 || scales.scalar_type() == at::kByte) &&
                   scales.nbytes() == count * scale_bytes,
-              "q6_matmul: scales are [P, ceil(K / 256), 320] or [P, K / 256, 288] uint8, "
-              "contiguous");
+              "q6_matmul: scales are [P, ceil(K / 256), 320] or [P, K / 256, 288] uint8, or "
+              "[P, K / 32, 2, 16] float16, contiguous");
   check_call("q6_matmul", x_in, k, count, out_features, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
@@ -215,6 +221,9 @@ at::Tensor q6_matmul(const at::Tensor& x_in, const at::Tensor& panels, const at:
                              if (q6k) {
                                q6k_pass<R>(wp, Q6KBlocks{block_bytes}, q, r0, k, b, op + r0 * n, n,
                                            cols);
+                             } else if (f16) {
+                               q6_pass<R>(wp, F16Groups{block_bytes}, q, r0, k, b, op + r0 * n, n,
+                                          cols);
                              } else {
                                q6_pass<R>(wp, KBlocks{block_bytes}, q, r0, k, b, op + r0 * n, n,
                                           cols);

@@ -123,6 +123,20 @@ struct KBlocks {
   }
 };
 
+// An int4, 6-bit or int8 panel's scales as float16 pairs per group, [K / 32][2][16]: scale and
+// base (w = scale * q + base, q unsigned), as GGUF's Q4_1 and Q5_1 hold their d and m (exact
+// where 8-bit codes are not) and as int8 with a minimum holds its groups.
+constexpr int64_t f16_group_bytes(int64_t groups) { return groups * 2 * kCols * 2; }
+struct F16Groups {
+  using Floats = lanes::Floats;
+  const uint8_t* bytes;
+  void at(int64_t g, Floats& scale, Floats& base) const {
+    const auto* pair = reinterpret_cast<const uint16_t*>(bytes) + g * 2 * kCols;
+    scale = lanes::load_f16(pair);
+    base = lanes::load_f16(pair + kCols);
+  }
+};
+
 // A 6-bit panel's scales as llama.cpp's Q6_K holds them, w = d * sc * (q - 32): per super-block of
 // 8 groups (16 sub-blocks of 16) [K / 256][288 bytes]: float16 d [16], int8 sc [16][16].
 struct Q6KBlocks {

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from llmq.worker.runner.linear import quantized_linear as quantized_linear_module
 from llmq.worker.runner.linear.dynamic_quantized import Fp8Linear, Int8DynamicLinear
 from llmq.worker.runner.linear.quantized_linear import (
     GROUP,
@@ -43,7 +44,12 @@ from llmq.worker.runner.linear.quantized_linear import (
     QuantizedLinear,
     quantized_linear,
 )
-from llmq.worker.runner.linear.quantized_weights import Q6KBlocks
+from llmq.worker.runner.linear.quantized_weights import (
+    Int4Groups,
+    Int6Groups,
+    Int8Groups,
+    Q6KBlocks,
+)
 from llmq.worker.runner.loaders import mapped_pages
 from llmq.worker.runner.malloc_tuning import return_freed_memory
 
@@ -103,24 +109,20 @@ def only_role_plan(role: str, bits: int = 4) -> BitsPlan:
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """An embedding table in 8 bits (``Int8Weight``), 6 (``Int6Blocks`` or ``Q6KBlocks``, a
-    GGUF's Q5_K or Q6_K table: a value a byte) or 4 (``Int4Blocks``, two values a byte): the
-    looked-up rows are dequantized to ``dtype``."""
+    """An embedding table in 8 bits (``Int8Weight``, ``Int8Groups``), 6 (``Int6Blocks``,
+    ``Int6Groups`` or ``Q6KBlocks``, a GGUF's Q5_K, Q5_1 or Q6_K table: a value a byte) or 4
+    (``Int4Blocks``, ``Int4Groups``: two values a byte): the looked-up rows are dequantized to
+    ``dtype``."""
 
-    def __init__(
-        self,
-        weight: Int8Weight | Int8Linear | Int8DynamicLinear | Int6Blocks | Q6KBlocks | Int4Blocks,
-        dtype: torch.dtype,
-        scale: torch.Tensor | None,
-    ):
+    def __init__(self, weight, dtype: torch.dtype, scale: torch.Tensor | None):
         super().__init__()
         self.dtype = dtype
         self.embed_scale = scale  # Gemma scales its embeddings (by sqrt(hidden))
         # A table that reads its rows as they are, or a tied head's (its rows are the table's)
-        rows_as_held = (Int8Weight, Int6Blocks, Q6KBlocks, *_ROW_HEADS)
+        rows_as_held = (Int8Weight, Int8Groups, Int6Blocks, Int6Groups, Q6KBlocks, *_ROW_HEADS)
         self.row_reader = weight if isinstance(weight, rows_as_held) else None
         self.int4 = None
-        if self.row_reader is None and isinstance(weight, Int4Blocks):
+        if self.row_reader is None and isinstance(weight, (Int4Blocks, Int4Groups)):
             q = weight.q.to(torch.uint8)
             nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # [V, H / 2]
             self.int4 = dataclasses.replace(weight, q=nibbles)
@@ -169,13 +171,14 @@ class _Quantizer:
             return Fp8Linear.quantize(plain.weight, plain.bias)
         return quantized_linear(plain.weight, plain.bias, bits)
 
-    def embedding(self, table: torch.Tensor) -> Int8Weight | Int4Blocks | None:
+    def embedding(self, table: torch.Tensor) -> Int8Weight | Int8Groups | Int4Blocks | None:
         bits = fallback_bits(self.plan(-1, self.layers, "embed"), table.shape[1])
         if bits == 16:
             return None
         if bits == 4 and table.shape[1] % GROUP == 0:
             return Int4Blocks.quantize(table)
-        return Int8Weight.quantize(table)
+        with_min = quantized_linear_module.INT8_WITH_MIN and not table.is_cuda
+        return Int8Groups.quantize(table) if with_min else Int8Weight.quantize(table)
 
 
 def make_quantizer(forward, scheme: str | BitsPlan):

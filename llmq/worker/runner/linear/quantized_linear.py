@@ -2,12 +2,15 @@
 weight-only kernels elsewhere.
 
 - ``Int8Linear``: int8 weights with one symmetric scale per group of 32 input columns (llmq's
-  kernel) or per output channel (torch's).
+  kernel) or per output channel (torch's), or a float16 scale and base per group of 32
+  (``Int8Groups``: int8 at load on llmq's kernel, ``INT8_WITH_MIN``).
 - ``Int4Linear``: 4-bit weights in groups of 32 input columns, each group's scale and base
   coded in 8 bits against its super-block of 256 inputs (``Int4Blocks``, llama.cpp's Q4_K
-  form: quantization at load and GGUF files), or a checkpoint's float scale and zero per group
-  of 32 to 256 (``Int4Weight``, ``w = (q - 8) * scale + zero``), q in 0..15.
-- ``Int6Linear``: 6 bits (``Int6Blocks``, on llmq's kernel only), built on the 4-bit panels.
+  form: quantization at load and GGUF files), a float16 scale and base per group of 32
+  (``Int4Groups``: GGUF's Q4_1), or a checkpoint's float scale and zero per group of 32 to 256
+  (``Int4Weight``, ``w = (q - 8) * scale + zero``), q in 0..15.
+- ``Int6Linear``: 6 bits (``Int6Blocks``, ``Int6Groups``: GGUF's Q5_1; on llmq's kernel only),
+  built on the 4-bit panels.
 
 On a CPU with AVX512-VNNI or AVX2, with llmq's kernels loaded (``kernels/int_matmul.cpp``), both
 run with integer dot products as llama.cpp runs its quantized types (W8A8, W4A8): each row of
@@ -56,8 +59,11 @@ from llmq.worker.runner.linear.quantized_weights import (
     BLOCK_GROUPS,
     GROUP,
     Int4Blocks,
+    Int4Groups,
     Int4Weight,
     Int6Blocks,
+    Int6Groups,
+    Int8Groups,
     Int8Weight,
     Q6KBlocks,
     round_up,
@@ -71,33 +77,43 @@ PANEL_COLS = 16  # output columns of a panel of llmq's kernels (int_matmul.cpp's
 
 
 _PACK_ROWS = 1024  # rows packed into a kernel's panels at a time (a multiple of 16)
+# int8 at load on llmq's kernel with a minimum per group (Int8Groups) instead of a symmetric
+# scale (docs/performance.md, "Quantized weights")
+INT8_WITH_MIN = True
 
 
 class Int8Linear:
     """``y = x @ dequantize(weight).T + bias`` for 2-D ``x``, on llmq's integer kernel where it
     is loaded (``q8_matmul``: activations quantized to int8 per block of 32; weights' scales per
-    group of 32 or per channel), else on torch's ``_weight_int8pack_mm`` (bfloat16
-    activations; per-channel scales: a grouped weight is quantized again per channel)."""
+    group of 32 or per channel, or a scale and base per group: ``Int8Groups``), else on torch's
+    ``_weight_int8pack_mm`` (bfloat16 activations; per-channel scales: a grouped weight is
+    quantized again per channel)."""
 
     bits = 8
 
     def __init__(
         self,
-        weight: Int8Weight | torch.Tensor,
+        weight: Int8Weight | Int8Groups | torch.Tensor,
         bias: torch.Tensor | None,
         kernel: bool | None = None,
+        with_min: bool = False,
     ):
-        """``weight``: an ``Int8Weight``, or float weights to quantize (in groups of 32 on
-        llmq's kernel, a slice of rows at a time; else per channel)."""
+        """``weight``: an ``Int8Weight`` or ``Int8Groups``, or float weights to quantize (in
+        groups of 32 on llmq's kernel, a slice of rows at a time, with a minimum per group where
+        ``with_min``; else per channel)."""
         n, k = weight.shape if isinstance(weight, torch.Tensor) else weight.q.shape
         self.out_features, self.in_features = n, k
         self.kernel = int_kernel_available() if kernel is None else kernel
         self.bias = bias
         if self.kernel:
-            floats = isinstance(weight, torch.Tensor)
-            self.q, self.scale = q8_panels_from_float(weight) if floats else q8_panels(weight)
+            if isinstance(weight, torch.Tensor):
+                self.q, self.scale = q8_panels_from_float(weight, with_min)
+            else:
+                self.q, self.scale = q8_panels(weight)
             self.bias = kernel_bias(bias)
             return
+        if isinstance(weight, Int8Groups):
+            weight = weight.dequantize()
         if isinstance(weight, torch.Tensor):
             weight = Int8Weight.quantize(weight, grouped=False)
         weight = weight.per_channel()
@@ -109,12 +125,16 @@ class Int8Linear:
     def weight(self) -> torch.Tensor:  # what a caller that reads ``.weight`` should find
         return self.q
 
-    def rows(self, ids: torch.Tensor) -> Int8Weight:
+    def rows(self, ids: torch.Tensor) -> Int8Weight | Int8Groups:
         """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
         if not self.kernel:
             return Int8Weight(self.q[ids, : self.in_features], self.scale[ids])
         panel, lane = ids // PANEL_COLS, ids % PANEL_COLS
         lanes = self.q[panel, :, :, lane]  # [n, K / 32, 8, 4]
+        if self.scale.dim() == 4:  # a scale and base per group: the bytes as they are
+            u = lanes.reshape(len(ids), -1)[:, : self.in_features]
+            pair = self.scale[panel, :, :, lane]  # [n, K / 32, 2]
+            return Int8Groups(u, pair[:, :, 0], pair[:, :, 1])
         q = lanes.reshape(len(ids), -1)[:, : self.in_features].to(torch.int16) - 128
         scale = self.scale[panel, :, lane] if self.scale.dim() == 3 else self.scale[ids]
         return Int8Weight(q.to(torch.int8), scale)
@@ -133,36 +153,44 @@ class Int8Linear:
         return self.q.nbytes + self.scale.nbytes
 
 
-def q8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` in q8_matmul's layout: q + 128 [P, K / 32, 8, 16, 4] (output channels padded
-    to a multiple of 16, inputs to one of 32, with zeros; a byte run of 4 inputs per column),
-    and the scales: a grouped weight's [P, K / 32, 16] float16, else the columns' [P * 16]
+def q8_panels(weight: Int8Weight | Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in q8_matmul's layout: q + 128 (``Int8Groups``: q) [P, K / 32, 8, 16, 4]
+    (output channels padded to a multiple of 16, inputs to one of 32, with zeros; a byte run of
+    4 inputs per column), and the scales: a grouped weight's [P, K / 32, 16] float16, an
+    ``Int8Groups``' scale and base [P, K / 32, 2, 16] float16, else the columns' [P * 16]
     float32."""
     n, k = weight.q.shape
     rows, cols = round_up(n, PANEL_COLS), round_up(k, GROUP)
     panels = torch.empty(rows // PANEL_COLS, cols // GROUP, 8, PANEL_COLS, 4, dtype=torch.uint8)
+    offset = 0 if isinstance(weight, Int8Groups) else 128
     for start, q in panel_rows(weight.q, rows):
         q = F.pad(q, (0, cols - k))
-        biased = (q.to(torch.int16) + 128).to(torch.uint8)
+        biased = (q.to(torch.int16) + offset).to(torch.uint8)
         biased = biased.view(-1, PANEL_COLS, cols // GROUP, 8, 4)
         first = start // PANEL_COLS
         panels[first : first + biased.shape[0]] = biased.permute(0, 2, 3, 1, 4)
+    if isinstance(weight, Int8Groups):
+        return panels, f16_groups(weight, rows)
     if not weight.grouped:
         return panels, F.pad(weight.scale.float(), (0, rows - n))
     scale = F.pad(weight.scale.to(torch.float16), (0, 0, 0, rows - n))
     return panels, scale.view(-1, PANEL_COLS, cols // GROUP).transpose(1, 2).contiguous()
 
 
-def q8_panels_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q8_panels(Int8Weight.quantize(weight))`` built ``_PACK_ROWS`` rows at a time: the
-    whole int8 weight is never held beside its panels, which lowers the start's peak RSS
-    (docs/performance.md, "Choices: memory")."""
+def q8_panels_from_float(
+    weight: torch.Tensor, with_min: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q8_panels(Int8Weight.quantize(weight))`` (``with_min``: ``Int8Groups.quantize``)
+    built ``_PACK_ROWS`` rows at a time: the whole int8 weight is never held beside its panels,
+    which lowers the start's peak RSS (docs/performance.md, "Choices: memory")."""
     n, k = weight.shape
     panels, groups = round_up(n, PANEL_COLS) // PANEL_COLS, round_up(k, GROUP) // GROUP
     packed = torch.empty(panels, groups, 8, PANEL_COLS, 4, dtype=torch.uint8)
-    scales = torch.empty(panels, groups, PANEL_COLS, dtype=torch.float16)
+    pair = (2,) if with_min else ()
+    scales = torch.empty(panels, groups, *pair, PANEL_COLS, dtype=torch.float16)
+    quantize = Int8Groups.quantize if with_min else Int8Weight.quantize
     for start in range(0, n, _PACK_ROWS):
-        part, scale = q8_panels(Int8Weight.quantize(weight[start : start + _PACK_ROWS]))
+        part, scale = q8_panels(quantize(weight[start : start + _PACK_ROWS]))
         first = start // PANEL_COLS
         packed[first : first + len(part)] = part
         scales[first : first + len(part)] = scale
@@ -202,13 +230,18 @@ def int_kernel_available() -> bool:
         return False
 
 
-def q4_panels(weight: Int4Weight | Int4Blocks, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def q4_panels(
+    weight: Int4Weight | Int4Blocks | Int4Groups, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` (its output channels padded to ``rows``, a multiple of 16) in q4_matmul's
     layout: nibbles [P, K / 32, 4, 16, 4] (a byte: inputs k + i low, k + 4 + i high, of 8), and
     the scales: an ``Int4Weight``'s scale and zero [P, K / 32, 2, 16] bfloat16 (a larger group's
-    repeated onto its 32s), or an ``Int4Blocks``' super-blocks (``k_blocks``)."""
+    repeated onto its 32s), an ``Int4Blocks``' super-blocks (``k_blocks``), or an
+    ``Int4Groups``' float16 scale and base (``f16_groups``)."""
     if isinstance(weight, Int4Blocks):
         return q4_nibbles(weight.q, rows), k_blocks(weight, rows)
+    if isinstance(weight, Int4Groups):
+        return q4_nibbles(weight.q, rows), f16_groups(weight, rows)
     n, k = weight.q.shape
     scale, zero = F.pad(weight.scale, (0, 0, 0, rows - n)), F.pad(weight.zero, (0, 0, 0, rows - n))
     repeat = weight.group // GROUP
@@ -234,6 +267,15 @@ def q4_nibbles(q: torch.Tensor, rows: int) -> torch.Tensor:
         first = start // PANEL_COLS
         packed[first : first + both.shape[0]] = both.permute(0, 2, 3, 1, 4)
     return packed
+
+
+def f16_groups(weight: Int4Groups, rows: int) -> torch.Tensor:
+    """An ``Int4Groups``' (or 6- or 8-bit groups') d and m as the kernels' float16 scale and
+    base [P, K / 32, 2, 16] (padding rows: 0)."""
+    n, groups = weight.d.shape
+    pair = torch.stack([weight.d, weight.m], dim=1).to(torch.float16)  # [N, 2, G]
+    pair = F.pad(pair, (0, 0, 0, 0, 0, rows - n)).view(rows // PANEL_COLS, PANEL_COLS, 2, groups)
+    return pair.permute(0, 3, 2, 1).contiguous()
 
 
 def k_blocks(weight: Int4Blocks, rows: int) -> torch.Tensor:
@@ -266,7 +308,10 @@ class Int4Linear:
     bits = 4
 
     def __init__(
-        self, weight: Int4Weight | Int4Blocks, bias: torch.Tensor | None, kernel: bool | None = None
+        self,
+        weight: Int4Weight | Int4Blocks | Int4Groups,
+        bias: torch.Tensor | None,
+        kernel: bool | None = None,
     ):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
@@ -279,7 +324,7 @@ class Int4Linear:
             self.packed, self.scales_and_zeros = q4_panels(weight, rows)
             self.bias = kernel_bias(bias)
             return
-        if isinstance(weight, Int4Blocks):
+        if isinstance(weight, (Int4Blocks, Int4Groups)):
             weight = weight.as_int4_weight()
         self.group = weight.group
         q, scale, zero = weight.q, weight.scale, weight.zero
@@ -355,7 +400,7 @@ class Int6Linear:
 
     bits = 6
 
-    def __init__(self, weight: Int6Blocks | Q6KBlocks, bias: torch.Tensor | None):
+    def __init__(self, weight: Int6Blocks | Int6Groups | Q6KBlocks, bias: torch.Tensor | None):
         n, k = weight.q.shape
         self.out_features, self.in_features = n, k
         rows = round_up(n, PANEL_COLS)
@@ -365,8 +410,10 @@ class Int6Linear:
         self.bias = kernel_bias(bias)
 
     @staticmethod
-    def _scales(weight: Int6Blocks, rows: int) -> torch.Tensor:
-        return k_blocks(weight, rows)
+    def _scales(weight: Int6Blocks | Int6Groups, rows: int) -> torch.Tensor:
+        return (
+            f16_groups(weight, rows) if isinstance(weight, Int6Groups) else k_blocks(weight, rows)
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -379,9 +426,12 @@ class Int6Linear:
         q = _panel_values(self.packed[panel, :, :, lane])
         return q, self.scales_and_zeros[panel], torch.arange(len(ids)), lane
 
-    def rows(self, ids: torch.Tensor) -> Int6Blocks:
+    def rows(self, ids: torch.Tensor) -> Int6Blocks | Int6Groups:
         """The rows ``ids`` (1-D) of the weight (a tied embedding reads them)."""
         q, blocks, picked, lane = self._panel_rows(ids)  # d, m step [16]; sc, m [8][16]
+        if blocks.dtype == torch.float16:  # a group's scale and base [G, 2, 16]
+            pair = blocks[picked, :, :, lane]
+            return Int6Groups(q, pair[:, :, 0], pair[:, :, 1])
         n, supers = blocks.shape[:2]
 
         def steps(offset: int) -> torch.Tensor:
@@ -463,4 +513,4 @@ def quantized_linear(
         raise ValueError(f"unsupported weight bits {bits}")
     if weight.is_cuda:
         return int8_linear(Int8Weight.quantize(weight, grouped=False), bias)
-    return Int8Linear(weight, bias, kernel)
+    return Int8Linear(weight, bias, kernel, with_min=INT8_WITH_MIN)

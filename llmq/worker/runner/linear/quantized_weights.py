@@ -211,6 +211,118 @@ class Int6Blocks(Int4Blocks):
 
 
 @dataclass(slots=True)
+class Int4Groups:
+    """``weight ~= d * q + m`` per group of 32 input columns: q [N, K] in 0..15 (a byte each),
+    d and m float16 [N, K / 32]. GGUF's Q4_1 as its files hold it (5 bits a weight), on the
+    int4 kernel with a group's float16 scale and base (``quantized_linear.f16_groups``)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    LEVELS: ClassVar[int] = 15  # the largest q
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's scale and base (the value of q = 0), float32 [N, K / 32]."""
+        return self.d.float(), self.m.float()
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape  # k: a multiple of 32 but for Int8Groups' last group
+        q = F.pad(self.q.float(), (0, -k % GROUP)).view(n, -1, GROUP)
+        w = q * self.d.float()[..., None] + self.m.float()[..., None]
+        return w.view(n, -1)[:, :k]
+
+    def rows(self, ids: torch.Tensor):
+        return type(self)(self.q[ids], self.d[ids], self.m[ids])
+
+    def as_int4_weight(self) -> Int4Weight:
+        """The same weights as ``Int4Weight`` (torch's kernels): scale and zero rounded to
+        bfloat16."""
+        scale, base = self.group_scales()
+        return Int4Weight(self.q, scale.to(ACTIVATIONS), (base + 8 * scale).to(ACTIVATIONS))
+
+
+@dataclass(slots=True)
+class Int6Groups(Int4Groups):
+    """``Int4Groups`` with q in 0..63: GGUF's Q5_1 as its files hold it, on the 6-bit kernel."""
+
+    LEVELS: ClassVar[int] = 63
+
+    def as_int4_weight(self) -> Int4Weight:
+        raise TypeError("6-bit groups have no int4 form")
+
+
+@dataclass(slots=True)
+class Int8Groups(Int4Groups):
+    """``Int4Groups`` with q in 0..255 (uint8): int8 with a minimum per group of 32, ``w = d *
+    q + m`` (9 bits a weight). Where ``Int8Weight``'s symmetric scale holds a grid of 255
+    levels around zero, this holds any grid of evenly spaced levels within the group's span:
+    a float checkpoint made from a Q4_1 or Q4_K file holds a 4-bit grid with a minimum, which
+    the symmetric scale rounds off (docs/performance.md, "Quantized weights")."""
+
+    LEVELS: ClassVar[int] = 255
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Groups:
+        """Each group's scale and base, the best (least squared error) of: the symmetric scale
+        (``Int8Weight``'s, base -128 scale, exact in float16), and min/max over ``STEPS`` steps
+        of the span (a 4- or 5-bit grid of a GGUF's weights, its span a whole number of its
+        steps, is held exactly; 255: min/max). q against the stored (float16) numbers."""
+        n, k = weight.shape
+        groups = round_up(k, GROUP) // GROUP
+        out = cls(
+            torch.empty(n, groups * GROUP, dtype=torch.uint8, device=weight.device),
+            torch.empty(n, groups, dtype=torch.float16, device=weight.device),
+            torch.empty(n, groups, dtype=torch.float16, device=weight.device),
+        )
+        start = 0
+        for rows in _row_chunks(weight):
+            w = rows.to(torch.float32, copy=True)
+            w = F.pad(w, (0, -k % GROUP)) if k % GROUP else w
+            w = w.view(len(rows), groups, GROUP)
+            d, m = _best_grid(w)
+            end = start + len(rows)
+            w.sub_(m.float()[..., None]).div_(d.float().clamp(min=2**-24)[..., None])
+            out.q[start:end] = w.round_().clamp_(0, 255).view(len(rows), -1)
+            out.d[start:end], out.m[start:end] = d, m
+            start = end
+        if k % GROUP:
+            out.q = out.q[:, :k].contiguous()
+        return out
+
+    def as_int4_weight(self) -> Int4Weight:
+        raise TypeError("int8 groups have no int4 form")
+
+
+# The steps of a group's span Int8Groups tries besides the symmetric scale: 4- and 5-bit grids
+# (Q4_1, Q4_K, Q5_0, Q5_1, Q5_K files' weights), and min/max.
+STEPS = (*range(8, 16), 31, 255)
+
+
+def _best_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For w [N, G, 32], each group's float16 step and base (``Int8Groups.quantize``)."""
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    step = (torch.maximum(high, -low) / 127).clamp(min=2**-24).to(torch.float16)
+    base = step * -128  # float16: exact (a power of two times the step)
+    best_err = _grid_error(w, step, base)
+    base_low = low.to(torch.float16)
+    for j in STEPS:
+        cand = ((high - base_low.float()) / j).clamp(min=2**-24).to(torch.float16)
+        err = _grid_error(w, cand, base_low)
+        better = err < best_err
+        step = torch.where(better, cand, step)
+        base = torch.where(better, base_low, base)
+        best_err = torch.where(better, err, best_err)
+    return step, base
+
+
+def _grid_error(w: torch.Tensor, step: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The squared error of w [N, G, 32] rounded to q in 0..255 against float16 step and base."""
+    s, b = step.float()[..., None], base.float()[..., None]
+    q = (w - b).div_(s).round_().clamp_(0, 255)
+    return q.mul_(s).add_(b).sub_(w).square_().sum(2)
+
+
+@dataclass(slots=True)
 class Q6KBlocks:
     """llama.cpp's Q6_K as its files hold it: ``w = d * sc * (q - 32)``, q [N, K] in 0..63 (a
     byte each here), d float16 per super-block of 256 values [N, K / 256], sc int8 per

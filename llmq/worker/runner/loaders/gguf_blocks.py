@@ -9,11 +9,11 @@ and Q3_K, each into a weight llmq's kernels run (``gguf_weights.py`` reads the o
   it; llama.cpp multiplies in float32).
 - Q3_K (``w = d * (sc - 32) * (q - 4)``, q in 0..7, a 6-bit sc per 16 values) is ``Q6KBlocks``
   exactly: q + 28 is a Q6_K code (``q6 - 32 = q - 4``), ``sc - 32`` its int8 scale.
-- Q4_1 and Q5_1 (``w = d * q + m``, a float16 d and m per 32 values) have no exact form:
-  their q are kept (``Int4Blocks``, ``Int6Blocks``) and each group's d and m coded in 8 bits
-  against their super-block's largest, as Q4_K codes its sub-blocks' (its m refitted to the
-  coded d: the group's mean is kept). The error this adds is measured against ``gguf``'s
-  ``dequantize`` (tests, docs/models.md).
+- Q4_1 and Q5_1 (``w = d * q + m``, a float16 d and m per 32 values) are ``Int4Groups`` and
+  ``Int6Groups`` exactly: the same q, d and m, on the int4 and 6-bit kernels with a group's
+  float16 scale and base. (Coding d and m in 8 bits against a super-block, as Q4_K codes its
+  sub-blocks', saved 0.375 bits a weight and moved the weights by 0.6%: SmolLM2-135M's Q4_1
+  file served 1.5 times further from its float model, docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 from llmq.worker.runner.linear.quantized_weights import (
-    BLOCK_GROUPS,
-    Int4Blocks,
-    Int6Blocks,
+    Int4Groups,
+    Int6Groups,
     Int8Weight,
     Q6KBlocks,
 )
@@ -111,42 +110,22 @@ def q3_k_weight(raw: np.ndarray, rows: int, cols: int) -> Q6KBlocks:
     )
 
 
-def q4_1_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Blocks:
+def q4_1_weight(raw: np.ndarray, rows: int, cols: int) -> Int4Groups:
     blocks = _blocks(raw, BLOCK_BYTES["Q4_1"])
-    q = _nibbles(blocks[:, 4:])
-    return _coded(Int4Blocks, q, _half(blocks, 0), _half(blocks, 2), rows, cols)
+    return _groups(Int4Groups, _nibbles(blocks[:, 4:]), blocks, rows, cols)
 
 
-def q5_1_weight(raw: np.ndarray, rows: int, cols: int) -> Int6Blocks:
+def q5_1_weight(raw: np.ndarray, rows: int, cols: int) -> Int6Groups:
     blocks = _blocks(raw, BLOCK_BYTES["Q5_1"])
     q = _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
-    return _coded(Int6Blocks, q, _half(blocks, 0), _half(blocks, 2), rows, cols)
+    return _groups(Int6Groups, q, blocks, rows, cols)
 
 
-def _coded(kind, q: np.ndarray, d: np.ndarray, m: np.ndarray, rows: int, cols: int):
-    """Blocks of ``w = d * q + m`` (q [B, 32], d and m [B]) as ``kind`` (Int4Blocks' form):
-    d coded as ``step * sc`` (sc in 0..255 against its super-block's largest d), then m, moved
-    by the coded d's change times the group's mean q, as ``m_step * code`` (within +-127)."""
-    groups = cols // 32
-    d, m = d.reshape(rows, groups), m.reshape(rows, groups)
-    step, sc = _codes(d, 255)
-    coded_d = np.repeat(step.astype(np.float32), BLOCK_GROUPS, axis=1)[:, :groups] * sc
-    mean_q = q.reshape(rows, groups, 32).mean(axis=2, dtype=np.float32)
-    m_step, code = _codes(m + (d - coded_d) * mean_q, 127)
-    return kind(
-        torch.from_numpy(q.astype(np.uint8).reshape(rows, cols)),
-        torch.from_numpy(step),
-        torch.from_numpy(m_step),
-        torch.from_numpy(sc.astype(np.uint8)),
-        torch.from_numpy(code.astype(np.int8)),
-    )
+def _groups(kind, q: np.ndarray, blocks: np.ndarray, rows: int, cols: int):
+    """Blocks of ``w = d * q + m`` (q [B, 32]; d and m the block's first two float16s) as
+    ``kind`` [rows, cols]."""
 
+    def half(at: int) -> torch.Tensor:
+        return torch.from_numpy(blocks[:, at : at + 2].copy().view(np.float16).reshape(rows, -1))
 
-def _codes(values: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
-    """``values`` [N, G] as a float16 step per super-block of 8 groups and integer codes within
-    +-``top``, each the nearest to its value (the step: the super-block's largest / ``top``)."""
-    n, groups = values.shape
-    padded = np.pad(values, ((0, 0), (0, -groups % BLOCK_GROUPS))).reshape(n, -1, BLOCK_GROUPS)
-    step = np.maximum(np.abs(padded).max(axis=2) / top, 2**-24).astype(np.float16)
-    codes = np.clip(np.rint(padded / step.astype(np.float32)[..., None]), -top, top)
-    return step, codes.reshape(n, -1)[:, :groups]
+    return kind(torch.from_numpy(q.astype(np.uint8).reshape(rows, cols)), half(0), half(2))

@@ -18,11 +18,11 @@ blocks for the kernels:
   ``Q6KBlocks`` exactly, on the 6-bit kernel with its sub-blocks' scales (6.5625 bits a
   weight); tested against ``gguf``'s ``dequantize``.
 - Q4_0, Q5_0, IQ4_NL, IQ4_XS, Q3_K, Q4_1 and Q5_1: ``gguf_blocks.py`` (int8, Q6_K's blocks,
-  int4 and 6-bit blocks; which are exact, and the error of those that are not).
+  int4 and 6-bit groups with float16 d and m; which are exact, and the error of IQ4_XS's).
 - Float tensors (F32, F16, BF16) are kept float, in the model's dtype (a file of float weights
   only is not quantized at all: ``worker/loading/gguf_model.py``'s ``float_dtype``).
 - Q2_K, fused groups whose members differ otherwise (Q4_K_M's Q6_K ``attn_v`` beside Q4_K q,
-  k), and the 6-bit forms where the 6-bit kernel does not serve (no AVX2, CUDA) are quantized
+  k; k-quant beside Q4_1 or Q5_1 members), and the 6-bit forms where the 6-bit kernel does not serve (no AVX2, CUDA) are quantized
   again to int8 from their dequantized weights (group-32 scales on llmq's kernels, per
   channel on torch's).
 - Any other type refuses the model, naming it (``UnsupportedGGUFType``).
@@ -53,7 +53,7 @@ from llmq.worker.runner.linear.quantized_linear import (
     int_kernel_available,
     quantized_linear,
 )
-from llmq.worker.runner.linear.quantized_weights import Q6KBlocks
+from llmq.worker.runner.linear.quantized_weights import Int4Groups, Int6Groups, Q6KBlocks
 from llmq.worker.runner.loaders.gguf_blocks import (
     iq4_nl_weight,
     iq4_xs_weight,
@@ -186,7 +186,9 @@ class GGUFTensors:
                 kinds.IQ4_XS: iq4_xs_weight,
             },
         }
-        self.inexact = {kinds.Q4_1, kinds.Q5_1, kinds.IQ4_XS}  # coded again (gguf_blocks.py)
+        self.inexact = {kinds.IQ4_XS}  # its scales rounded to float16 (gguf_blocks.py)
+        # d and m per 32 values (Int4Groups), not k-quant blocks: one projection holds one kind
+        self.groups_types = {kinds.Q4_1, kinds.Q5_1}
         self.floats_types = {kinds[name] for name in FLOAT_TYPES}
         architecture = self.reader.fields["general.architecture"].contents()
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
@@ -208,17 +210,19 @@ class GGUFTensors:
             f.readinto(memoryview(out).cast("B"))
         return out
 
-    def int4(self, name: str) -> Int4Blocks | None:
-        """The tensor as ``Int4Blocks`` where it is Q4_K (exact) or Q4_1; None otherwise."""
+    def int4(self, name: str) -> Int4Blocks | Int4Groups | None:
+        """The tensor exactly as ``Int4Blocks`` where it is Q4_K, ``Int4Groups`` where Q4_1;
+        None otherwise."""
         return self._read(name, self.readers["int4"])
 
-    def int6(self, name: str) -> Int6Blocks | None:
-        """The tensor as ``Int6Blocks`` where it is Q5_K, Q4_K (exact), Q5_1 or Q4_1; None
-        otherwise."""
+    def int6(self, name: str) -> Int6Blocks | Int6Groups | None:
+        """The tensor exactly as ``Int6Blocks`` where it is Q5_K or Q4_K, ``Int6Groups`` where
+        Q5_1 or Q4_1; None otherwise."""
         weight = self._read(name, self.readers["int6"])
-        if weight is None or isinstance(weight, Int6Blocks):
+        if weight is None or isinstance(weight, (Int6Blocks, Int6Groups)):
             return weight
-        return Int6Blocks(*(getattr(weight, f) for f in _row_fields(weight)))
+        kind = Int6Groups if isinstance(weight, Int4Groups) else Int6Blocks
+        return kind(*(getattr(weight, f) for f in _row_fields(weight)))
 
     def q6k(self, name: str) -> Q6KBlocks | None:
         """The tensor as exact ``Q6KBlocks`` where it is Q6_K or Q3_K; None otherwise."""
@@ -253,18 +257,20 @@ class GGUFTensors:
 
     def linear(self, names: list[str], plain_weight, bias) -> QuantizedLinear | None:
         """One fused projection of the tensors ``names``: None (kept float) where all are float
-        tensors; int4 where all are Q4_K or Q4_1, 6-bit where all are Q4_K, Q5_K, Q4_1 or Q5_1,
-        or all Q6_K or Q3_K (on llmq's kernel), int8 from the file's blocks where all are Q8_0,
-        Q4_0, Q5_0, IQ4_NL or IQ4_XS, else int8 from the (dequantized) fused float weight."""
+        tensors; int4 where all are Q4_K or all Q4_1, 6-bit where all are Q4_K or Q5_K, or all
+        Q4_1 or Q5_1, or all Q6_K or Q3_K (on llmq's kernel), int8 from the file's blocks where
+        all are Q8_0, Q4_0, Q5_0, IQ4_NL or IQ4_XS, else int8 from the (dequantized) fused float
+        weight."""
         types = [getattr(self.tensors.get(name), "tensor_type", None) for name in names]
         if names and all(t in self.floats_types for t in types):
             return None  # the model's float weights, in its dtype
+        one_kind = len({t in self.groups_types for t in types}) == 1
         forms = [("int4", self.int4, Int4Linear)]
         if int_kernel_available() and not plain_weight.is_cuda:
             forms += [("int6", self.int6, Int6Linear), ("q6k", self.q6k, Q6KLinear)]
         for form, read, linear in (*forms, ("int8", self.int8, Int8Linear)):
             # by the types first: a group's tensors are read only for a form that takes them all
-            if not names or any(t not in self.readers[form] for t in types):
+            if not names or not one_kind or any(t not in self.readers[form] for t in types):
                 continue
             parts = [read(name) for name in names]
             fused = dataclasses.replace(
@@ -352,7 +358,7 @@ class GGUFQuantizer:
 
     def embedding(
         self, table: torch.Tensor
-    ) -> Int4Blocks | Int6Blocks | Q6KBlocks | Int8Weight | None:
+    ) -> Int4Blocks | Int4Groups | Int6Blocks | Int6Groups | Q6KBlocks | Int8Weight | None:
         file = self.file
         if file.tensors[EMBEDDING].tensor_type in file.floats_types:
             return None  # the model's float table, as the file holds it
