@@ -111,6 +111,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not send min_tokens / ignore_eos (servers that reject unknown fields)",
     )
+    add_content_arguments(p)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (600)")
+    p.add_argument("--json", dest="json_path", help="write the result as JSON to this file")
+    p.add_argument("--plot", help="write a PNG of the latency distributions (needs matplotlib)")
+    p.add_argument("--label", help="a name for this run in the output (default: the server URL)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+
+
+def add_content_arguments(p: argparse.ArgumentParser) -> None:
+    """What the requests hold beyond random prompts: workloads, images, speculation."""
     p.add_argument(
         "--workload",
         choices=WORKLOADS,
@@ -128,12 +139,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--image-size", default="640x480", help="their width x height in pixels (640x480)"
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (600)")
-    p.add_argument("--json", dest="json_path", help="write the result as JSON to this file")
-    p.add_argument("--plot", help="write a PNG of the latency distributions (needs matplotlib)")
-    p.add_argument("--label", help="a name for this run in the output (default: the server URL)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
 
 def _v1(base_url: str) -> str:
