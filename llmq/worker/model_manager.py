@@ -250,16 +250,10 @@ class ModelManager:
         for name, held in list(self.held.items()):
             if not self._idle(name, held, now):
                 continue
-            keep, turn = self.keep_alive(name), self._had_its_turn(held, now)
-            idle_s = now - held.last_busy
-            if asked.get(name, 0.0) >= held.loaded_at:
-                out[name] = ("an unload was asked for", False)
-            elif keep != FOREVER and idle_s >= keep and turn:
-                out[name] = (f"idle past its keep-alive of {keep:g} s", False)
-            elif sleeps.get(name, 0.0) >= held.loaded_at:
-                out[name] = ("a sleep was asked for", True)
-            elif self.sleep_idle and idle_s >= self.sleep_idle and turn:
-                out[name] = (f"idle for {self.sleep_idle:g} s (LLMQ_SLEEP_IDLE_SECONDS)", True)
+            asks = (asked.get(name, 0.0), sleeps.get(name, 0.0))
+            found = verdict(held, now, self.keep_alive(name), asks, self.sleep_idle)
+            if found is not None:
+                out[name] = found
         return out
 
     @staticmethod
@@ -449,6 +443,26 @@ class ModelManager:
         record = {"error": error, "at": time.time(), "worker": self.worker}
         self.client.hset(self.keys.load_failed, model, json.dumps(record))
         self.client.hdel(self.keys.wanted, model)
+
+
+def verdict(
+    held: Held, now: float, keep: float, asks: tuple[float, float], sleep_idle: float
+) -> tuple[str, bool] | None:
+    """Whether an idle model is unloaded (False) or put to sleep (True) now, and why: an unload
+    asked for since its load, its keep-alive run out, a sleep asked for since its load, or
+    ``sleep_idle`` seconds idle (0: never), in that order. ``asks``: when the latest unload and
+    sleep were asked for (0: never)."""
+    unload_at, sleep_at = asks
+    idle_s, turn = now - held.last_busy, ModelManager._had_its_turn(held, now)
+    if unload_at >= held.loaded_at:
+        return "an unload was asked for", False
+    if keep != FOREVER and idle_s >= keep and turn:
+        return f"idle past its keep-alive of {keep:g} s", False
+    if sleep_at >= held.loaded_at:
+        return "a sleep was asked for", True
+    if sleep_idle and idle_s >= sleep_idle and turn:
+        return f"idle for {sleep_idle:g} s (LLMQ_SLEEP_IDLE_SECONDS)", True
+    return None
 
 
 def warm_up(backend) -> None:
