@@ -1,6 +1,7 @@
 """The vision encoder's time per image on this machine: LLaVA-1.5's image encoder (CLIP
 ViT-L/14 at 336 x 336, its second-to-last layer, the two-layer projector to 4096),
-SmolVLM-256M's (``--family smolvlm``) or Qwen2.5-VL-3B's (``--family qwen``), with random
+SmolVLM-256M's (``--family smolvlm``), Qwen2.5-VL-3B's (``--family qwen``) or Gemma 3 4B's
+(``--family gemma3``), with random
 weights, run by llmq's encoders (the image processor's PIL path included) on batches of
 640 x 480 images; the median of ``--rounds`` runs per batch.
 
@@ -8,6 +9,7 @@ weights, run by llmq's encoders (the image processor's PIL path included) on bat
     .venv/bin/python bench/vision_encoder.py --dtype bfloat16 --rounds 3
     .venv/bin/python bench/vision_encoder.py --family smolvlm --batches 1 --rounds 2
     .venv/bin/python bench/vision_encoder.py --family qwen --batches 1 --rounds 2
+    .venv/bin/python bench/vision_encoder.py --family gemma3 --batches 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -108,6 +110,34 @@ def qwen_encoder(dtype: torch.dtype):
     return Qwen2_5_VLEncoder(model, images)
 
 
+def gemma3_encoder(dtype: torch.dtype):
+    """Gemma 3 4B's image encoder: SigLIP-So400m/14 at 896 x 896 (4096 patches), pooled 4 x 4
+    into 256 tokens, projected to 2560; every image resized to 896 x 896."""
+    from types import SimpleNamespace
+
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        SiglipVisionConfig,
+    )
+
+    from llmq.worker.vision.gemma3 import Gemma3Encoder
+
+    vision = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                num_attention_heads=16, image_size=896, patch_size=14)  # fmt: skip
+    text = dict(hidden_size=2560, intermediate_size=64, num_hidden_layers=1, head_dim=64,
+                num_attention_heads=8, num_key_value_heads=4, vocab_size=64)  # fmt: skip
+    config = Gemma3Config(vision_config=vision, text_config=text, image_token_index=63,
+                          boi_token_index=61, eoi_token_index=62)  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config).to(dtype).eval()
+    images = Gemma3ImageProcessorPil(size={"height": 896, "width": 896})
+    # The processor's attributes the encoder reads (no tokenizer needed to time the tower).
+    processor = SimpleNamespace(image_processor=images, boi_token="<start_of_image>",
+                                full_image_sequence="")  # fmt: skip
+    return Gemma3Encoder(model, processor)
+
+
 def png(seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (480, 640, 3), generator=g, dtype=torch.uint8).numpy()
@@ -120,10 +150,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--family", default="llava", choices=["llava", "smolvlm", "qwen"])
+    parser.add_argument("--family", default="llava", choices=["llava", "smolvlm", "qwen", "gemma3"])
     parser.add_argument("--batches", default="1,4", help="images per call, comma-separated")
     args = parser.parse_args()
-    build = {"llava": encoder, "smolvlm": smolvlm_encoder, "qwen": qwen_encoder}[args.family]
+    build = {"llava": encoder, "smolvlm": smolvlm_encoder, "qwen": qwen_encoder,
+             "gemma3": gemma3_encoder}[args.family]  # fmt: skip
     enc = build(getattr(torch, args.dtype))
     images = [png(s) for s in range(4)]
     enc.encode(images[:1])  # warm
