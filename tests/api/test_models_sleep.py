@@ -1,8 +1,9 @@
 """Sleep and wake, memory after an unload, and a request's deadline while it waits for a load,
-against real processes: one worker of LLMQ_CATALOGUE holding the real SmolLM2-135M-Instruct
-(Q4_1 GGUF, ``tests/real_models.py``) and an API.
+against real processes: one worker of LLMQ_CATALOGUE (the real SmolLM2-135M-Instruct, Q4_1 GGUF
+of ``tests/real_models.py``, and a tiny random Llama; room for one) and an API.
 
-A model put to sleep gives its memory back (the worker's RSS falls by most of what its load
+The tiny model answers as transformers' generate; SmolLM2's first request evicts it and waits
+for SmolLM2's load. A model put to sleep gives its memory back (the worker's RSS falls by most of what its load
 added) and is listed as sleeping; the next request wakes it on the same worker and gets the same
 greedy token ids as before. ``keep_alive: 0`` unloads it and the RSS falls back near its idle
 figure. A request for a catalogue model no worker can load ends at its deadline with the error
@@ -22,7 +23,7 @@ import ollama
 import pytest
 import redis
 
-from llmq.common.catalogue import fresh_residents, scan
+from llmq.common.catalogue import fresh_residents, model_size, scan
 from llmq.common.transport import Keys
 from llmq.common.transport.redis_server import RedisServer
 from tests import real_models
@@ -30,6 +31,7 @@ from tests.harness import LLMQ, kill_all, start_api, start_worker, wait_for
 
 KEYS = Keys("llmq")
 PROMPT = "The capital of France is"
+TINY_PROMPT = [5, 17, 42, 99, 7]
 # The worker's RSS after an unload or a sleep, against its idle figure: within 10% (5-8%
 # measured with SmolLM2: docs/models-on-demand.md, "Memory after an unload"), and no more than
 # 15 MB over the one before. A model left referenced keeps ~100 MB resident; pymalloc's arenas
@@ -46,15 +48,23 @@ def rss_mb(pid: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, model_dir):
+    """Redis, a worker of a catalogue of SmolLM2 and a tiny random Llama (``alpha``) with room
+    for SmolLM2 alone, and an API."""
     gguf = real_models.smollm2_gguf()
-    (name,) = scan(str(gguf))
+    folder = tmp_path_factory.mktemp("sleep-catalogue")
+    (folder / gguf.name).symlink_to(gguf)
+    (folder / "alpha").symlink_to(model_dir("llama"))
+    name = next(n for n in scan(str(folder)) if n != "alpha")
+    budget = (model_size(gguf) + model_size(folder / "alpha") / 2) / 2**20  # not both
     logs = tmp_path_factory.mktemp("sleep-logs")
     procs = []
     with RedisServer() as server:
         try:
             r = redis.Redis.from_url(server.url)
-            worker = start_worker(server.url, gguf, "w1", logs, wait=False, catalogue=gguf)
+            worker = start_worker(
+                server.url, gguf, "w1", logs, wait=False, catalogue=folder, model_memory_mb=budget
+            )
             procs.append(worker)
             wait_for(lambda: fresh_residents(r.hgetall(KEYS.resident)), 120, "the worker")
             api, base = start_api(server.url, gguf, logs, request_timeout=300)
@@ -75,6 +85,26 @@ def greedy_ids(base: str, model: str, **extra) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
 
 
+def served_ids(base: str, model: str, prompt: list[int]) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    body |= {"logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def generated_ids(path: Path, prompt: list[int]) -> list[int]:
+    """transformers' greedy generate of the float32 model at ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def record(r) -> dict:
     return json.loads(r.hget(KEYS.resident, "w1"))
 
@@ -83,6 +113,17 @@ def settled_rss(pid: int) -> float:
     """The RSS once the unload's collection and trim are done (the record is published after)."""
     time.sleep(1.0)
     return rss_mb(pid)
+
+
+def test_a_request_for_smollm2_evicts_the_tiny_model_and_waits_for_its_load(fleet, model_dir):
+    """Room for one: the tiny model answers as transformers' generate, then SmolLM2's first
+    request waits while the worker evicts it and loads SmolLM2."""
+    base, name = fleet["base"], fleet["name"]
+    assert served_ids(base, "alpha", TINY_PROMPT) == generated_ids(model_dir("llama"), TINY_PROMPT)
+    assert len(greedy_ids(base, name)) == 12
+    assert set(record(fleet["r"])["models"]) == {name}
+    log = fleet["worker"].log(100_000)
+    assert f"unloaded alpha (evicted for {name})" in log and f"loaded {name} in" in log
 
 
 def test_sleep_frees_memory_and_wake_answers_as_before(fleet):
