@@ -134,6 +134,21 @@ def test_one_four_at_once_and_again_from_the_cache_equal_generate(served, refere
     assert counters_after(redis_url, time.time())[1] - hits >= 32
 
 
+def test_cached_blocks_ending_inside_the_image_equal_generate(served, reference):
+    """A 47-token prompt, its image at 21..36: sent again, the cache holds its first two
+    blocks (32 tokens, the image's first 11 among them, computed with the rest of it) and the
+    step computes the image's last 5 rows, which attend to each other both ways."""
+    redis_url, base = served
+    text = "Tell me: what is in the picture?"
+    image = picture(7, (30, 60))
+    assert reference(template(text), [image], length=True) == 47
+    expected = reference(template(text), [image])
+    assert ask(base, question(image, text)) == expected
+    _, hits = counters_after(redis_url, time.time())
+    assert ask(base, question(image, text)) == expected
+    assert counters_after(redis_url, time.time())[1] - hits == 32
+
+
 def test_without_the_two_way_mask_the_answer_differs(served, reference):
     """transformers with an image's tokens attending causally answers otherwise, for an
     image the engine answers exactly: the mask is not a no-op on this model."""
