@@ -8,9 +8,10 @@ step, so a big prefill beside decodes is a long gap between tokens for all of th
 prompts get the whole token budget. Running sequences come first (decodes and unfinished
 prefill chunks, by priority then arrival), except prefill chunks of lower priority than the
 best waiting request, which go last; waiting ones fill what is left, short prefills (prompts
-the prefix cache holds, short prompts) first within half of it. When blocks run
-out the scheduler preempts the running sequence that would run last, frees its blocks and
-recomputes it later: nothing is dropped.
+the prefix cache holds, short prompts) first within half of it. A prefill chunk never ends
+inside a run of tokens that attend to each other both ways (``Sequence.whole_runs``: a Gemma 3
+image's). When blocks run out the scheduler preempts the running sequence that would run last,
+frees its blocks and recomputes it later: nothing is dropped.
 """
 
 from __future__ import annotations
