@@ -14,6 +14,8 @@ from llmq.worker.spec.config import SpecConfig
 from llmq.worker.spec.suffix import SuffixProposer
 from tests.worker.spec.test_spec_engine import GREEDY, assert_same, run
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def propose(proposer, tokens, k=8, rid="r", prompt=1):
     seq = Sequence(rid, tokens[:prompt], output_token_ids=tokens[prompt:])
@@ -39,9 +41,6 @@ def test_a_finished_request_output_is_proposed_to_the_next():
         p.forget(Sequence(f"x{i}", [50 + i], output_token_ids=[60 + i, 61 + i, 62 + i]))
     assert p.num_kept == 2
     assert propose(p, [*prompt, 10, 11], prompt=4, rid="c")[0] == []
-
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_suffix_decoding_in_the_engine(llama_dir):
