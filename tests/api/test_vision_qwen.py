@@ -4,7 +4,7 @@ processes, exact against transformers: greedy tokens through the API equal the m
 M-RoPE positions and shifts after them), one request and four at once (prefilled in chunks
 cut inside images, in a cache too small for all four: some are preempted and computed again),
 the four again (some of their image blocks found in the prefix cache), and a second turn that finds the image's blocks in the prefix cache (the image not encoded
-again). One Redis, one worker, one API."""
+again), all on llmq's own forward and fused C++ step. One Redis, one worker, one API."""
 
 from __future__ import annotations
 
@@ -172,6 +172,14 @@ def test_a_request_without_images_equals_generate(served, reference):
             input_ids=ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     assert ask(base, messages) == out[0, ids.shape[1] :].tolist()
+
+
+def test_the_text_model_runs_on_llmqs_forward(served):
+    """The worker's plan: llmq's forward and its fused C++ step (each row's M-RoPE cos and sin
+    built from its three positions), not transformers' forward."""
+    redis_url, _ = served
+    plan = heartbeat(redis_url, "w-qwen")["forward_plan"]
+    assert plan.startswith("llmq forward") and "fused C++ step" in plan, plan
 
 
 def test_plain_positions_would_give_other_tokens(reference):

@@ -196,7 +196,7 @@ class ModelRunner:
         # The decode kernel reads the decodes in any order: those of one adapter together.
         batch = pack_step(out.scheduled, self.block_size, self.scratch_slot, self.decode_kernel)
         if self.vision is not None and self.vision.rows(batch):
-            return self._run_packed(batch)  # image embeddings: transformers' forward
+            return self._run_packed(batch)  # image rows: their embeddings replaced
         lora = None
         if adapters:
             lora = step_adapters(batch, adapters, self.forward.loras.slots)
@@ -205,7 +205,8 @@ class ModelRunner:
                 return self._run_packed(batch)
         tables = [item.seq.block_table for item in batch.decodes]
         if self._fits_graphs(batch):
-            logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, tables)
+            positions = self._decode_positions(batch)
+            logits = self.graphs.run(batch.input_ids, positions, batch.slots, tables)
             return logits.float(), batch.sampled_entries, []
         return self._run_packed(batch)
 
@@ -215,7 +216,9 @@ class ModelRunner:
         images = self.vision.rows(batch) if self.vision is not None else None
         with self._threads_for(len(batch.input_ids)):
             if images:
-                logits = self.vision.forward(self.model, batch, images, keep_rows, meta)
+                logits = self.vision.forward(
+                    self.model, batch, images, keep_rows, meta, self.forward
+                )
             else:
                 positions = self.vision.positions(batch) if self.vision is not None else None
                 logits = self._forward(batch.input_ids, batch.positions, keep_rows, meta, positions)
@@ -231,6 +234,12 @@ class ModelRunner:
                 len(batch.decodes), -(-(batch.positions[-1] + 1) // self.block_size)
             )
         )
+
+    def _decode_positions(self, batch: PackedBatch) -> list[int]:
+        """A decode-only step's rows' positions: their indices, or with M-RoPE each row's index
+        plus its request's shift (a decode row's three positions are one)."""
+        rope = self.vision.positions(batch) if self.vision is not None else None
+        return batch.positions if rope is None else rope[0, 0].tolist()
 
     @staticmethod
     def _decode_only(batch: PackedBatch) -> bool:
@@ -276,13 +285,14 @@ class ModelRunner:
         meta: StepMetadata,
         rope: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``rope``: the rows' M-RoPE positions [3, 1, rows] (transformers' forward only: a
-        model with M-RoPE never gets llmq's)."""
+        """``rope``: the rows' M-RoPE positions [3, 1, rows] (llmq's forward builds each row's
+        cos and sin from its three; transformers' takes them as they are)."""
         dev = self.device
         if self.forward is not None:
+            rows = torch.tensor(positions) if rope is None else rope[:, 0]
             logits = self.forward(
                 torch.tensor(input_ids, device=dev),
-                torch.tensor(positions, device=dev),
+                rows.to(dev),
                 keep_rows,
                 meta,
             )

@@ -1,6 +1,6 @@
-"""Qwen2.5-VL on the worker: its text model under the engine (transformers' forward: its
-rotary embedding is M-RoPE, three position components a token, which llmq's own decoder
-forward and its fused C++ step do not apply, so they step aside for it), and its image encoder
+"""Qwen2.5-VL on the worker: its text model under the engine (a Qwen 2 decoder that llmq's own
+forward and fused C++ step run: its rotary embedding module turns each row's three M-RoPE
+positions into that row's cos and sin, which the layers take per row), and its image encoder
 (the checkpoint's processor's resize and patches, transformers' vision tower with its window
 attention and patch merger)."""
 

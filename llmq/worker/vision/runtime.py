@@ -153,9 +153,10 @@ class VisionRuntime:
         """The step's rows' M-RoPE positions [3, 1, rows]; None: their indices serve."""
         return step_positions(batch, self.ropes) if self.ropes else None
 
-    def forward(self, model, batch, rows, keep_rows: torch.Tensor, meta) -> torch.Tensor:
-        """transformers' forward of the step (llmq's paged attention), the image rows'
-        embeddings replaced by the images'."""
+    def forward(self, model, batch, rows, keep_rows: torch.Tensor, meta, fast=None) -> torch.Tensor:
+        """The step's logits, the image rows' embeddings replaced by the images': through
+        llmq's forward ``fast`` where the runner has one (its packed weights are the only
+        copy), else transformers' (llmq's paged attention)."""
         dev = keep_rows.device
         ids = torch.tensor(batch.input_ids, device=dev)
         embeds = model.get_input_embeddings()(ids)
@@ -163,6 +164,9 @@ class VisionRuntime:
         index = torch.tensor([r for r, _, _ in rows], device=dev)
         embeds[index] = torch.stack([feats[d][i] for _, d, i in rows]).to(embeds.dtype)
         positions = self.positions(batch)
+        if fast is not None:
+            rows_at = torch.tensor(batch.positions) if positions is None else positions[:, 0]
+            return fast(ids, rows_at.to(dev), keep_rows, meta, embeds)
         if positions is None:
             positions = torch.tensor([batch.positions])
         return model(

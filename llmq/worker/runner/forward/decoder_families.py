@@ -1,6 +1,8 @@
 """Which decoders llmq's own forward runs, and what sets each family's layer apart from Llama's.
 
 - Llama, Qwen 2, Mistral: the reference layer (Qwen 2: biased q/k/v projections).
+- Qwen2.5-VL's text model: Qwen 2's layer with M-RoPE, whose rotary embedding module builds each
+  row's cos and sin from its three positions (``mrope.py``); the layers take them per row.
 - Qwen 3: each query and key head RMS-normed before the rotary embedding.
 - Phi-3: q/k/v and gate/up already fused in the checkpoint (``qkv_proj``, ``gate_up_proj``).
 - Gemma 2 / Gemma 3: RMSNorm times ``1 + weight`` in float32, four norms a layer (the attention's
@@ -25,10 +27,12 @@ import torch
 from llmq.worker.runner.forward.model_support import INERT_KWARGS, AttentionCall, probe
 
 LLAMA_LIKE = frozenset({"llama", "qwen2", "mistral"})
+# Rotary embeddings of three position components a row (temporal, height, width).
+MROPE = frozenset({"qwen2_5_vl_text"})
 # Qwen3-MoE (Qwen 3's attention) and Mixtral (Mistral's) with llmq's MoE layers (``moe.py``),
 # on CPU: they group each step's tokens by expert on the host, which no CUDA graph captures.
 MOE = frozenset({"qwen3_moe", "mixtral"})
-FAMILIES = LLAMA_LIKE | {"qwen3", "phi3", "gemma2", "gemma3_text"} | MOE
+FAMILIES = LLAMA_LIKE | MROPE | {"qwen3", "phi3", "gemma2", "gemma3_text"} | MOE
 GEMMA = frozenset({"gemma2", "gemma3_text"})
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Rotary embeddings whose cos and sin depend on the position alone (not on the step's longest
@@ -87,7 +91,9 @@ def _config_refusal(model: torch.nn.Module) -> str | None:
         return f"architecture {model_type}"
     if model_type in MOE and next(model.parameters()).device.type != "cpu":
         return "mixture of experts off the CPU"
-    if _activation(config) is None or (model_type in LLAMA_LIKE and _activation(config) != "silu"):
+    if _activation(config) is None or (
+        model_type in LLAMA_LIKE | MROPE and _activation(config) != "silu"
+    ):
         return "its MLP's activation"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp"

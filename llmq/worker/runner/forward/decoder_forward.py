@@ -1,6 +1,6 @@
 """A lean forward pass for the decoder families llmq knows (``decoder_families``: Llama, Qwen 2,
-Mistral, Qwen 3, Phi-3, Gemma 2, Gemma 3): the same arithmetic as transformers' modules, op for
-op, without their per-call machinery.
+Mistral, Qwen 3, Phi-3, Gemma 2, Gemma 3, Qwen2.5-VL's text model): the same arithmetic as
+transformers' modules, op for op, without their per-call machinery.
 
 At small batches a step is bound by per-op overhead, not by arithmetic: transformers' forward
 goes through module calls, output-capturing hooks and kwargs plumbing for every one of ~40 ops
@@ -227,14 +227,15 @@ class DecoderForward:
     def __call__(
         self,
         input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]; M-RoPE: [3, T] where a row's three differ
         keep: torch.Tensor,  # rows whose logits are wanted
         step: StepMetadata,
+        embeds: torch.Tensor | None = None,  # [T, hidden]: the rows' inputs (images' rows)
     ) -> torch.Tensor:
         # A window no longer than the step's longest context hides nothing in this step.
         longest = _longest_context(step) if self._shortest_window < float("inf") else 0
         if self._whole_step_in_cpp(step, windows_hide=self._shortest_window < longest):
-            return self._step_in_cpp(input_ids, positions, keep, step, longest)
+            return self._step_in_cpp(input_ids, positions, keep, step, longest, embeds)
 
         def attend(layer: DecoderLayer, query, key, value) -> torch.Tensor:
             window = layer.window if layer.window is not None and layer.window < longest else None
@@ -251,7 +252,7 @@ class DecoderForward:
             )
             return out
 
-        return self.run(input_ids, positions, keep, attend)
+        return self.run(input_ids, positions, keep, attend, embeds)
 
     def layers_changed(self) -> None:
         """The layers' weights were replaced (quantized after build): the C++ step's view of
@@ -284,11 +285,11 @@ class DecoderForward:
         )
 
     def _step_in_cpp(
-        self, input_ids, positions, keep, step: StepMetadata, longest: float
+        self, input_ids, positions, keep, step: StepMetadata, longest: float, embeds=None
     ) -> torch.Tensor:
         if self._cpp_weights is None:
             self._cpp_weights = decoder_cpp_step.layer_tensors(self.layers)
-        h, cos, sin = self.embed_all(input_ids, positions)
+        h, cos, sin = self.embed_all(input_ids, positions, embeds)
         h = decoder_cpp_step.run_layers(
             h,
             cos,
@@ -309,8 +310,9 @@ class DecoderForward:
         positions: torch.Tensor,  # [T]
         keep: torch.Tensor | None,  # rows whose logits are wanted; None: all
         attend: Attend,
+        embeds: torch.Tensor | None = None,  # the rows' inputs; None: input_ids' embeddings
     ) -> torch.Tensor:
-        h, cos, sin = self.embed_all(input_ids, positions)
+        h, cos, sin = self.embed_all(input_ids, positions, embeds)
         for layer in self.layers:
             h = self.layer(h, cos[layer.rotary], sin[layer.rotary], layer, attend)
         return self.head(h, keep)
@@ -324,15 +326,18 @@ class DecoderForward:
         return h, cos[0], sin[0]
 
     def embed_all(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, embeds: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The tokens' embeddings (scaled where the model's embedding scales them) and, per
-        rotary base of ``family.rotary_types``, the rotary cos and sin [T, 1, head_dim]."""
-        h = self.inner.embed_tokens(input_ids)
+        rotary base of ``family.rotary_types``, the rotary cos and sin [T, 1, head_dim].
+        ``positions``: [T], or M-RoPE's [3, T] (each row's cos and sin of its three).
+        ``embeds``: the rows' inputs as they are (a vision-language model's image rows)."""
+        h = self.inner.embed_tokens(input_ids) if embeds is None else embeds
         cos_all, sin_all = [], []
+        batched = positions.unsqueeze(-2)  # [1, T] or [3, 1, T]
         for kind in self.family.rotary_types:
             extra = () if kind is None else (kind,)
-            cos, sin = self.inner.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0), *extra)
+            cos, sin = self.inner.rotary_emb(h.unsqueeze(0), batched, *extra)
             cos_all.append(cos[0].unsqueeze(1))
             sin_all.append(sin[0].unsqueeze(1))
         return h, cos_all, sin_all
