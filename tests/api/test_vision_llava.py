@@ -230,6 +230,7 @@ def test_the_anthropic_and_ollama_packages_send_an_image(served, references):
         options={"temperature": 0, "num_predict": NEW},
     )
     assert answer.message.content == chat.choices[0].message.content
+    assert "vision" in ollama.Client(host=base).show("llava").capabilities
     expected = references["llava"](_template("Describe it."), [image])
     assert _ask(base, "llava", _question(image, "Describe it.")) == expected
 

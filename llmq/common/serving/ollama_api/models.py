@@ -122,6 +122,8 @@ def capabilities(engine: EngineStatus, tokenizer) -> list[str]:
         found.append("tools")
     if chat_format(tokenizer) is not None:
         found.append("thinking")
+    if engine.images:
+        found.append("vision")
     return found
 
 
