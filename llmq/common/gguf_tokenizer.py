@@ -2,11 +2,11 @@
 and cached by the file's hash.
 
 transformers builds the tokenizer a GGUF file describes (``gguf_file=``), but its metadata
-reader imports torch, which the API process must not. This reads the same keys with the
-``gguf`` package's reader (numpy only) and hands them to transformers' converter
-(``convert_gguf_tokenizer``), as ``get_gguf_tokenizer`` would. Reading the metadata is most of
-a GGUF start's tokenizer cost (the reader parses each vocabulary entry as a field:
-docs/performance.md, "Start-up: a GGUF's tokenizer"), so the converted tokenizer is saved
+reader imports torch, which the API process must not. This reads the same keys with llmq's
+header reader (``common/gguf_file.py``, numpy only) and hands them to transformers' converter
+(``convert_gguf_tokenizer``), as ``get_gguf_tokenizer`` would. The conversion itself (building
+the vocabulary and merges into a ``tokenizers`` model) is most of a first start's tokenizer
+cost (docs/performance.md, "Start-up: a GGUF's load"), so the converted tokenizer is saved
 under ``<LLMQ_TOKENIZER_CACHE_DIR>/<sha256 of the file>`` and read from there by every later
 start, the worker's and the API's alike.
 """
@@ -31,11 +31,10 @@ _FLAGS = ("add_bos_token", "add_eos_token")
 def _metadata(path: str | Path) -> dict:
     """The file's metadata values by key (strings decoded, arrays as lists)."""
     try:
-        import gguf
+        from llmq.common.gguf_file import GGUFFile
     except ImportError as exc:
         raise ImportError("serving a GGUF file needs the gguf package: pip install gguf") from exc
-    reader = gguf.GGUFReader(str(path))
-    return {name: field.contents() for name, field in reader.fields.items()}
+    return GGUFFile.read(path).metadata()
 
 
 def convert_gguf_tokenizer(path: str | Path):

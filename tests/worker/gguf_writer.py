@@ -139,10 +139,16 @@ def random_k_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.
 
 
 def write_gguf(
-    folder: Path, out: Path, types: dict[str, Q], seed: int = 0, arch: str = "llama"
+    folder: Path,
+    out: Path,
+    types: dict[str, Q],
+    seed: int = 0,
+    arch: str = "llama",
+    vocab_size: bool = True,
 ) -> Path:
     """``folder``'s Llama (or Gemma 3 text model: ``arch="gemma3"``) as a GGUF file; ``types``:
-    GGUF tensor name -> type (others F32)."""
+    GGUF tensor name -> type (others F32). ``vocab_size``: whether the hyperparameters name it
+    (llama.cpp's Gemma 3 files do not: the vocabulary's length says it)."""
     config = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
     tok_config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -162,7 +168,8 @@ def write_gguf(
     rope = rope.get("full_attention", rope)  # and Gemma 3's per kind of layer
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_vocab_size(config["vocab_size"])
+    if vocab_size:
+        w.add_vocab_size(config["vocab_size"])
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["id"]: t["content"] for t in tok["added_tokens"]}
     tokens = [specials.get(i, t) for i, (t, _) in enumerate(vocab)]

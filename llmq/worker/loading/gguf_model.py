@@ -19,7 +19,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from pathlib import Path
+
+from llmq.common.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ def load_gguf_model(
     (``float_dtype``) where ``auto``."""
     import gguf
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     try:
@@ -108,8 +111,9 @@ def load_gguf_model(
     except ImportError:  # transformers 4
         from transformers.modeling_utils import no_init_weights
 
-    reader = gguf.GGUFReader(str(Path(folder) / file))
-    architecture = reader.fields["general.architecture"].contents()
+    started = time.monotonic()
+    reader = GGUFFile.read(Path(folder) / file)
+    architecture = reader.value("general.architecture")
     processor_class = gguf_utils.TENSOR_PROCESSORS.get(architecture, gguf_utils.TensorProcessor)
     float_types = {gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "BF16")}
     quantized = [t.name for t in reader.tensors if t.tensor_type not in float_types]
@@ -121,14 +125,15 @@ def load_gguf_model(
     if own_dtype is not None and auto:
         dtype = getattr(torch, own_dtype)
         log.info("%s holds float weights: served in %s", file, own_dtype)
-    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    config = gguf_config(reader)
+    log.info("load phase: metadata and config of %s in %.2f s", file, time.monotonic() - started)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     processor = processor_class(config=config.to_dict())
     names = gguf_utils.get_gguf_hf_weights_map(model, processor)
     floats = [t for t in reader.tensors if t.tensor_type in float_types]
-    filled = _fill(model, floats, processor, names)
+    filled = _fill(model, reader, floats, processor, names)
     deferred = {names.get(name) for name in quantized}
     unset = [n for n, _ in model.named_parameters() if n not in filled and n not in deferred]
     if unset:
@@ -139,7 +144,65 @@ def load_gguf_model(
     return model
 
 
-def _fill(model, tensors, processor, names: dict[str, str]) -> set[str]:
+def gguf_config(reader: GGUFFile):
+    """transformers' config of the file, as ``AutoConfig.from_pretrained(folder, gguf_file=...)``
+    builds it, from the metadata read here: transformers' GGUF reader is handed the file's
+    fields without the tokenizer's arrays (parsing a vocabulary value by value was most of a
+    config's time: 262k strings for Gemma 3), the vocabulary's length standing in as
+    ``<architecture>.vocab_size`` where the file has none (transformers takes it from there)."""
+    import gguf
+    from transformers import AutoConfig
+
+    path = Path(reader.path)
+    view = _MetadataView(_config_fields(reader), reader.tensors)
+    original = gguf.GGUFReader
+
+    def read(file, mode="r"):
+        return view if Path(file) == path else original(file, mode)
+
+    gguf.GGUFReader = read
+    try:
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    finally:
+        gguf.GGUFReader = original
+
+
+class _MetadataView:
+    """What transformers' config reader takes of a ``GGUFReader``: its fields and tensors."""
+
+    def __init__(self, fields: dict, tensors: list):
+        self.fields, self.tensors = fields, tensors
+
+
+def _config_fields(reader: GGUFFile) -> dict:
+    """The file's fields as ``GGUFReader`` builds them (a part per value), the tokenizer's
+    arrays left out where the architecture's config takes its vocabulary size from a key."""
+    import numpy as np
+    from gguf import GGUFValueType, ReaderField
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    architecture = reader.value("general.architecture")
+    vocab_key, tokens = f"{architecture}.vocab_size", "tokenizer.ggml.tokens"
+    lean = "vocab_size" in GGUF_CONFIG_MAPPING.get(architecture, {})
+    types = dict(reader.types)
+    if lean and vocab_key not in types and tokens in types:
+        types[vocab_key] = (GGUFValueType.UINT32,)
+    fields = {}
+    for key, kinds in types.items():
+        if lean and key.startswith("tokenizer.") and kinds[0] == GGUFValueType.ARRAY:
+            continue
+        value = reader.count(tokens) if key not in reader.types else reader.value(key)
+        values = value if kinds[0] == GGUFValueType.ARRAY else [value]
+        if kinds[-1] == GGUFValueType.STRING:
+            parts = [np.frombuffer(v.encode("utf-8"), np.uint8) for v in values]
+        else:
+            dtype = GGUFFile.numpy_dtype(kinds[-1])
+            parts = [np.array([v], dtype=dtype) for v in values]
+        fields[key] = ReaderField(0, key, parts, list(range(len(parts))), list(kinds))
+    return fields
+
+
+def _fill(model, reader: GGUFFile, tensors, processor, names: dict[str, str]) -> set[str]:
     """The model's parameters set from the file's float ``tensors`` as transformers' loader
     sets them (its processor, its name map); returns their names, none where a tensor does not
     fit its parameter (transformers' own load then reports it)."""
@@ -152,7 +215,7 @@ def _fill(model, tensors, processor, names: dict[str, str]) -> set[str]:
     filled = set()
     with torch.no_grad():
         for tensor in tensors:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weights = gguf.quants.dequantize(reader.read_tensor(tensor), tensor.tensor_type)
             done = processor.process(
                 weights=weights,
                 name=tensor.name,

@@ -39,6 +39,7 @@ import logging
 import numpy as np
 import torch
 
+from llmq.common.gguf_file import GGUFFile
 from llmq.worker.loading.gguf_model import EMBEDDING, FLOAT_TYPES, HEAD, ROLE_TENSORS, SERVED_TYPES
 from llmq.worker.runner.forward.model_support import UnsupportedModel
 from llmq.worker.runner.linear.quantized_linear import (
@@ -162,7 +163,7 @@ class GGUFTensors:
         import gguf
 
         self.lean, self.path = lean, path
-        self.reader = gguf.GGUFReader(path)
+        self.reader = GGUFFile.read(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         kinds = gguf.GGMLQuantizationType
         refused = sorted({t.tensor_type.name for t in self.reader.tensors} - SERVED_TYPES)
@@ -190,7 +191,7 @@ class GGUFTensors:
         # d and m per 32 values (Int4Groups), not k-quant blocks: one projection holds one kind
         self.groups_types = {kinds.Q4_1, kinds.Q5_1}
         self.floats_types = {kinds[name] for name in FLOAT_TYPES}
-        architecture = self.reader.fields["general.architecture"].contents()
+        architecture = self.reader.value("general.architecture")
         # Only llama.cpp's "llama" files (Llama, Mistral) hold permuted query and key rows.
         permuted = architecture == "llama"
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if permuted else {}
@@ -201,14 +202,9 @@ class GGUFTensors:
         return self.heads.get(name.split(".")[-2])
 
     def data(self, tensor) -> np.ndarray:
-        """The tensor's data read from the file, as the reader's ``tensor.data`` holds it. Not
-        through the reader's mapping: its pages stay in the process's RSS while the reader
-        lives, which raised the build's peak RSS (docs/performance.md, "Choices: memory")."""
-        out = np.empty(tensor.data.shape, dtype=tensor.data.dtype)
-        with open(self.path, "rb") as f:
-            f.seek(tensor.data_offset)
-            f.readinto(memoryview(out).cast("B"))
-        return out
+        """The tensor's data read from the file, as ``gguf``'s ``ReaderTensor.data`` holds it
+        (``GGUFFile.read_tensor``: not a mapping, whose pages raised the build's peak RSS)."""
+        return self.reader.read_tensor(tensor)
 
     def int4(self, name: str) -> Int4Blocks | Int4Groups | None:
         """The tensor exactly as ``Int4Blocks`` where it is Q4_K, ``Int4Groups`` where Q4_1;
