@@ -13,6 +13,8 @@ times each; output tokens/s of all, from the first arrival to the last token).
 
     .venv/bin/python bench/speculative.py                 # off against ngram, all workloads
     .venv/bin/python bench/speculative.py --tokens 128 --configs "off" "ngram;k=6"
+    .venv/bin/python bench/speculative.py --configs off ngram suffix "draft;draft=gguf" \
+        "draft;draft=self;draft_q=int4"     # suffix decoding; the Q4_1 GGUF or int4 drafting
     .venv/bin/python bench/speculative.py --crossover "code edit"   # batch sizes, one process
 
 ``--crossover`` runs one workload's prompts at 1, 2, 4, 8 and 16 streams on an engine without
@@ -69,6 +71,8 @@ def child(config: str, tokens: int, folder: str, kinds: list[str]) -> dict:
         speculative_max_batch=int(fields.get("max_batch", 8)),
         speculative_ngram_min=int(fields.get("min_n", 2)),
         speculative_ngram_max=int(fields.get("max_n", 4)),
+        speculative_model=_draft_model(fields.get("draft", ""), folder),
+        speculative_quantization=fields.get("draft_q", "none"),
     )
     engine = build_backend(settings)[0].engine
     loads = workloads(AutoTokenizer.from_pretrained(folder))
@@ -91,6 +95,16 @@ def child(config: str, tokens: int, folder: str, kinds: list[str]) -> dict:
     torch.set_num_threads(torch.get_num_threads())
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
+
+
+def _draft_model(name: str, folder: str) -> str:
+    """``draft=`` of a config: ``gguf``, the Q4_1 GGUF of the float folder; ``self``, the
+    float folder (quantized by ``draft_q=``); else a path."""
+    from tests import real_models
+
+    return {"gguf": lambda: str(real_models.smollm2_gguf()), "self": lambda: folder}.get(
+        name, lambda: name
+    )()
 
 
 def crossover(kind: str, tokens: int, folder: str) -> None:
