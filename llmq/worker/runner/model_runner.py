@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -144,10 +145,11 @@ class ModelRunner:
 
     def _build_forward(self, fast_forward: bool, pack_weights: bool, kernels: bool) -> None:
         """llmq's forward (or None: transformers'), built here unless one was built ahead."""
-        model = self.model
-        self.forward = take_attached(model) or build_forward(
-            model, fast_forward, pack_weights, kernels
-        )
+        model, started = self.model, time.monotonic()
+        attached = take_attached(model)
+        self.forward = attached or build_forward(model, fast_forward, pack_weights, kernels)
+        if attached is None:  # its weights read and packed for the kernels: a GGUF's from the file
+            log.info("load phase: forward built in %.2f s", time.monotonic() - started)
         log.info(
             "model runner: %s forward%s",
             "llmq's lean decoder" if self.forward is not None else "transformers'",
