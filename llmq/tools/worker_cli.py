@@ -79,25 +79,34 @@ def run(args: argparse.Namespace) -> int:
         worker_shutting_down.connect(lambda **_: _signal(children, signal.SIGTERM), weak=False)
 
     try:
-        app.worker_main(
-            [
-                "worker",
-                "--pool=threads",
-                f"--concurrency={args.concurrency}",
-                f"--queues={BATCH_QUEUE}",
-                f"--hostname={name}",
-                f"--loglevel={args.log_level}",
-                "--without-gossip",
-                "--without-mingle",
-                "--task-events",
-            ]
-        )
+        _start_celery_worker(app, name, BATCH_QUEUE, args)
     finally:
         if announced is not None:
             announced.withdraw()
     for pid in children:
         os.waitpid(pid, 0)
     return 1 if engine_died.is_set() else 0  # restart me: the engine loop is gone
+
+
+def _start_celery_worker(app, name: str, queue: str, args: argparse.Namespace) -> None:
+    """What `celery worker --pool=threads --without-gossip --without-mingle --task-events`
+    runs, without Celery's click command line: that imports its every verb and plugin (the
+    REPL's prompt_toolkit, Flower's tornado), ~0.3 s of CPU of each worker's start."""
+    from celery.concurrency import get_implementation
+    from celery.platforms import maybe_drop_privileges
+    from celery.utils.nodenames import default_nodename, host_format
+
+    maybe_drop_privileges()  # its warning for a worker run as root, as the command's
+    app.Worker(
+        hostname=host_format(default_nodename(name)),
+        pool_cls=get_implementation("threads"),
+        concurrency=args.concurrency,
+        queues=[queue],
+        loglevel=args.log_level,
+        without_gossip=True,
+        without_mingle=True,
+        task_events=True,
+    ).start()
 
 
 def _run_on_system_malloc() -> None:
