@@ -4,8 +4,9 @@ tree's, side by side.
 Each side's ``kernels/*.cpp`` and headers are compiled into a library of their own (the cache key
 is the sources), and each round runs one process per side in turn, timing the 1B shape's
 projections in int4 and int8 (``quantized_linear`` on llmq's kernels; ``--bits`` also 6, 16:
-bfloat16 panels, q6k: GGUF's Q6_K blocks, 4g and 6g: GGUF's Q4_1 and Q5_1 groups, 8s and 8m:
-int8 symmetric and with a minimum per group, whichever ``8`` is), weights cycled through 256 MB so that they come from
+bfloat16 panels, q6k: GGUF's Q6_K blocks, 4g and 6g: GGUF's Q4_1 and Q5_1 groups, 4k: int4's
+k-quant blocks, 8s and 8m: int8 symmetric and with a minimum per group; these of random values,
+not quantized: a side's round takes seconds, not minutes of quantizing), weights cycled through 256 MB so that they come from
 memory. A side's figure is its fastest round: on a shared 2-core VM a
 build's own rounds of one shape differed by up to 1.4x, so compare the minimums of several
 alternating rounds, not one run each. Prints, per projection, bits and rows, both sides' us,
@@ -64,12 +65,25 @@ def random_q6k(n: int, k: int, gen):
 
 
 def random_groups(n: int, k: int, bits: str, gen):
-    """Q4_1 (4g) or Q5_1 (6g) groups of random values, steps and bases ([N, K] weights)."""
+    """Random values, steps and bases ([N, K] weights) as Q4_1 (4g) or Q5_1 (6g) groups, int8
+    with a minimum (8m), symmetric (8s) or int4's k-quant blocks (4k)."""
     import torch
 
-    from llmq.worker.runner.linear.quantized_weights import Int4Groups, Int6Groups
+    from llmq.worker.runner.linear import quantized_weights as qw
 
-    kind = Int4Groups if bits == "4g" else Int6Groups
+    if bits == "8s":
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        return qw.Int8Weight(q, (torch.rand(n, k // 32, generator=gen) * 1e-3).half())
+    if bits == "4k":
+        groups, supers = k // 32, -(-k // 256)
+        return qw.Int4Blocks(
+            torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+            (torch.rand(n, supers, generator=gen) * 1e-3).half(),
+            (torch.randn(n, supers, generator=gen) * 1e-2).half(),
+            torch.randint(0, 256, (n, groups), generator=gen, dtype=torch.uint8),
+            torch.randint(-127, 128, (n, groups), generator=gen, dtype=torch.int8),
+        )
+    kind = {"4g": qw.Int4Groups, "6g": qw.Int6Groups, "8m": qw.Int8Groups}[bits]
     return kind(
         torch.randint(0, kind.LEVELS + 1, (n, k), generator=gen, dtype=torch.uint8),
         (torch.rand(n, k // 32, generator=gen) * 1e-3).half(),
@@ -110,11 +124,10 @@ def time_side(
             return Linear(weight.bfloat16(), None, "panels")
         if bits == "q6k":  # Q6_K's blocks (GGUF), random codes: the time is the bytes' and sums'
             return Q6KLinear(random_q6k(*weight.shape, gen), None)
-        if bits in ("4g", "6g"):
-            groups = random_groups(*weight.shape, bits, gen)
-            return Int4Linear(groups, None, True) if bits == "4g" else Int6Linear(groups, None)
-        if bits in ("8s", "8m"):
-            return Int8Linear(weight, None, True, with_min=bits == "8m")
+        if bits in ("4g", "4k", "6g", "8s", "8m"):
+            held = random_groups(*weight.shape, bits, gen)
+            kind = {"4": Int4Linear, "6": Int6Linear, "8": Int8Linear}[bits[0]]
+            return kind(held, None) if kind is Int6Linear else kind(held, None, True)
         return quantized_linear(weight, None, int(bits), True)
 
     gen = torch.Generator().manual_seed(0)
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to compare against")
     p.add_argument("--rows", default="1,16,128")
-    p.add_argument("--bits", default="4,8", help="4, 6, 8, q6k, 4g, 6g, 8s, 8m, 16 (see above)")
+    p.add_argument("--bits", default="4,8", help="4, 6, 8, q6k, 4g, 4k, 6g, 8s, 8m, 16 (see above)")
     p.add_argument("--march", default="native", help="the ISA both sides are built for")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shapes", default="", help="OUTxIN,... (default: the 1B's four)")

@@ -26,7 +26,12 @@ from llmq.worker.runner.linear.quantized_linear import (
     q8_panels_from_float,
     quantized_linear,
 )
-from llmq.worker.runner.linear.quantized_weights import Int4Groups, Int6Groups, Int8Groups
+from llmq.worker.runner.linear.quantized_weights import (
+    Int4Groups,
+    Int6Blocks,
+    Int6Groups,
+    Int8Groups,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -264,6 +269,41 @@ def test_int8_with_a_minimum_holds_a_gguf_s_grids_exactly():
     )
     assert bool((ours <= symmetric * (1 + 1e-5)).all())
     assert float(ours.sum()) < 0.9 * float(symmetric.sum())
+
+
+def test_int8_at_load_takes_a_minimum_where_set(monkeypatch):
+    """``LLMQ_INT8_MIN``: int8 at load with a float16 scale and base per group, else the
+    symmetric scale; the 8 bits an int4 plan falls back to take the groups either way."""
+    from llmq.common.settings import get_settings
+
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(11))
+    for value, with_min in (("true", True), ("false", False)):
+        monkeypatch.setenv("LLMQ_INT8_MIN", value)
+        get_settings.cache_clear()
+        try:
+            assert (quantized_linear(weight, None, 8, kernel=True).scale.dim() == 4) == with_min
+            assert quantized_linear(weight, None, 8, kernel=True, groups=True).scale.dim() == 4
+        finally:
+            get_settings.cache_clear()
+
+
+def test_six_bit_groups_find_a_q5_0_grid_again():
+    """The 6 bits an int4 plan falls back to where a width is no multiple of 256 (Gemma 3's
+    640: llama.cpp's Q5_0 there): in float16 groups a Q5_0 grid comes back within float16's
+    rounding, where k-quant blocks' 8-bit codes move it by 0.5%; the kernel serves them."""
+    gen = torch.Generator().manual_seed(10)
+    w = _on_grid("q5_0", 64, 640, gen)
+
+    def error(deq: torch.Tensor) -> float:
+        return float((deq - w).square().mean().sqrt() / w.square().mean().sqrt())
+
+    groups = Int6Groups.quantize(w)
+    assert error(groups.dequantize()) < 1e-5 < 1e-3 < error(Int6Blocks.quantize(w).dequantize())
+    linear = quantized_linear(w, None, 6, kernel=True, groups=True)
+    assert linear.scales_and_zeros.dtype == torch.float16
+    x = torch.randn(3, 640, generator=gen)
+    step, base = (t.double().repeat_interleave(32, 1) for t in groups.group_scales())
+    assert_near_reference(linear(x), x, groups.dequantize(), None, 63 * step + base.abs())
 
 
 @pytest.fixture(params=[1, 2], ids=["1term", "2terms"])

@@ -3,7 +3,8 @@ head and embedding table in 8 or 4 bits (``quantized_linear``; on CUDA int8 and 
 ``dynamic_quantized``).
 
 - ``int8``: every projection and the head int8, a scale per group of 32 (per output channel on
-  torch's kernel); the embedding table alike, rows dequantized as they are looked up (as
+  torch's kernel; with a minimum per group, ``Int8Groups``, where ``LLMQ_INT8_MIN``); the
+  embedding table alike, rows dequantized as they are looked up (as
   llama.cpp's Q8_0 keeps ``token_embd`` in Q8_0 and reads its rows with ``get_rows``).
 - ``int4``: projections 4-bit in groups of 32 (``Int4Blocks``: a group's scale and base coded
   in 8 bits per super-block of 256, 4.625 bits a weight), except the tensors kept at 6 bits
@@ -12,7 +13,9 @@ head and embedding table in 8 or 4 bits (``quantized_linear``; on CUDA int8 and 
   layers llama.cpp's ``use_more_bits`` picks (the first and last eighth, every third between) the
   down projection (``ffn_down``) and the query/key/value projection (``attn_v``: fused here
   with q and k, which take the same kernel call). The embedding table is 4-bit in groups of 32
-  (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's table.
+  (Q4_K_M's ``token_embd`` is Q4_K), or, tied to the head, the head's table. Where an input
+  width is no multiple of 256, two bits more (``fallback_bits``), in float16 groups
+  (``Int6Groups``, ``Int8Groups``).
   ``bench/quant_quality.py --sensitivity`` measures the KL each role adds at 4 bits.
 - ``fp8``: the projections in float8 e4m3 (``Fp8Linear``), the head and embedding table kept
   float, as vLLM's fp8.
@@ -32,7 +35,6 @@ from typing import Literal
 
 import torch
 
-from llmq.worker.runner.linear import quantized_linear as quantized_linear_module
 from llmq.worker.runner.linear.dynamic_quantized import Fp8Linear, Int8DynamicLinear
 from llmq.worker.runner.linear.quantized_linear import (
     GROUP,
@@ -42,6 +44,7 @@ from llmq.worker.runner.linear.quantized_linear import (
     Int8Linear,
     Int8Weight,
     QuantizedLinear,
+    int8_with_min,
     quantized_linear,
 )
 from llmq.worker.runner.linear.quantized_weights import (
@@ -164,12 +167,16 @@ class _Quantizer:
     def linear(self, index: int, role: str, plain) -> QuantizedLinear | Fp8Linear | None:
         """Layer ``index``'s (-1: the head's) projection ``role`` from its plain ``Linear``
         (None: kept float)."""
-        bits = fallback_bits(self.plan(index, self.layers, role), plain.weight.shape[1])
+        planned = self.plan(index, self.layers, role)
+        bits = fallback_bits(planned, plain.weight.shape[1])
         if bits == 16:
             return None
         if self.fp8 and bits == 8:
             return Fp8Linear.quantize(plain.weight, plain.bias)
-        return quantized_linear(plain.weight, plain.bias, bits)
+        # A fallback's 6 or 8 bits in float16 groups: the grids of llama.cpp's own fallbacks
+        # (Q5_0, Q8_0) in a float checkpoint made from its file come back.
+        groups = bits != planned
+        return quantized_linear(plain.weight, plain.bias, bits, groups=groups)
 
     def embedding(self, table: torch.Tensor) -> Int8Weight | Int8Groups | Int4Blocks | None:
         bits = fallback_bits(self.plan(-1, self.layers, "embed"), table.shape[1])
@@ -177,7 +184,8 @@ class _Quantizer:
             return None
         if bits == 4 and table.shape[1] % GROUP == 0:
             return Int4Blocks.quantize(table)
-        with_min = quantized_linear_module.INT8_WITH_MIN and not table.is_cuda
+        planned = self.plan(-1, self.layers, "embed")
+        with_min = (int8_with_min() or bits != planned) and not table.is_cuda
         return Int8Groups.quantize(table) if with_min else Int8Weight.quantize(table)
 
 

@@ -3,7 +3,7 @@ weight-only kernels elsewhere.
 
 - ``Int8Linear``: int8 weights with one symmetric scale per group of 32 input columns (llmq's
   kernel) or per output channel (torch's), or a float16 scale and base per group of 32
-  (``Int8Groups``: int8 at load on llmq's kernel, ``INT8_WITH_MIN``).
+  (``Int8Groups``: int8 at load on llmq's kernel where ``LLMQ_INT8_MIN``).
 - ``Int4Linear``: 4-bit weights in groups of 32 input columns, each group's scale and base
   coded in 8 bits against its super-block of 256 inputs (``Int4Blocks``, llama.cpp's Q4_K
   form: quantization at load and GGUF files), a float16 scale and base per group of 32
@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmq.common.settings import get_settings
 from llmq.worker.runner.linear.dynamic_quantized import Int8DynamicLinear
 from llmq.worker.runner.linear.quantized_weights import (
     ACTIVATIONS,
@@ -77,9 +78,6 @@ PANEL_COLS = 16  # output columns of a panel of llmq's kernels (int_matmul.cpp's
 
 
 _PACK_ROWS = 1024  # rows packed into a kernel's panels at a time (a multiple of 16)
-# int8 at load on llmq's kernel with a minimum per group (Int8Groups) instead of a symmetric
-# scale (docs/performance.md, "Quantized weights")
-INT8_WITH_MIN = True
 
 
 class Int8Linear:
@@ -219,6 +217,12 @@ def on_kernel(op, x: torch.Tensor, weight, scales, linear) -> torch.Tensor:
     a = x if dtype in (torch.float32, ACTIVATIONS) else x.float()
     y = op(a.contiguous(), weight, scales, linear.out_features, linear.bias)
     return y.to(dtype)
+
+
+def int8_with_min() -> bool:
+    """Whether int8 at load takes a minimum per group (``Int8Groups``, ``LLMQ_INT8_MIN``) on
+    llmq's kernel instead of a symmetric scale (docs/performance.md, "Quantized weights")."""
+    return get_settings().int8_min
 
 
 def int_kernel_available() -> bool:
@@ -498,19 +502,26 @@ def int8_linear(weight: Int8Weight, bias: torch.Tensor | None, kernel: bool | No
 
 
 def quantized_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, bits: int, kernel: bool | None = None
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    bits: int,
+    kernel: bool | None = None,
+    groups: bool = False,
 ) -> QuantizedLinear:
     """``weight`` [N, K] (any float dtype) quantized to ``bits`` (8; 4 where K is a multiple of
     the group, 6 there on llmq's kernel: else 8). ``kernel``: on llmq's integer kernels (None:
-    where they are loaded)."""
+    where they are loaded). ``groups``: a float16 step and base per group on llmq's kernels,
+    6 bits ``Int6Groups`` (7 bits a weight) instead of k-quant blocks, 8 ``Int8Groups`` (9)
+    whatever ``LLMQ_INT8_MIN`` says."""
     blocks = weight.shape[1] % GROUP == 0
     if bits == 4 and blocks:
         return Int4Linear(Int4Blocks.quantize(weight), bias, kernel)
     kernels = int_kernel_available() if kernel is None else kernel
     if bits == 6 and blocks and kernels and not weight.is_cuda:
-        return Int6Linear(Int6Blocks.quantize(weight), bias)
+        kind = Int6Groups if groups else Int6Blocks
+        return Int6Linear(kind.quantize(weight), bias)
     if bits not in (4, 6, 8):
         raise ValueError(f"unsupported weight bits {bits}")
     if weight.is_cuda:
         return int8_linear(Int8Weight.quantize(weight, grouped=False), bias)
-    return Int8Linear(weight, bias, kernel, with_min=INT8_WITH_MIN)
+    return Int8Linear(weight, bias, kernel, with_min=groups or int8_with_min())

@@ -221,6 +221,31 @@ class Int4Groups:
     m: torch.Tensor
     LEVELS: ClassVar[int] = 15  # the largest q
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Groups:
+        """Each group's step and base fitted as ``Int4Blocks``' (a 4- or 5-bit grid found again)
+        and held in float16, not coded against a super-block: a GGUF's grid, dequantized into a
+        float checkpoint, comes back exactly. q against the stored numbers."""
+        n, k = weight.shape
+        groups = k // GROUP
+        dev = weight.device
+        out = cls(
+            torch.empty(n, k, dtype=torch.uint8, device=dev),
+            torch.empty(n, groups, dtype=torch.float16, device=dev),
+            torch.empty(n, groups, dtype=torch.float16, device=dev),
+        )
+        start = 0
+        for rows in _row_chunks(weight):
+            w = rows.to(torch.float32, copy=True).view(len(rows), groups, GROUP)
+            step, low = _fitted_steps(w, cls.LEVELS)
+            d, m = step.clamp(min=2**-24).to(torch.float16), low.to(torch.float16)
+            w.sub_(m.float()[..., None]).div_(d.float()[..., None]).round_()
+            end = start + len(rows)
+            out.q[start:end] = w.clamp_(0, cls.LEVELS).view(len(rows), k)
+            out.d[start:end], out.m[start:end] = d, m
+            start = end
+        return out
+
     def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's scale and base (the value of q = 0), float32 [N, K / 32]."""
         return self.d.float(), self.m.float()
