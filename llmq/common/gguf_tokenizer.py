@@ -13,6 +13,7 @@ start, the worker's and the API's alike.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -98,6 +99,9 @@ def load_gguf_tokenizer(path: str | Path):
             config = json.loads((entry / "tokenizer_config.json").read_text())
             flags = {k: v for k, v in config.items() if k in _FLAGS}  # not read from the file
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(entry), **flags)
+            if "added_tokens_decoder" not in config:  # cached before the config named them
+                with contextlib.suppress(OSError):  # best effort, as the cache is
+                    _keep_flags(tokenizer, entry / "tokenizer_config.json")
             log.info(
                 "load phase: tokenizer of %s read from its cache %s in %.2f s (%.2f s of it "
                 "hashing the file)",
@@ -121,12 +125,21 @@ def load_gguf_tokenizer(path: str | Path):
 def _keep_flags(tokenizer, config_path: Path) -> None:
     """``add_bos_token`` and ``add_eos_token`` as the conversion set them: save_pretrained
     leaves them to the post-processor (and from_pretrained does not read them back), so a cached
-    Gemma tokenizer said False while adding BOS."""
+    Gemma tokenizer said False while adding BOS. And the added tokens as ``tokenizer.json``
+    lists them: without them in the config, from_pretrained parses the whole ``tokenizer.json``
+    again in Python for that list alone (Gemma 3's 33 MB: 1-2 s of a start)."""
     config = json.loads(config_path.read_text())
     for flag in _FLAGS:
         if getattr(tokenizer, flag, None) is not None:
             config[flag] = getattr(tokenizer, flag)
-    config_path.write_text(json.dumps(config, indent=2))
+    fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+    config["added_tokens_decoder"] = {
+        str(index): {f: getattr(token, f) for f in fields}
+        for index, token in tokenizer.added_tokens_decoder.items()
+    }
+    written = config_path.with_suffix(".partial")  # a reader sees the old config or the new
+    written.write_text(json.dumps(config, indent=2))
+    written.replace(config_path)
 
 
 def _save(tokenizer, entry: Path) -> None:

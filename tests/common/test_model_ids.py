@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llmq.common.model_ids import alias_candidates, resolve_alias, short_id
@@ -62,10 +64,21 @@ def test_a_gguf_tokenizer_read_from_its_cache_is_the_converted_one(tmp_path, mon
     try:
         path = smollm2_gguf()
         converted = gguf_tokenizer.load_gguf_tokenizer(path)
-        assert (tmp_path / gguf_tokenizer.file_sha256(path) / "tokenizer.json").exists()
+        entry = tmp_path / gguf_tokenizer.file_sha256(path)
+        assert (entry / "tokenizer.json").exists()
+        # its added tokens named in its config (else read again from tokenizer.json), and
+        # named there by a read of an entry cached without them
+        config_path = entry / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        assert len(config.pop("added_tokens_decoder")) == len(converted.added_tokens_decoder)
+        config_path.write_text(json.dumps(config))
         cached = gguf_tokenizer.load_gguf_tokenizer(path)
+        assert "added_tokens_decoder" in json.loads(config_path.read_text())
+        again = gguf_tokenizer.load_gguf_tokenizer(path)
     finally:
         get_settings.cache_clear()
+    assert str(again.added_tokens_decoder) == str(converted.added_tokens_decoder)
+    assert again.encode("<|im_start|>user hi") == converted.encode("<|im_start|>user hi")
     texts = [
         "What is the capital of France?",
         " ünï 日本 🤖\n\tx <|im_start|>",
