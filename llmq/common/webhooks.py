@@ -20,13 +20,15 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from celery import Celery
 from pydantic import BaseModel, TypeAdapter
 
 from llmq.common.settings import Settings
 from llmq.common.transport.celery_client import BATCH_QUEUE, make_celery
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 WEBHOOK_TASK = "llmq.webhooks.deliver"
 EVENTS = (

@@ -20,14 +20,16 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
-from celery import Celery
 
 from llmq.common.settings import Settings
 from llmq.common.transport.celery_client import BATCH_QUEUE, make_celery
 from llmq.common.transport.keys import Keys
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 BACKGROUND_TASK = "llmq.responses.background"
 FINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")

@@ -8,12 +8,14 @@ Celery's keys live; the API never loads the worker's code to queue a task.
 from __future__ import annotations
 
 import threading
-
-from celery import Celery
+from typing import TYPE_CHECKING
 
 from llmq.common.settings import Settings
 from llmq.common.transport.redis_cluster import is_cluster_url
 from llmq.common.transport.redis_sentinel import is_sentinel_url
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 BATCH_TASK = "llmq.batch.run"
 BATCH_QUEUE = "llmq.batch"
@@ -36,6 +38,10 @@ def broker_url(settings: Settings) -> str:
 
 def make_celery(settings: Settings, include: list[str] | None = None) -> Celery:
     """A Celery app on llmq's Redis: what a sender and a worker must agree on."""
+    # Imported here: importing Celery (kombu, billiard, cffi) was a fifth of an API's start,
+    # which sends a task only when a batch, a background response or a webhook comes.
+    from celery import Celery
+
     url = broker_url(settings)
     app = Celery("llmq", broker=url, backend=url, include=include or [])
     celery_keys: dict = {"global_keyprefix": f"{settings.key_prefix}:celery:"}
