@@ -17,6 +17,13 @@ times each; output tokens/s of all, from the first arrival to the last token).
         "draft;draft=self;draft_q=int4"     # suffix decoding; the Q4_1 GGUF or int4 drafting
     .venv/bin/python bench/speculative.py --crossover "code edit"   # batch sizes, one process
 
+``--llama-cpp [BIN_DIR]`` adds llama.cpp's server on the same prompts and weights (the bf16
+GGUF of the same float folder), one server per ``--spec-type`` setting
+(``bench/speculative_llama_cpp.py``), and a table of llmq against llama.cpp's best speculation
+per workload:
+
+    .venv/bin/python bench/speculative.py --llama-cpp   # the peer script's build
+
 ``--crossover`` runs one workload's prompts at 1, 2, 4, 8 and 16 streams on an engine without
 speculation and on one that never steps aside, turn about in one process (so that both see
 the same load on the host): where speculation stops paying is ``LLMQ_SPECULATIVE_MAX_BATCH``.
@@ -36,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import speculative_llama_cpp as llama_cpp  # noqa: E402  (beside this file)
+
 
 def workloads(tok) -> dict[str, list[list[int]]]:
     """Per workload's title, its four prompts (chat-templated token ids)."""
@@ -51,7 +60,7 @@ def workloads(tok) -> dict[str, list[list[int]]]:
     return {title: [ids(c) for c in chats] for title, chats in workload_chats().values()}
 
 
-def child(config: str, tokens: int, folder: str, kinds: list[str]) -> dict:
+def child(config: str, tokens: int, folder: str, kinds: list[str], streams: int) -> dict:
     """One configuration's figures (in a process of its own)."""
     import torch
     from transformers import AutoTokenizer
@@ -84,7 +93,7 @@ def child(config: str, tokens: int, folder: str, kinds: list[str]) -> dict:
         before = _spec_counts(engine)
         lone = [_lone(engine, p, params) for p in prompts]
         after = _spec_counts(engine)
-        batch = _streams(engine, prompts * 4, params)
+        batch = _streams(engine, (prompts * streams)[:streams], params) if streams else None
         result[name] = {
             "prompt_tokens": sum(map(len, prompts)) / len(prompts),
             "lone_tps": sum(n for n, _ in lone) / sum(t for _, t in lone),
@@ -170,6 +179,30 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="most output tokens per request")
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--crossover", metavar="WORKLOAD", help="tok/s at 1-16 streams, off and on")
+    ap.add_argument(
+        "--llama-cpp",
+        nargs="?",
+        type=Path,
+        const=llama_cpp.DEFAULT_BIN,
+        metavar="BIN_DIR",
+        help="also llama.cpp's llama-server of BIN_DIR (default: the peer script's build)",
+    )
+    ap.add_argument(
+        "--llama-cpp-settings",
+        nargs="+",
+        default=llama_cpp.SETTINGS,
+        help="llama.cpp's speculation settings: none, or a --spec-type with ;key=value drafts",
+    )
+    ap.add_argument(
+        "--llama-cpp-threads",
+        type=int,
+        default=os.cpu_count(),
+        help="llama-server's -t (its threads spin at each barrier: on a host busy with other "
+        "work one thread can outrun two)",
+    )
+    ap.add_argument(
+        "--streams", type=int, default=16, help="streams run at once (0: the lone stream alone)"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from tests import real_models
@@ -186,21 +219,32 @@ def main() -> None:
         "free writing",
     ]
     if args.child:
-        print(json.dumps(child(args.child, args.tokens, folder, kinds)))
+        print(json.dumps(child(args.child, args.tokens, folder, kinds, args.streams)))
         return
     results = {}
     for config in args.configs:
         cmd = [sys.executable, __file__, "--child", config, "--tokens", str(args.tokens)]
+        cmd += ["--streams", str(args.streams)]
         cmd += ["--workloads", *kinds]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ)
         results[config] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{config}: peak RSS {results[config]['peak_rss_mib']:.0f} MiB", flush=True)
     report(results, args.configs, kinds)
+    if args.llama_cpp:
+        from transformers import AutoTokenizer
+
+        loads = workloads(AutoTokenizer.from_pretrained(folder))
+        settings, threads = args.llama_cpp_settings, args.llama_cpp_threads
+        peer = llama_cpp.run_all(
+            args.llama_cpp, folder, settings, threads, loads, kinds, args.tokens, args.streams
+        )
+        report(peer, list(peer), kinds)
+        side_by_side(results | peer, args.configs, list(peer), kinds, args.streams)
 
 
 def report(results: dict, configs: list[str], kinds: list[str]) -> None:
     base = configs[0]
-    head = "| work | prompt | " + " | ".join(f"{c} 1 stream | {c} 16 streams" for c in configs)
+    head = "| work | prompt | " + " | ".join(f"{c} 1 stream | {c} streams" for c in configs)
     print(head + " |")
     print("|" + " --- |" * (2 + 2 * len(configs)))
     for kind in kinds:
@@ -210,12 +254,45 @@ def report(results: dict, configs: list[str], kinds: list[str]) -> None:
             r = results[c][kind]
             rate, mean = r["acceptance"]
             lone = f"{r['lone_tps']:.1f}"
-            streams = f"{r['streams_tps']:.1f}"
+            streams = f"{r['streams_tps']:.1f}" if r["streams_tps"] else "-"
             if c != base:
-                lone += f" ({r['lone_tps'] / b['lone_tps']:.2f}x; {rate:.0%}, {mean:.2f}/step)"
-                streams += f" ({r['streams_tps'] / b['streams_tps']:.2f}x)"
+                step = f", {mean:.2f}/step" if mean is not None else ""
+                lone += f" ({r['lone_tps'] / b['lone_tps']:.2f}x; {rate:.0%}{step})"
+                if b["streams_tps"]:
+                    streams += f" ({r['streams_tps'] / b['streams_tps']:.2f}x)"
             cells += [lone, streams]
         print("| " + " | ".join(cells) + " |")
+
+
+def side_by_side(
+    results: dict, llmq: list[str], peer: list[str], kinds: list[str], streams: int
+) -> None:
+    """llmq without and with speculation against llama.cpp without and with its best
+    speculation setting, per workload and load (1 stream, 16 streams)."""
+    print(
+        "| work | streams | llmq off | llmq speculative | llama.cpp none | "
+        "llama.cpp best speculation | llmq speculative / llama.cpp best |"
+    )
+    print("|" + " --- |" * 7)
+    for kind in kinds:
+        for key, load in (("lone_tps", "1"), ("streams_tps", str(streams))):
+            if not results[llmq[0]][kind][key]:
+                continue
+            rows = {c: results[c][kind] for c in llmq + peer}
+            on = max(llmq[1:], key=lambda c: rows[c][key])
+            theirs = max(peer[1:], key=lambda c: rows[c][key])
+            ours, their = rows[on], rows[theirs]
+            cells = [
+                kind,
+                load,
+                f"{rows[llmq[0]][key]:.1f}",
+                f"{ours[key]:.1f} ({on}, {ours['acceptance'][0]:.0%})",
+                f"{rows[peer[0]][key]:.1f}",
+                f"{their[key]:.1f} ({theirs.removeprefix('llama.cpp ')}, "
+                f"{their['acceptance'][0]:.0%})",
+                f"{ours[key] / their[key]:.2f}x",
+            ]
+            print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
