@@ -6,7 +6,8 @@ kernels, the first steps), phase by phase from its log, each in a fresh process.
 FILE.gguf: default the real SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M files of
 tests/real_models.py. --trees: llmq source trees to load with, taking turns (each round runs
 every tree on every file), e.g. two ``git archive`` exports of the commits compared; default
-this checkout. The tokenizer is read from llmq's cache (converted first where it is not there).
+this checkout. The tokenizer is read from llmq's cache (converted first where it is not there;
+--tokenizer-caches: a cache folder per tree).
 Printed per run: the load phases the worker logs (tokenizer, metadata and config, weights),
 the forward's build (weights packed for the kernels), the first steps, and the whole load from
 the tokenizer to the first steps done, without the libraries' imports.
@@ -51,8 +52,10 @@ print(json.dumps({"build": built - started, "load": done - started,
 """
 
 
-def run(tree: Path, model: Path) -> dict:
+def run(tree: Path, model: Path, tokenizers: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), LLMQ_MODEL=str(model))
+    if tokenizers:
+        env["LLMQ_TOKENIZER_CACHE_DIR"] = tokenizers
     env.setdefault("LLMQ_TORCH_THREADS", "1")
     out = subprocess.run(
         [sys.executable, "-c", _CHILD], env=env, cwd=tree, capture_output=True, text=True
@@ -92,6 +95,12 @@ def main() -> None:
     parser.add_argument("files", nargs="*", type=Path)
     parser.add_argument("--trees", default=str(ROOT))
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--tokenizer-caches",
+        default="",
+        help="LLMQ_TOKENIZER_CACHE_DIR per tree (comma-separated, as --trees): a tree whose "
+        "cache format differs reads its own",
+    )
     args = parser.parse_args()
     files = args.files
     if not files:
@@ -100,12 +109,13 @@ def main() -> None:
 
         files = [smollm2_gguf(), gemma3_gguf()]
     trees = [Path(t).resolve() for t in args.trees.split(",")]
+    caches = dict(zip(trees, args.tokenizer_caches.split(","), strict=False))
     print(f"uptime: {os.getloadavg()}", flush=True)
     for round_ in range(args.rounds):
         for model in files:
             for tree in trees:
                 began = time.monotonic()
-                result = phases(run(tree, model.resolve()))
+                result = phases(run(tree, model.resolve(), caches.get(tree)))
                 shown = ", ".join(f"{k} {v:.2f} s" for k, v in result.items())
                 print(
                     f"round {round_ + 1} {model.name} [{tree.name}]: {shown} "

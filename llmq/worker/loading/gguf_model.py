@@ -53,10 +53,10 @@ LEAN_PROCESSORS = frozenset(("TensorProcessor", "LlamaTensorProcessor", "Gemma2T
 @contextlib.contextmanager
 def gguf_read_once():
     """While transformers reads GGUF files: one reader per file, and gguf's tensor name map
-    built once per architecture and layer count. transformers parses a file's metadata again
-    for its config and for its weights (Gemma 3's 262k-entry vocabulary each time), and its
-    ``get_gguf_hf_weights_map`` builds the same name map once per module of the model (397 for
-    SmolLM2-135M); together most of a GGUF start's time."""
+    built once per architecture and layer count. Where transformers loads a file whole, it
+    parses its metadata again for its config and for its weights (Gemma 3's 262k-entry
+    vocabulary each time); its ``get_gguf_hf_weights_map`` builds the same name map once per
+    module of the model (397 for SmolLM2-135M), the lean load's too."""
     import gguf
 
     name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
