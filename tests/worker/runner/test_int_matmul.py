@@ -287,6 +287,27 @@ def test_int8_at_load_takes_a_minimum_where_set(monkeypatch):
             get_settings.cache_clear()
 
 
+def test_int4_blocks_find_a_q4_k_grid_again():
+    """Weights dequantized from Q4_K blocks (``d * sc * q - dmin * m``, 6-bit sc and m under a
+    float16 d and dmin per 256) taken to int4 at load: the 8-bit codes against a step of 63's
+    multiple hold Q4_K's 6-bit ones, within 1e-4 of the weights' size (2e-3 with the largest
+    over 255 and 127 alone); on float weights the codes round no worse."""
+    gen = torch.Generator().manual_seed(12)
+    n, supers = 64, 4
+
+    def steps(top: int) -> torch.Tensor:
+        step = (torch.rand(n, supers, 1, generator=gen) * 1e-3 + 1e-4).half().float()
+        codes = torch.randint(0, 64, (n, supers, 8), generator=gen).float()
+        codes[..., top] = 63  # the super-block's largest code, as llama.cpp's fit leaves it
+        return step * codes
+
+    q = torch.randint(0, 16, (n, supers, 8, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    w = (steps(0)[..., None] * q - steps(1)[..., None]).view(n, -1)
+    error = (Int4Blocks.quantize(w).dequantize() - w).square().mean().sqrt()
+    assert float(error) < 1e-4 * float(w.square().mean().sqrt())
+
+
 def test_six_bit_groups_find_a_q5_0_grid_again():
     """The 6 bits an int4 plan falls back to where a width is no multiple of 256 (Gemma 3's
     640: llama.cpp's Q5_0 there): in float16 groups a Q5_0 grid comes back within float16's

@@ -434,9 +434,22 @@ def _per_group(steps: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _codes(values: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` [N, G] as a float16 step per super-block of 8 groups [N, S] and integer codes
-    within +-``top`` (uint8 for 255: non-negative values; else int8)."""
+    within +-``top`` (uint8 for 255: non-negative values; else int8): the step the largest over
+    ``top``, or over 63's largest multiple under it where that rounds the super-block closer (a
+    Q4_K file's 6-bit codes, in a float checkpoint made from it, then come back exactly)."""
     n, groups = values.shape
     padded = F.pad(values, (0, -groups % BLOCK_GROUPS)).view(n, -1, BLOCK_GROUPS)
-    step = (_amax(padded, 2) / top).clamp(min=2**-24).to(torch.float16)
-    codes = (padded / step.float()[..., None]).round_().clamp_(-top, top).view(n, -1)[:, :groups]
-    return step, codes.to(torch.uint8 if top == 255 else torch.int8)
+    largest = _amax(padded, 2)
+    best = None
+    for levels in (top, top // 63 * 63):
+        step = (largest / levels).clamp(min=2**-24).to(torch.float16)
+        codes = (padded / step.float()[..., None]).round_().clamp_(-top, top)
+        err = (codes * step.float()[..., None] - padded).square().sum(2)
+        if best is not None:
+            better = err < best[2]
+            step = torch.where(better, step, best[0])
+            codes = torch.where(better[..., None], codes, best[1])
+            err = torch.minimum(err, best[2])
+        best = (step, codes, err)
+    codes = best[1].view(n, -1)[:, :groups]
+    return best[0], codes.to(torch.uint8 if top == 255 else torch.int8)
