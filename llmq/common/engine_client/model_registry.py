@@ -124,7 +124,9 @@ class ModelRegistry:
         """A catalogue model's pipeline and engine, loaded by a worker first where none holds
         it (the API's tokenizer loads meanwhile)."""
         await self.on_demand.keep(name, keep_alive)
-        if any(e.model == name for e in await self.engines()):
+        # Fresh, not the second-old cache: a model unloaded within it would take the request
+        # into a stream no worker reads, to fail once no_worker_grace runs out.
+        if any(e.model == name for e in await self._probe.engines(max_age=0.0)):
             return await self._pipeline(name, source), await self._probe.require_engine(name, kind)
         pipeline = asyncio.ensure_future(self._ready_pipeline(name, source))
         try:
