@@ -88,7 +88,7 @@ class Settings(BaseSettings):
         "from (the oldest dropped first).",
     )
     speculative_tokens: int = Field(
-        4, ge=0, description="Most proposed tokens a sequence has checked in one step."
+        6, ge=0, description="Most proposed tokens a sequence has checked in one step."
     )
     speculative_ngram_min: int = Field(
         2, ge=1, description="Shortest run of last tokens the n-gram proposer looks up."

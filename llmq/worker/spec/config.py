@@ -20,7 +20,7 @@ METHODS = ("off", "ngram", "draft", "suffix")
 @dataclass(slots=True)
 class SpecConfig:
     method: str = "ngram"
-    num_tokens: int = 4  # most draft tokens per sequence and step
+    num_tokens: int = 6  # most draft tokens per sequence and step (measured: 6 over 4 and 8)
     ngram_min: int = 2
     ngram_max: int = 4
     max_batch: int = 4  # decoding sequences past which no step proposes

@@ -7,8 +7,10 @@ import random
 import pytest
 
 from llmq.common.sampling_params import SamplingParams
+from llmq.common.settings import Settings
 from llmq.worker.engine.scheduler import ScheduledSequence
 from llmq.worker.engine.sequence import Sequence
+from llmq.worker.spec.config import SpecConfig
 from llmq.worker.spec.ngram import NgramProposer
 from llmq.worker.spec.speculator import Speculator, accepted_run
 
@@ -110,3 +112,26 @@ def test_draft_length_follows_acceptance_and_misses_sit_out():
     assert step(0) == [] and step(0) == []
     assert len(step(1)) == 1
     assert len(step(1)) == 2  # all kept: doubled
+
+
+def test_default_cap_bounds_the_doubled_draft_length():
+    class Fixed:
+        def propose(self, seqs, limits):
+            return [[1] * k for k in limits]
+
+        def forget(self, s):
+            pass
+
+    cap = SpecConfig().num_tokens
+    assert cap == Settings().speculative_tokens == 6
+    spec = Speculator(Fixed(), num_tokens=cap, max_batch=8, max_model_len=1000)
+    s = seq([0] * 10, "a", max_tokens=500)
+    s.num_computed_tokens = s.num_tokens - 1
+    lengths = []
+    for agree in (0, 1, 2, 4, 6, 6):  # a miss, then each draft kept whole
+        spec.prepare([s])
+        draft, s.draft = s.draft, []
+        lengths.append(len(draft))
+        item = ScheduledSequence(s, s.num_computed_tokens, 1 + len(draft), draft)
+        spec.verify(item, [1] * agree + [2] * (len(draft) + 1 - agree))
+    assert lengths == [6, 1, 2, 4, 6, 6]  # doubled while kept, never past the cap
