@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from tests.api.api_stack import client, stack
+from tests.harness import wait_for
 
 PROMPT = "Tell me about queues"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -139,6 +140,8 @@ def test_playground_sends_an_image_in_chromium(llava, tmp_path):
             )
             # The conversation shows the image sent, decoded by the browser at its own size.
             shown = page.evaluate("document.querySelector('.user img.thumb').naturalWidth")
+            # The heartbeat that counts the encoding may follow the answer.
+            wait_for(lambda: int(llava.heartbeat()["images_encoded"]) > 0, 30, "an encoding")
             encoded = int(llava.heartbeat()["images_encoded"])
             ask(page, PROMPT, {"name": "broken.png", "mimeType": "image/png", "buffer": broken})
             page.locator(".msg.error").wait_for(timeout=30000)
