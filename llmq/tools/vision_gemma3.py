@@ -8,17 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmq.tools.vision_models import image_chat_template
+
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
-# ChatML whose content may be parts: an image part becomes Gemma 3's image placeholder.
-GEMMA3_CHAT_TEMPLATE = """
-{%- for message in messages %}<|im_start|>{{ message.role }}
-{% if message.content is string %}{{ message.content }}
-{%- else %}{% for part in message.content %}
-{%- if part.type == "image" %}<start_of_image>{% else %}{{ part.text }}{% endif %}
-{%- endfor %}{% endif %}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+# Gemma 3's image placeholder where an image part stands.
+GEMMA3_CHAT_TEMPLATE = image_chat_template(BOI)
 # SigLIP at a tiny size: 32 x 32 images in 4 x 4 patches (8 x 8 of them), pooled 2 x 2 into
 # 16 image tokens, as the real 896 / 14 = 64 patches a side pool 4 x 4 into 256.
 _VISION = dict(

@@ -8,16 +8,27 @@ from __future__ import annotations
 from pathlib import Path
 
 IMAGE_TOKEN = "<image>"
-# ChatML whose content may be parts: an image part becomes the image token where it stands.
-VISION_CHAT_TEMPLATE = """
+
+
+def image_chat_template(placeholder: str) -> str:
+    """ChatML whose content may be parts: an image part becomes ``placeholder`` where it
+    stands (each tiny vision family's own image text)."""
+    return (
+        """
 {%- for message in messages %}<|im_start|>{{ message.role }}
 {% if message.content is string %}{{ message.content }}
 {%- else %}{% for part in message.content %}
-{%- if part.type == "image" %}<image>{% else %}{{ part.text }}{% endif %}
+{%- if part.type == "image" %}"""
+        + placeholder
+        + """{% else %}{{ part.text }}{% endif %}
 {%- endfor %}{% endif %}<|im_end|>
 {% endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+    )
+
+
+VISION_CHAT_TEMPLATE = image_chat_template(IMAGE_TOKEN)
 # CLIP's tower at a tiny size: 30 x 30 images in 6 x 6 patches, 25 image tokens each.
 _VISION = dict(
     hidden_size=32,

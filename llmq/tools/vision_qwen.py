@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmq.tools.vision_models import vision_tokenizer
+from llmq.tools.vision_models import image_chat_template, vision_tokenizer
 
 VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
     "<|vision_start|>",
@@ -16,17 +16,8 @@ VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
     "<|vision_end|>",
     "<|video_pad|>",
 )
-# ChatML with Qwen2.5-VL's image placeholder where an image part stands.
-QWEN_VL_CHAT_TEMPLATE = """
-{%- for message in messages %}<|im_start|>{{ message.role }}
-{% if message.content is string %}{{ message.content }}
-{%- else %}{% for part in message.content %}
-{%- if part.type == "image" %}<|vision_start|><|image_pad|><|vision_end|>
-{%- else %}{{ part.text }}{% endif %}
-{%- endfor %}{% endif %}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+# Qwen2.5-VL's image placeholder where an image part stands.
+QWEN_VL_CHAT_TEMPLATE = image_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
 # 4-pixel patches merged 2 x 2: an image token per 8 x 8 pixels; images resized to between
 # 4 and 64 tokens. Windows of 16 pixels (2 x 2 tokens) in the window-attention block.
 PATCH, MERGE = 4, 2
