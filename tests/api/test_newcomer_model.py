@@ -179,6 +179,9 @@ def test_the_tokenizer_is_converted_once_and_read_from_its_cache(up):
     from the file's metadata, the other (waiting on the cache's lock) reads the conversion,
     timed by the log's load phases."""
     wait_serving(up)
+    # Each process writes its phases as it reaches them: wait for the lines, not for a moment.
+    phases = ("converted from the file's metadata", "read from its cache", "load phase: weights of")
+    wait_for(lambda: all(p in up.log() for p in (*phases, "serving,")), 120, "the load's phases")
     log = up.log()
     converted = [
         float(s) for s in re.findall(r"converted from the file's metadata in ([\d.]+) s", log)

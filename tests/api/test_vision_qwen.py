@@ -152,8 +152,13 @@ def test_one_and_four_at_once_equal_generate(served, reference):
     async def at_once():
         return await asyncio.gather(*(answer(base, question(i)) for i in images))
 
-    assert [ids for ids, _ in asyncio.run(at_once())] == expected
-    _, hits = counters_after(redis_url, time.time())
+    # Whether the four meet in the engine depends on when each reaches the worker: send them
+    # again (each round exact) until a round pressed the cache into a preemption.
+    for _ in range(8):
+        assert [ids for ids, _ in asyncio.run(at_once())] == expected
+        _, hits = counters_after(redis_url, time.time())
+        if _preemptions(redis_url) > before:
+            break
     assert _preemptions(redis_url) > before  # some were computed again
     assert [ids for ids, _ in asyncio.run(at_once())] == expected  # again: blocks from the cache
     _, hits_again = counters_after(redis_url, time.time())
