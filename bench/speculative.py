@@ -71,17 +71,17 @@ def child(config: str, tokens: int, folder: str, kinds: list[str], streams: int)
 
     fields = dict(kv.split("=", 1) for kv in config.split(";")[1:] if kv)
     method = config.split(";")[0]
+    # A config's keys override the worker's defaults (`LLMQ_SPECULATIVE_*`), which it keeps.
+    names = {"k": "tokens", "max_batch": "max_batch", "min_n": "ngram_min", "max_n": "ngram_max"}
+    given = {f"speculative_{names[k]}": int(v) for k, v in fields.items() if k in names}
     settings = Settings(
         model=folder,
         device="cpu",
         dtype="bfloat16",
         speculative_method=method,
-        speculative_tokens=int(fields.get("k", 4)),
-        speculative_max_batch=int(fields.get("max_batch", 8)),
-        speculative_ngram_min=int(fields.get("min_n", 2)),
-        speculative_ngram_max=int(fields.get("max_n", 4)),
         speculative_model=_draft_model(fields.get("draft", ""), folder),
         speculative_quantization=fields.get("draft_q", "none"),
+        **given,
     )
     engine = build_backend(settings)[0].engine
     loads = workloads(AutoTokenizer.from_pretrained(folder))

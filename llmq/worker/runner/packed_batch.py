@@ -40,12 +40,15 @@ def pack_step(
     scheduled: list[ScheduledSequence],
     block_size: int,
     scratch_slot: int,
-    group_adapters: bool = False,
+    decode_kernel: bool = False,
 ) -> PackedBatch:
     """All new tokens of the step in one row: the decodes first, by context length (so that
     chunks of similar length are contiguous rows), then the prefill chunks in order.
-    ``group_adapters`` (where the decodes' order does not matter to the attention): the decodes
-    of one LoRA adapter contiguous, so that its rows are one slice of every projection.
+    ``decode_kernel`` (the decode kernel attends the decodes, in any order, each row over its
+    own context): the decodes of one LoRA adapter contiguous, so that its rows are one slice of
+    every projection; and a drafted entry's positions packed as decode rows, one each, so that
+    each is attended as a plain decode at its position would be (no prompt chunk's gathered
+    context and mask).
 
     A token whose block is registered in the prefix cache (the last token of a sequence found
     in the cache whole, run again for its logits) has its KV there already: it is written to
@@ -53,24 +56,22 @@ def pack_step(
     decodes: list[int] = []
     prefills: list[int] = []
     for i, item in enumerate(scheduled):
-        (decodes if item.num_new_tokens == 1 else prefills).append(i)
-    if group_adapters and any(scheduled[i].seq.lora is not None for i in decodes):
+        as_decode = item.num_new_tokens == 1 or (decode_kernel and bool(item.draft))
+        (decodes if as_decode else prefills).append(i)
+    if decode_kernel and any(scheduled[i].seq.lora is not None for i in decodes):
         decodes.sort(key=lambda i: (_adapter_key(scheduled[i].seq), scheduled[i].start))
     else:
         decodes.sort(key=lambda i: scheduled[i].start)
     batch = PackedBatch()
-    bs = block_size
-    for row, i in enumerate(decodes):
+    for i in decodes:
         item = scheduled[i]
-        seq, p = item.seq, item.start
-        batch.input_ids.append(seq.token_ids[p])
-        batch.positions.append(p)
-        block = p // bs
-        registered = block < seq.num_registered_blocks
-        batch.slots.append(scratch_slot if registered else seq.block_table[block] * bs + p % bs)
-        batch.decodes.append(item)
+        row = len(batch.input_ids)
+        _pack_decode_rows(batch, item, block_size, scratch_slot)
         _keep_prompt_rows(batch, item, row)
-        if item.samples:
+        if item.draft:  # every position's logits: the target's token after each draft token
+            batch.keep.extend(range(row, len(batch.input_ids)))
+            batch.sampled_entries.append(i)
+        elif item.samples:
             batch.keep.append(row)
             batch.sampled_entries.append(i)
     for i in prefills:
@@ -87,6 +88,23 @@ def pack_step(
             batch.sampled_entries.append(i)
     batch.keep.extend(batch._prompt_keep)
     return batch
+
+
+def _pack_decode_rows(
+    batch: PackedBatch, item: ScheduledSequence, block_size: int, scratch_slot: int
+) -> None:
+    """Append a decode's row, or a drafted entry's rows (its last token, then each draft
+    token), each a decode of its own position."""
+    seq, bs = item.seq, block_size
+    tokens = [seq.token_ids[item.start], *item.draft]
+    for j, token in enumerate(tokens):
+        p = item.start + j
+        block = p // bs
+        registered = block < seq.num_registered_blocks
+        batch.input_ids.append(token)
+        batch.positions.append(p)
+        batch.slots.append(scratch_slot if registered else seq.block_table[block] * bs + p % bs)
+        batch.decodes.append(item if j == 0 and not item.draft else ScheduledSequence(seq, p, 1))
 
 
 def _adapter_key(seq: Sequence) -> tuple[str, str]:
