@@ -18,17 +18,25 @@ from PIL import Image
 
 from llmq.common.transport.redis_server import RedisServer
 from llmq.tools.model_factory import make_model
-from tests.api.api_stack import aclient
-from tests.api.test_vision_llava import picture, url
-from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_for, wait_worker
+from tests.api.vision_client import (
+    NEW,
+    SHAPES,
+    answer,
+    ask,
+    counters_after,
+    picture,
+    question,
+    second_turn_reuses_the_image,
+    template,
+)
+from tests.harness import heartbeat, kill_all, start_api, start_worker, wait_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-NEW = 6
-# (width, height): grids of 6 x 5, 4 x 10, 6 x 6 and 9 x 2 image tokens.
-SHAPES = [(40, 50), (80, 30), (50, 50), (20, 70)]
+MODEL, WORKER = "qwen2_5_vl", "w-qwen"
+# SHAPES (width, height): grids of 6 x 5, 4 x 10, 6 x 6 and 9 x 2 image tokens.
 # Chunks of 24 tokens (cut inside images); 6 blocks of 16 tokens: the four prompts (50 to 80
 # tokens) cannot all be held at once.
-WORKER = {"max_batch_tokens": 24, "kv_blocks": 6}
+SETTINGS = {"max_batch_tokens": 24, "kv_blocks": 6}
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +48,10 @@ def model(tmp_path_factory):
 def served(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("qwen-vl-logs")
     with RedisServer() as server:
-        worker = start_worker(server.url, model, "w-qwen", logs, wait=False, **WORKER)
+        worker = start_worker(server.url, model, WORKER, logs, wait=False, **SETTINGS)
         api, base = start_api(server.url, str(model), logs, "api-qwen-vl")
         try:
-            wait_worker(server.url, "w-qwen", worker)
+            wait_worker(server.url, WORKER, worker)
             yield server.url, base
         finally:
             kill_all([worker, api])
@@ -93,75 +101,31 @@ def reference(model):
     return Reference(model)
 
 
-def question(image: bytes, text: str = "What is in the picture?") -> list[dict]:
-    parts = [
-        {"type": "text", "text": text},
-        {"type": "image_url", "image_url": {"url": url(image)}},
-    ]
-    return [{"role": "user", "content": parts}]
-
-
-async def answer(base: str, messages: list[dict]) -> tuple[list[int], str]:
-    """The greedy token ids and text of the served model's answer."""
-    out = await aclient(base).chat.completions.create(
-        model="qwen2_5_vl",
-        messages=messages,
-        max_tokens=NEW,
-        temperature=0,
-        logprobs=True,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )
-    choice = out.choices[0]
-    ids = [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
-    return ids, choice.message.content
-
-
-def ask(base: str, messages: list[dict]) -> list[int]:
-    return asyncio.run(answer(base, messages))[0]
-
-
-def counters_after(redis_url: str, moment: float) -> tuple[int, int]:
-    """The worker's (images_encoded, prefix_cache_hit_tokens) in a heartbeat written after
-    ``moment``."""
-    beat = {}
-
-    def fresh():
-        beat.update(heartbeat(redis_url, "w-qwen"))
-        return float(beat.get("updated", 0)) > moment
-
-    wait_for(fresh, 30, "a fresh heartbeat", 0.05)
-    return int(beat["images_encoded"]), int(beat["prefix_cache_hit_tokens"])
-
-
-def _template(text: str = "What is in the picture?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
-
-
 def _preemptions(redis_url: str) -> int:
-    return int(heartbeat(redis_url, "w-qwen").get("preemptions_total", 0))
+    return int(heartbeat(redis_url, WORKER).get("preemptions_total", 0))
 
 
 def test_one_and_four_at_once_equal_generate(served, reference):
     redis_url, base = served
     images = [picture(s, size) for s, size in enumerate(SHAPES)]
-    expected = [reference.answer(_template(), [img]) for img in images]
+    expected = [reference.answer(template(), [img]) for img in images]
     assert len({tuple(e) for e in expected}) == 4, expected  # the image changes the answer
-    assert ask(base, question(images[0])) == expected[0]
+    assert ask(base, MODEL, question(images[0])) == expected[0]
     before = _preemptions(redis_url)
 
     async def at_once():
-        return await asyncio.gather(*(answer(base, question(i)) for i in images))
+        return await asyncio.gather(*(answer(base, MODEL, question(i)) for i in images))
 
     # Whether the four meet in the engine depends on when each reaches the worker: send them
     # again (each round exact) until a round pressed the cache into a preemption.
     for _ in range(8):
         assert [ids for ids, _ in asyncio.run(at_once())] == expected
-        _, hits = counters_after(redis_url, time.time())
+        _, hits = counters_after(redis_url, WORKER, time.time())
         if _preemptions(redis_url) > before:
             break
     assert _preemptions(redis_url) > before  # some were computed again
     assert [ids for ids, _ in asyncio.run(at_once())] == expected  # again: blocks from the cache
-    _, hits_again = counters_after(redis_url, time.time())
+    _, hits_again = counters_after(redis_url, WORKER, time.time())
     assert hits_again > hits
 
 
@@ -176,21 +140,21 @@ def test_a_request_without_images_equals_generate(served, reference):
         out = reference.model.generate(
             input_ids=ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
         )
-    assert ask(base, messages) == out[0, ids.shape[1] :].tolist()
+    assert ask(base, MODEL, messages) == out[0, ids.shape[1] :].tolist()
 
 
 def test_the_text_model_runs_on_llmqs_forward(served):
     """The worker's plan: llmq's forward and its fused C++ step (each row's M-RoPE cos and sin
     built from its three positions), not transformers' forward."""
     redis_url, _ = served
-    plan = heartbeat(redis_url, "w-qwen")["forward_plan"]
+    plan = heartbeat(redis_url, WORKER)["forward_plan"]
     assert plan.startswith("llmq forward") and "fused C++ step" in plan, plan
 
 
 def test_plain_positions_would_give_other_tokens(reference):
     """The exactness test above can fail for positions: the same model with every token's
     three positions equal to its index answers otherwise."""
-    inputs = reference.inputs(_template(), [picture(0, SHAPES[1])])
+    inputs = reference.inputs(template(), [picture(0, SHAPES[1])])
     ids = inputs["input_ids"]
     plain = torch.arange(ids.shape[1])[None]
     with torch.inference_mode():
@@ -204,15 +168,5 @@ def test_plain_positions_would_give_other_tokens(reference):
 def test_a_second_turn_reuses_the_image_and_equals_generate(served, reference):
     redis_url, base = served
     image = picture(11, (48, 32))
-    encoded, _ = counters_after(redis_url, time.time())
-    _, text = asyncio.run(answer(base, question(image)))
-    after_first, hits = counters_after(redis_url, time.time())
-    assert after_first == encoded + 1
-    follow = [*question(image), {"role": "assistant", "content": text}]
-    follow.append({"role": "user", "content": "And the colours?"})
-    template = [*_template(), {"role": "assistant", "content": text}, follow[-1]]
-    assert ask(base, follow) == reference.answer(template, [image])
-    after_second, hits_second = counters_after(redis_url, time.time())
-    assert after_second == encoded + 1
-    image_end = reference.inputs(_template(), [image])["input_ids"].shape[1] - 6
-    assert hits_second - hits >= image_end - 16  # all but a partial block: from the cache
+    image_end = reference.inputs(template(), [image])["input_ids"].shape[1] - 6
+    second_turn_reuses_the_image(redis_url, base, MODEL, WORKER, image, reference.answer, image_end)
