@@ -7,19 +7,22 @@ target on about half its tokens."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
 
-from llmq.common.model_files import load_tokenizer
-from llmq.common.sampling_params import SamplingParams
-from llmq.worker.llm_engine import EngineConfig, LLMEngine
+from llmq.worker.llm_engine import LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
-from llmq.worker.spec.config import SpecConfig
 from llmq.worker.spec.draft_model import DraftRefused
-from tests.worker.spec.test_spec_engine import GREEDY, SAMPLED, assert_same
-from tests.worker.spec.test_spec_engine import run as run_without
+from tests.worker.spec.engines import (
+    GREEDY,
+    SAMPLED,
+    assert_same,
+    build,
+    drive,
+    prompts_and_lengths,
+)
+from tests.worker.spec.engines import run as run_without
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,38 +44,17 @@ def draft_dir(llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def case(llama_dir):
-    rng = random.Random(55)
-    shared = [rng.randrange(3, 1024) for _ in range(40)]
-    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(3, 70))] for _ in range(6)]
-    prompts += [shared + [rng.randrange(3, 1024) for _ in range(n)] for n in (2, 9)]
-    return str(llama_dir), prompts, [rng.randint(12, 30) for _ in prompts]
+    return str(llama_dir), *prompts_and_lengths()
 
 
 def draft_engine(path, draft, **config) -> LLMEngine:
-    spec = SpecConfig(method="draft", draft_model=str(draft), dtype="float32", device="cpu")
-    spec.max_batch = 64  # every step drafts
-    model = load_causal_lm(path, "float32", "cpu")
-    return LLMEngine(
-        model, EngineConfig(speculative=spec, **config), tokenizer=load_tokenizer(path)
-    )
+    return build(path, draft=draft, **config)
 
 
 def run_with(engine, prompts, max_tokens, params, repeat=1):
-    for r in range(repeat):
-        ids = []
-        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-            p = SamplingParams(max_tokens=n, seed=i, **params)
-            ids.append(engine.add_request(f"{r}-{i}", prompt, p).request_id)
-        tokens = {i: [] for i in ids}
-        logprobs = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens[out.request_id] += out.token_ids
-                logprobs[out.request_id] += [lp.logprob for lp in out.logprobs or []]
-            engine.block_manager.check_invariants(list(engine.requests.values()))
-    assert engine.block_manager.num_used_blocks == 0
+    tokens_and_logprobs = drive(engine, prompts, max_tokens, params, repeat)
     assert engine.speculator.proposer.blocks.num_used_blocks == 0  # the draft's cache too
-    return [tokens[i] for i in ids], [logprobs[i] for i in ids]
+    return tokens_and_logprobs
 
 
 @pytest.mark.parametrize(

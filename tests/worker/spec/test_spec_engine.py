@@ -16,65 +16,15 @@ from llmq.worker.llm_engine import EngineConfig, LLMEngine
 from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.spec.ngram import NgramProposer
 from llmq.worker.spec.speculator import Speculator
+from tests.worker.spec.engines import GREEDY, SAMPLED, assert_same, prompts_and_lengths, run
 from tests.worker.spec.oracle import OracleProposer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-GREEDY = dict(temperature=0, ignore_eos=True, logprobs=2)
-# Seeded draws with every kind of processing: the same uniforms with or without speculation.
-SAMPLED = dict(
-    temperature=0.9,
-    top_k=40,
-    top_p=0.95,
-    min_p=0.02,
-    repetition_penalty=1.2,
-    presence_penalty=0.3,
-    frequency_penalty=0.2,
-    ignore_eos=True,
-    logprobs=1,
-)
-
 
 @pytest.fixture(scope="module")
 def case(llama_dir):
-    rng = random.Random(55)
-    vocab = 1024
-    shared = [rng.randrange(3, vocab) for _ in range(40)]
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 70))] for _ in range(6)]
-    prompts += [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (2, 9)]
-    max_tokens = [rng.randint(12, 30) for _ in prompts]
-    return str(llama_dir), prompts, max_tokens
-
-
-def run(path, prompts, max_tokens, params, proposer=None, repeat=1, **config):
-    """Each prompt's tokens and logprobs (the last of ``repeat`` rounds), and the engine."""
-    engine = LLMEngine(load_causal_lm(path, "float32", "cpu"), EngineConfig(**config))
-    if proposer is not None:
-        engine.speculator = Speculator(proposer, 4, 64, engine.max_model_len)
-    for r in range(repeat):
-        ids = []
-        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-            p = SamplingParams(max_tokens=n, seed=i, **params)
-            ids.append(engine.add_request(f"{r}-{i}", prompt, p).request_id)
-        tokens = {i: [] for i in ids}
-        logprobs = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens[out.request_id] += out.token_ids
-                logprobs[out.request_id] += [lp.logprob for lp in out.logprobs or []]
-                assert len(logprobs[out.request_id]) == len(tokens[out.request_id])
-            engine.block_manager.check_invariants(list(engine.requests.values()))
-    assert engine.block_manager.num_used_blocks == 0
-    return [tokens[i] for i in ids], [logprobs[i] for i in ids], engine
-
-
-def assert_same(base, spec, engine):
-    (b_tokens, b_logprobs), (s_tokens, s_logprobs) = base, spec
-    assert s_tokens == b_tokens
-    for b, s in zip(b_logprobs, s_logprobs, strict=True):
-        assert s == pytest.approx(b, abs=1e-4)
-    stats = engine.speculator.stats
-    assert 0 < stats.accepted < stats.proposed, stats  # drafts were kept, and some rejected
+    return str(llama_dir), *prompts_and_lengths()
 
 
 def oracle(prompts, outputs):
