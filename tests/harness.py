@@ -151,6 +151,22 @@ def heartbeat(redis_url: str, name: str, prefix: str = "llmq") -> dict[str, str]
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory now (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def llmq_inspect(redis_url: str) -> str:
+    """What `llmq inspect` prints of the deployment at ``redis_url``."""
+    env = {**os.environ, "LLMQ_REDIS_URL": redis_url}
+    return subprocess.run(
+        [LLMQ, "inspect"], env=env, text=True, capture_output=True, check=True
+    ).stdout
+
+
 def start_api(
     redis_url: str, model: str | Path, log_dir: Path, name: str = "api", **settings
 ) -> tuple[Proc, str]:

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from llmq.common.transport import Keys
 from llmq.common.transport.redis_server import RedisServer
 from tests import real_models
 from tests.api.test_real_models import Reference, parting
-from tests.harness import LLMQ, kill_all, start_api, start_worker, wait_for
+from tests.harness import kill_all, llmq_inspect, rss_bytes, start_api, start_worker, wait_for
 
 KEYS = Keys("llmq")
 NAMES = ("alpha", "beta", "gamma")
@@ -38,13 +37,6 @@ PROMPT = [5, 17, 42, 99, 7]
 MAX_TOKENS = 6
 TEXT_PROMPT = "The capital of France is"
 REAL_TOKENS = 12
-
-
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +63,7 @@ def fleet(model_dir, tmp_path_factory):
             for name in ("w1", "w2"):
                 procs.append(start_worker(server.url, folder, name, logs, wait=False, **settings))
             wait_for(lambda: len(fresh_residents(r.hgetall(KEYS.resident))) == 2, 90, "workers")
-            idle = {p.proc.pid: rss(p.proc.pid) for p in procs}
+            idle = {p.proc.pid: rss_bytes(p.proc.pid) for p in procs}
             api, base = start_api(server.url, folder / "alpha", logs, request_timeout=300)
             procs.append(api)
             yield dict(
@@ -195,13 +187,7 @@ def test_three_models_on_two_workers(fleet):
     assert listed[lru]["state"] == "available"
     logs = "".join(w.log(100_000) for w in fleet["workers"])
     assert f"unloaded {lru} (evicted for gamma)" in logs and "loaded gamma in" in logs
-    shown = subprocess.run(
-        [LLMQ, "inspect"],
-        env={**os.environ, "LLMQ_REDIS_URL": fleet["url"]},
-        text=True,
-        capture_output=True,
-        check=True,
-    ).stdout
+    shown = llmq_inspect(fleet["url"])
     assert re.search(r"gamma \(\d+ MB\): ready on w[12]", shown), shown
     assert re.search(rf"{lru} \(\d+ MB\): available", shown), shown
 
@@ -232,7 +218,7 @@ def test_keep_alive_zero_unloads_and_memory_returns(fleet):
     # What a first load of the real models leaves stays (the libraries' code paged in, their
     # threads: 23-34 MiB after SmolLM2, more after Gemma 3); a model left loaded or referenced
     # keeps at least SmolLM2's 94 MB.
-    grown = {pid: (rss(pid) - idle) / 2**20 for pid, idle in fleet["idle"].items()}
+    grown = {pid: (rss_bytes(pid) - idle) / 2**20 for pid, idle in fleet["idle"].items()}
     assert max(grown.values()) < 0.75 * fleet["smallest"] / 2**20, grown
     # Each unload so far (asked for, keep_alive 0, evicted) let its model go before trimming.
     logs = "".join(w.log(100_000) for w in fleet["workers"])

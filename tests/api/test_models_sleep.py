@@ -12,9 +12,7 @@ every deadline gives."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from llmq.common.catalogue import fresh_residents, model_size, scan
 from llmq.common.transport import Keys
 from llmq.common.transport.redis_server import RedisServer
 from tests import real_models
-from tests.harness import LLMQ, kill_all, start_api, start_worker, wait_for
+from tests.harness import kill_all, llmq_inspect, rss_bytes, start_api, start_worker, wait_for
 
 KEYS = Keys("llmq")
 PROMPT = "The capital of France is"
@@ -41,10 +39,7 @@ UNLOAD_CREEP_MB = 15
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss_bytes(pid) / 2**20
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +136,7 @@ def test_sleep_frees_memory_and_wake_answers_as_before(fleet):
     assert sleeping["is_sleeping"] is True
     card = httpx.get(f"{base}/v1/models/{name}").json()
     assert card["state"] == "sleeping" and card["workers"] == ["w1"], card
-    shown = subprocess.run(
-        [LLMQ, "inspect"],
-        env={**os.environ, "LLMQ_REDIS_URL": fleet["url"]},
-        text=True,
-        capture_output=True,
-        check=True,
-    ).stdout
+    shown = llmq_inspect(fleet["url"])
     assert re.search(rf"{name} \(\d+ MB\): sleeping on w1", shown), shown
     assert greedy_ids(base, name) == before  # woken by the request, as for a load
     assert "woke smollm2-135m-instruct in" in fleet["worker"].log(100_000)
