@@ -447,11 +447,10 @@ class LLMEngine:
 
 
 def _speculator(engine: LLMEngine, tokenizer) -> Speculator | None:
-    """The speculation the config asks for. Not with KV groups: their windowed block tables
-    have no tail to trim after a rejected draft. A draft model is loaded here, its pool beside
-    the engine's."""
+    """The speculation the config asks for. A draft model is loaded here, its pool beside the
+    engine's."""
     spec = engine.config.speculative
-    if spec is None or engine.kv_layout is not None:
+    if spec is None:
         return None
     proposer = None
     if spec.method == "draft":

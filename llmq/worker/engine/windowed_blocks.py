@@ -214,6 +214,16 @@ class WindowedBlockManager(BlockManager):
             if block.hash is None:
                 self._free.move_to_end(block_id, last=False)
 
+    def trim(self, seq: Sequence) -> None:
+        """Per group, give back the blocks past those ``seq``'s tokens need (the tail a rejected
+        draft took; a sliding group's window only ever gives back leading blocks)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        for table in self.tables(seq):
+            while len(table) > keep:
+                block_id = table.pop()
+                if block_id != NULL_BLOCK:
+                    self._release(block_id)
+
     def free(self, seq: Sequence) -> None:
         for table in self.tables(seq):
             for block_id in reversed(table):

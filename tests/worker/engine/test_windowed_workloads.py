@@ -3,7 +3,9 @@ hypothesis state machine and seeded random workloads drive them with random arri
 pools, budgets and windows while simulating the runner per group: each step writes every
 computed token into a model of the pool and reads back, per group, every key its first new
 token's window needs. Checked after every step: no block both free and held, reference counts,
-no sliding group holding a block out of its window or more than its bound, hits exact.
+no sliding group holding a block out of its window or more than its bound, hits exact. With
+speculation, drafts (partly right) are checked in the step and a rejected draft's blocks go back
+in every group.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from llmq.worker.engine.kv_groups import NULL_BLOCK, sequence_blocks
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmq.worker.engine.windowed_blocks import WindowedBlockManager
+from llmq.worker.spec.speculator import Speculator
+from tests.worker.engine.test_scheduler_workloads import GuessingProposer, model_token
 
 pytestmark = pytest.mark.unit
 
@@ -39,8 +43,10 @@ def longest_fitting(windows, num_blocks: int, bs: int, cap: int, chunk: int) -> 
 
 class WindowedWorkload:
     def __init__(
-        self, windows, block_size, num_blocks, max_batch_size, max_batch_tokens, cap, caching
-    ):
+        self, windows, block_size, num_blocks, max_batch_size, max_batch_tokens, cap, caching,
+        spec=0,
+    ):  # fmt: skip
+        """``spec``: most draft tokens per sequence and step (0: no speculation)."""
         self.windows = windows
         self.bm = WindowedBlockManager(num_blocks, block_size, windows, caching, cache_share=0.5)
         self.max_batch_tokens = max(max_batch_tokens, max_batch_size)
@@ -57,6 +63,11 @@ class WindowedWorkload:
         self.seqs: list[Sequence] = []
         self.kv: dict[tuple[int, int], int] = {}  # (block, offset) -> token held there
         self.stats = {"preemption": 0, "prefix cache hit": 0, "block given back": 0}
+        self.speculator = None
+        if spec:
+            self.stats["draft rejected"] = 0
+            proposer = GuessingProposer(num_blocks * 1000 + max_batch_tokens)
+            self.speculator = Speculator(proposer, spec, max_batch_size, self.max_model_len)
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
@@ -79,12 +90,15 @@ class WindowedWorkload:
     def step(self) -> None:
         sched, bm, bs = self.sched, self.bm, self.bm.block_size
         had_work = sched.has_unfinished()
+        if self.speculator is not None:
+            self.speculator.prepare(sched.running)
         out = sched.schedule()
         assert out or not had_work, "unfinished work but an empty step: the scheduler is stuck"
         for victim in out.preempted:
             assert victim.status is SequenceStatus.WAITING and not any(bm.tables(victim))
         for item in out.scheduled:
             seq, end = item.seq, item.start + item.num_new_tokens
+            context = seq.token_ids + item.draft
             if item.start and item.start == seq.num_cached_tokens:
                 self.stats["prefix cache hit"] += 1
             for g, table in enumerate(bm.tables(seq)):
@@ -96,26 +110,45 @@ class WindowedWorkload:
                         assert self.kv.get((block, p % bs)) == (g, seq.token_ids[p])
                         continue
                     assert bm.blocks[block].ref_count == 1, "writing into a shared block"
-                    self.kv[(block, p % bs)] = (g, seq.token_ids[p])
+                    self.kv[(block, p % bs)] = (g, context[p])
         for item in out.scheduled:  # every layer reads the keys its first new token sees
             seq, end = item.seq, item.start + item.num_new_tokens
+            context = seq.token_ids + item.draft
             for g, (window, table) in enumerate(zip(self.windows, bm.tables(seq), strict=True)):
                 first = 0 if window is None else max(0, item.start - window + 1)
                 held = [self.kv.get((table[p // bs], p % bs)) for p in range(first, end)]
-                assert held == [(g, t) for t in seq.token_ids[first:end]], "stale KV read"
+                assert held == [(g, t) for t in context[first:end]], "stale KV read"
         self.stats["preemption"] += bool(out.preempted)
-        sampled = [(len(i.seq.token_ids) * 3) % 6 if i.samples else None for i in out.scheduled]
         held_before = sum(sum(bm.held_blocks(i.seq)) for i in out.scheduled)
-        sched.update(out, sampled)
+        if self.speculator is None:
+            sampled = [(len(i.seq.token_ids) * 3) % 6 if i.samples else None for i in out.scheduled]
+            sched.update(out, sampled)
+        else:
+            sched.update_runs(out, [self._run(i) for i in out.scheduled])
         live = [i.seq for i in out.scheduled if not i.seq.is_finished]
         if sum(sum(bm.held_blocks(s)) for s in live) < held_before and len(live) == len(
             out.scheduled
         ):
             self.stats["block given back"] += 1
 
+    def _run(self, item) -> list[int] | None:
+        """The tokens a scheduled entry yields: its draws at each position, checked against
+        its draft."""
+        if not item.samples:
+            return None
+        n = item.seq.num_tokens
+        draws = [model_token(item.seq, n + j) for j in range(len(item.draft) + 1)]
+        if not item.draft:
+            return draws
+        run = self.speculator.verify(item, draws)
+        self.stats["draft rejected"] += len(run) <= len(item.draft)
+        return run
+
     def check(self) -> None:
         live = self.live()
         self.bm.check_invariants(live, max_chunk_tokens=self.max_batch_tokens)
+        for s in live:  # no block past what its tokens need (a rejected draft's given back)
+            assert all(len(t) <= self.bm.blocks_needed(s.num_tokens) for t in self.bm.tables(s))
         for s in live:
             assert (s in self.sched.running) != (s in self.sched.waiting)
             if s.status is SequenceStatus.WAITING:
@@ -144,6 +177,7 @@ class WindowedMachine(RuleBasedStateMachine):
         max_batch_tokens=st.integers(1, 24),
         cap=st.integers(2, 100),
         caching=st.booleans(),
+        spec=st.sampled_from([0, 0, 3]),
     )
     def setup(self, **kw):
         self.w = WindowedWorkload(**kw)
@@ -191,7 +225,7 @@ TestWindowedMachine = WindowedMachine.TestCase
 def test_random_windowed_workloads_seeded():
     """The same checks over 120 seeded workloads, which preempt, give blocks back and hit the
     prefix cache many times (hypothesis's small examples rarely fill the pool)."""
-    totals = dict.fromkeys(WindowedWorkload((3, None), 1, 6, 1, 1, 2, True).stats, 0)
+    totals = dict.fromkeys(WindowedWorkload((3, None), 1, 6, 1, 1, 2, True, spec=1).stats, 0)
     for trial in range(120):
         r = random.Random(trial)
         w = WindowedWorkload(
@@ -202,6 +236,7 @@ def test_random_windowed_workloads_seeded():
             r.randint(1, 24),
             r.randint(20, 100),
             r.random() < 0.8,
+            spec=(0, 4)[trial % 2],
         )
         for _ in range(40):
             x = r.random()

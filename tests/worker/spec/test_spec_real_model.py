@@ -1,5 +1,7 @@
-"""Speculation is lossless on a real model in bfloat16: SmolLM2-135M-Instruct's greedy tokens
-with prompt lookup equal its tokens without, batched, on the prompts `llmq bench` runs.
+"""Speculation is lossless on real models in bfloat16: SmolLM2-135M-Instruct's greedy tokens
+with prompt lookup equal its tokens without, batched, on the prompts `llmq bench` runs; and
+Gemma 3 270M's, whose sliding layers (a window of 512) give back the blocks a rejected draft took
+in every KV group, past its window.
 
 In bfloat16 two kernels that sum in different orders part at the model's near ties: a checking
 step's rows must each be computed as a plain decode of its position is (the decode kernel over
@@ -24,6 +26,11 @@ def smollm2() -> str:
     return str(real_models.float_folder(real_models.smollm2_gguf()))
 
 
+@pytest.fixture(scope="module")
+def gemma3() -> str:
+    return str(real_models.float_folder(real_models.gemma3_gguf()))
+
+
 def _prompts(folder: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -35,11 +42,13 @@ def _prompts(folder: str) -> list[list[int]]:
     ]
 
 
-def _greedy(folder: str, method: str, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+def _greedy(
+    folder: str, method: str, prompts: list[list[int]], tokens: int = 48
+) -> tuple[list[list[int]], int]:
     settings = Settings(model=folder, device="cpu", dtype="bfloat16", speculative_method=method)
     settings.speculative_max_batch = len(prompts)  # every step of the batch checks drafts
     engine = build_backend(settings)[0].engine
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens))
     accepted = engine.speculator.stats.accepted if engine.speculator is not None else 0
     return [list(o) for o in outs], accepted
 
@@ -51,3 +60,18 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding_in_bfloat16(smollm2):
     assert accepted > 20  # drafts were checked and kept
     for i, (a, b) in enumerate(zip(plain, speculated, strict=True)):
         assert a == b, (i, next(j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y))
+
+
+def test_prompt_lookup_past_a_sliding_window_gives_the_tokens_of_plain_decoding(gemma3):
+    """Two documents of ~390 tokens (the base model continues them), 150 tokens each: past the
+    512-token window of Gemma 3's sliding layers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gemma3)
+    chats = dict(workload_chats().values())["document QA (quotes)"][:2]
+    prompts = [tok("\n".join(m["content"] for m in c))["input_ids"] for c in chats]
+    assert all(len(p) + 150 > 512 for p in prompts)
+    plain, _ = _greedy(gemma3, "off", prompts, 150)
+    speculated, accepted = _greedy(gemma3, "ngram", prompts, 150)
+    assert accepted > 20
+    assert plain == speculated
