@@ -223,6 +223,12 @@ class Settings(BaseSettings):
         "bfloat16 projections on llmq's own matmul (AVX512-BF16); without a compiler, or "
         "false: torch's ops.",
     )
+    amx: bool = Field(
+        True,
+        description="CPU, llmq's bfloat16 matmul: its sums on AMX tiles where the CPU has them, "
+        "the OS grants them and they time faster at load (every row count then takes them); "
+        "false: vdpbf16ps or float32 FMAs, whichever times faster.",
+    )
     int_activations: int = Field(
         2,
         ge=1,

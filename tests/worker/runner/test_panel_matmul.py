@@ -1,8 +1,9 @@
 """llmq's bfloat16 matmul over its own weight panels (``kernels/panel_matmul.cpp``): within one
 bfloat16 rounding (plus float32 summation error) of the product in float64, for every row count
 around its 8-row passes, widths that end inside a panel, biases, strided inputs, one and two
-threads, with either of its sums (vdpbf16ps or float32 FMAs), which give the same bits; the
-faster sums chosen once; malformed operands refused; and a forward whose projections use it as
+threads, with either of its sums (vdpbf16ps or float32 FMAs), which give the same bits; on AMX
+tiles (where the CPU and the OS allow them) too, each row's bits the same whatever rows share
+its call; the faster sums chosen once; malformed operands refused; and a forward whose projections use it as
 close to float32 as the oneDNN-packed one."""
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from llmq.worker.loading.model_loader import load_causal_lm
 from llmq.worker.runner import cpu_kernels
 from llmq.worker.runner.forward import decoder_forward
 from llmq.worker.runner.linear.packed_linear import (
+    SUMS_CODES,
     Linear,
+    amx_available,
     choose_panel_sums,
     panel_sums,
     panels,
@@ -94,10 +97,82 @@ def test_both_sums_give_the_same_bits(rows, out_features, in_features):
     assert_close_to_exact(got[True], x, w, bias)
 
 
+needs_amx = pytest.mark.skipif(
+    not (cpu_kernels.load() and amx_available()),
+    reason="no AMX tiles here (CPU, compiler or OS)",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 31, 32, 33, 40])
+@pytest.mark.parametrize(
+    "out_features, in_features", [(64, 576), (100, 64), (31, 2), (33, 258), (50, 1070)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_matches_the_exact_product(rows, out_features, in_features, with_bias, threads):
+    """Whole tiles of K (16 pairs), tails of K (258, 1070: 1 and 7 pairs past them; 2: no whole
+    tile), widths that end inside a panel, groups of 16 rows and a last shorter one."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with panel_sums("amx"):
+            got = torch.ops.llmq.panel_matmul(x, panels(w), out_features, bias)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_to_exact(got, x, w, bias)
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features, in_features", [(96, 576), (33, 1070)])
+def test_amx_rows_do_not_depend_on_their_call(out_features, in_features):
+    """A row's output on AMX is the same bits alone, at any place among 2 to 40 rows (a
+    speculative check's rows equal their plain decodes)."""
+    g = torch.Generator().manual_seed(in_features)
+    w = panels(torch.randn(out_features, in_features, generator=g).bfloat16())
+    x = torch.randn(40, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    with panel_sums("amx"):
+        alone = torch.cat(
+            [torch.ops.llmq.panel_matmul(r, w, out_features, bias) for r in x.split(1)]
+        )
+        for rows in (2, 7, 16, 17, 33, 40):
+            for start in sorted({0, 40 - rows, (40 - rows) // 2}):
+                got = torch.ops.llmq.panel_matmul(x[start : start + rows], w, out_features, bias)
+                assert torch.equal(got, alone[start : start + rows]), (rows, start)
+
+
+@needs_amx
+def test_amx_calls_between_onednn_amx_calls():
+    """oneDNN's AMX matmuls release the tiles of the threads they run on: each call on AMX
+    configures its threads' tiles again (else its first tile op is an illegal instruction)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    x = torch.randn(64, 576, generator=g).bfloat16()
+    with panel_sums("amx"):
+        first = torch.ops.llmq.panel_matmul(x, panels(w), 1536, None)
+        for _ in range(3):
+            F.linear(x, w)  # oneDNN, on AMX where the CPU has it
+            assert torch.equal(torch.ops.llmq.panel_matmul(x, panels(w), 1536, None), first)
+
+
+def test_unavailable_sums_are_refused():
+    with pytest.raises(RuntimeError, match="sums 3"):
+        torch.ops.llmq.panel_matmul_set_sums(3)
+    if not amx_available():
+        with pytest.raises(RuntimeError, match="sums 2"):
+            torch.ops.llmq.panel_matmul_set_sums(2)
+
+
 def test_the_faster_sums_are_chosen_once():
     choice = choose_panel_sums()
-    assert choice in ("dot", "fma")
-    assert torch.ops.llmq.panel_matmul_fma() == (choice == "fma")
+    assert choice in ("dot", "fma", "amx")
+    assert choice != "amx" or amx_available()
+    assert torch.ops.llmq.panel_matmul_sums() == SUMS_CODES[choice]
     assert choose_panel_sums() == choice  # timed once per process
 
 

@@ -12,8 +12,9 @@
 // the next eight, so the same loop serves prompt chunks at oneDNN's pace or better.
 //
 // Sums in float32 (vdpbf16ps: pairs of bfloat16 products added to a float32 lane; or, where the
-// CPU runs them faster, float32 FMAs that add the same products in the same order), then the
-// bias, one rounding to bfloat16. Not oneDNN's summation order: its output differs from
+// CPU runs them faster, float32 FMAs that add the same products in the same order; or, where
+// the CPU has AMX and its tiles time faster at load, tdpbf16ps on tiles that load the panels as
+// they lie, at every row count), then the bias, one rounding to bfloat16. Not oneDNN's summation order: its output differs from
 // F.linear's by roundings, as any other bfloat16 matmul's does.
 
 #include "vec.h"  // first: it sets the ISA ATen's headers compile for
@@ -34,6 +35,12 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__linux__)
+#define LLMQ_PANEL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace llmq {
@@ -153,16 +160,143 @@ void panel_rows(int64_t rows, const uint32_t* w, const X* x, int64_t x_stride, i
 }
 #endif
 
+#if defined(LLMQ_PANEL_AMX)
+// AMX (tdpbf16ps: a tile of up to 16 rows times 16 pairs of K into 16 x 16 float32 sums). The
+// panels are already what tiles load: 16 pairs of K of a panel are 16 rows of 128 bytes, the
+// first 16 columns' pairs in the first 64 bytes of each (one B tile), the next 16's in the
+// second. Tiles 0-2 hold a group of 16 rows (two C tiles, one A tile), 5-7 the call's last,
+// shorter group (tail rows), 3-4 the panel's two B tiles. The pairs past the last whole 16
+// (K's tail) are added with vdpbf16ps to the sums the tiles stored: every row's sums are the
+// same whatever the rows beside it.
+constexpr int kTilePairs = 16;  // pairs of K a tile op takes: 64 bytes a row
+constexpr int kTileRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether the OS lets this process use tile data (Linux asks for it once per process).
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+}
+
+// Calls on AMX so far: each thread loads its tile configuration once per call (another
+// library's AMX kernels, oneDNN's, release the tiles on the same threads between two calls).
+std::atomic<uint64_t> amx_calls{0};
+
+// This thread's tiles configured for groups of 16 rows and a last group of `tail` rows (1 to
+// 16), once in call `call`.
+void configure_tiles(int tail, uint64_t call) {
+  thread_local uint64_t configured = 0;
+  if (configured == call) return;
+  TileConfig cfg;
+  for (int t : {0, 1, 2}) cfg.rows[t] = kTileRows;
+  for (int t : {5, 6, 7}) cfg.rows[t] = static_cast<uint8_t>(tail);
+  for (int t : {3, 4}) cfg.rows[t] = kTilePairs;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  configured = call;
+}
+
+// One group's sums over the panel's whole tiles of K, stored to c [rows][32] float32. The
+// tile numbers are immediates (the intrinsics name them in the instruction): C0, C1 the
+// group's sums, A its rows; a macro makes the full groups' and the tail group's.
+#define LLMQ_AMX_GROUP(NAME, C0, C1, A)                                                      \
+  void NAME(const char* w, const char* x, int64_t x_bytes, int64_t blocks, bool prefetch,   \
+            float* c) {                                                                     \
+    _tile_zero(C0);                                                                         \
+    _tile_zero(C1);                                                                         \
+    for (int64_t b = 0; b < blocks; ++b) {                                                  \
+      const char* wb = w + b * kTilePairs * kPanel * 4;                                     \
+      if (prefetch) {                                                                       \
+        for (int line = 0; line < kTilePairs * 2; ++line) {                                 \
+          _mm_prefetch(wb + 4 * kAheadWords + line * 64, _MM_HINT_T0);                     \
+        }                                                                                   \
+      }                                                                                     \
+      _tile_loadd(A, x + b * kTilePairs * 4, x_bytes);                                      \
+      _tile_loadd(3, wb, kPanel * 4);                                                       \
+      _tile_loadd(4, wb + 64, kPanel * 4);                                                  \
+      _tile_dpbf16ps(C0, A, 3);                                                             \
+      _tile_dpbf16ps(C1, A, 4);                                                             \
+    }                                                                                       \
+    _tile_stored(C0, c, kPanel * 4);                                                        \
+    _tile_stored(C1, c + 16, kPanel * 4);                                                   \
+  }
+
+LLMQ_AMX_GROUP(amx_group_full, 0, 1, 2)
+LLMQ_AMX_GROUP(amx_group_tail, 5, 6, 7)
+#undef LLMQ_AMX_GROUP
+
+// Rows' float32 sums c [rows][32] plus K's tail pairs [from, pairs) with vdpbf16ps, plus the
+// bias, rounded to bfloat16 into out's columns [0, cols), as store_rows does.
+void finish_rows(float* c, int64_t rows, const uint32_t* w, const uint32_t* x, int64_t x_stride,
+                 int64_t from, int64_t pairs, const at::BFloat16* bias, at::BFloat16* out,
+                 int64_t out_stride, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 sum[1][2] = {{_mm512_loadu_ps(c + r * kPanel), _mm512_loadu_ps(c + r * kPanel + 16)}};
+    for (int64_t k = from; k < pairs; ++k) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + k]));
+      sum[0][0] = _mm512_dpbf16_ps(sum[0][0], (__m512bh)_mm512_loadu_si512(w + k * kPanel), xr);
+      sum[0][1] =
+          _mm512_dpbf16_ps(sum[0][1], (__m512bh)_mm512_loadu_si512(w + k * kPanel + 16), xr);
+    }
+    store_rows<1>(sum, bias, out + r * out_stride, out_stride, cols);
+  }
+}
+
+// Rows [0, rows) times one panel with the tiles, 16 rows at a time while the panel is in cache.
+void panel_rows_amx(uint64_t call, int64_t rows, const uint32_t* w, const uint32_t* x,
+                    int64_t x_stride, int64_t pairs, const at::BFloat16* bias, at::BFloat16* out,
+                    int64_t out_stride, int64_t cols) {
+  configure_tiles(static_cast<int>((rows - 1) % kTileRows) + 1, call);
+  alignas(64) float c[kTileRows * kPanel];
+  const int64_t blocks = pairs / kTilePairs;
+  const auto* wb = reinterpret_cast<const char*>(w);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    const int64_t n = std::min<int64_t>(kTileRows, rows - r0);
+    const auto* xb = reinterpret_cast<const char*>(x + r0 * x_stride);
+    if (n == kTileRows) {
+      amx_group_full(wb, xb, x_stride * 4, blocks, r0 == 0, c);
+    } else {
+      amx_group_tail(wb, xb, x_stride * 4, blocks, r0 == 0, c);
+    }
+    finish_rows(c, n, w, x + r0 * x_stride, x_stride, blocks * kTilePairs, pairs, bias,
+                out + r0 * out_stride, out_stride, cols);
+  }
+}
+#endif
+
 }  // namespace
 
-// Which sums the panels take: vdpbf16ps, or float32 FMAs on widened halves (the same sums). The
-// faster one depends on the CPU and a prompt's projections are compute-bound, so
-// packed_linear.choose_panel_sums times both at load (docs/performance.md).
-std::atomic<bool> use_fma{false};
+// Which sums the panels take: vdpbf16ps (0), float32 FMAs on widened halves (1, the same
+// sums) or AMX tiles (2). The fastest depends on the CPU and a prompt's projections are
+// compute-bound, so packed_linear.choose_panel_sums times them at load (docs/performance.md).
+enum Sums : int64_t { kDot = 0, kFma = 1, kAmx = 2 };
+std::atomic<int64_t> sums_mode{kDot};
 
-void panel_matmul_set_fma(bool fma) { use_fma.store(fma); }
+bool panel_matmul_amx_available() {
+#if defined(LLMQ_PANEL_AMX)
+  return amx_granted();
+#else
+  return false;
+#endif
+}
 
-bool panel_matmul_fma() { return use_fma.load(); }
+void panel_matmul_set_sums(int64_t sums) {
+  TORCH_CHECK(sums == kDot || sums == kFma || (sums == kAmx && panel_matmul_amx_available()),
+              "panel_matmul: sums ", sums, " unavailable (0 vdpbf16ps, 1 FMAs, 2 AMX)");
+  sums_mode.store(sums);
+}
+
+int64_t panel_matmul_sums() { return sums_mode.load(); }
 
 bool panel_matmul_available() {
 #if defined(__AVX512BF16__)
@@ -198,7 +332,20 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& panels, int64_
   const at::BFloat16* bp = bias ? bias->const_data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t panel_words = pairs * kPanel;
-  const bool fma = rows >= kFmaMinRows && use_fma.load(std::memory_order_relaxed);
+  const int64_t mode = sums_mode.load(std::memory_order_relaxed);
+#if defined(LLMQ_PANEL_AMX)
+  // AMX serves every row count where chosen: a row's output never depends on its call's rows.
+  if (mode == kAmx && rows > 0) {
+    const uint64_t call = amx_calls.fetch_add(1, std::memory_order_relaxed) + 1;
+    for_each_panel(count, [&](int64_t p) {
+      const int64_t col = p * kPanel, cols = std::min(kPanel, out_features - col);
+      panel_rows_amx(call, rows, wp + p * panel_words, xp, pairs, pairs, bp ? bp + col : nullptr,
+                     op + col, out_features, cols);
+    });
+    return out;
+  }
+#endif
+  const bool fma = rows >= kFmaMinRows && mode == kFma;
   // x widened once per call, into a buffer each calling thread keeps (a step's 121 projections
   // would otherwise allocate as many).
   thread_local std::vector<float> widened;
@@ -223,8 +370,9 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& panels, int64_
 
 TORCH_LIBRARY_FRAGMENT(llmq, m) {
   m.def("panel_matmul_available() -> bool", &llmq::panel_matmul_available);
-  m.def("panel_matmul_set_fma(bool fma) -> ()", &llmq::panel_matmul_set_fma);
-  m.def("panel_matmul_fma() -> bool", &llmq::panel_matmul_fma);
+  m.def("panel_matmul_amx_available() -> bool", &llmq::panel_matmul_amx_available);
+  m.def("panel_matmul_set_sums(int sums) -> ()", &llmq::panel_matmul_set_sums);
+  m.def("panel_matmul_sums() -> int", &llmq::panel_matmul_sums);
   m.def("panel_matmul(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.impl("panel_matmul", c10::DispatchKey::CPU, &llmq::panel_matmul);
 }

@@ -28,6 +28,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from llmq.common.settings import get_settings
+
 log = logging.getLogger(__name__)
 
 # torch.compile cannot trace a packed (opaque oneDNN) weight: a compiled graph calls
@@ -66,46 +68,73 @@ def panels_fit(weight: torch.Tensor) -> bool:
 
 # Which sums llmq's matmul takes (kernels/panel_matmul.cpp), chosen once per process.
 _panel_sums: str | None = None
+SUMS_CODES = {"dot": 0, "fma": 1, "amx": 2}  # panel_matmul.cpp's
+
+
+def amx_available() -> bool:
+    """Whether the matmul's AMX sums run here: built with AMX, tile data granted by the OS."""
+    return bool(torch.ops.llmq.panel_matmul_amx_available())
 
 
 @contextlib.contextmanager
-def panel_sums(fma: bool) -> Iterator[None]:
-    """The matmul's sums set to float32 FMAs (or vdpbf16ps) inside the block, as they were
-    after it."""
-    before = torch.ops.llmq.panel_matmul_fma()
-    torch.ops.llmq.panel_matmul_set_fma(fma)
+def panel_sums(sums: str | bool) -> Iterator[None]:
+    """The matmul's sums set to ``sums`` ("dot": vdpbf16ps, "fma": float32 FMAs, "amx": AMX
+    tiles; True / False: "fma" / "dot") inside the block, as they were after it."""
+    name = ("fma" if sums else "dot") if isinstance(sums, bool) else sums
+    before = torch.ops.llmq.panel_matmul_sums()
+    torch.ops.llmq.panel_matmul_set_sums(SUMS_CODES[name])
     try:
         yield
     finally:
-        torch.ops.llmq.panel_matmul_set_fma(before)
+        torch.ops.llmq.panel_matmul_set_sums(before)
 
 
-def choose_panel_sums(repeats: int = 5) -> str:
-    """Time the matmul's two sums, vdpbf16ps ("dot") and float32 FMAs ("fma", the same sums),
-    on a prompt chunk's shape (64 rows of a 576-wide input into 1,536 outputs), alternating,
-    and keep the faster (the FMAs only if at least 10% faster): which is faster differs from
-    CPU to CPU (docs/performance.md, "Choices: CPU kernels"). Timed once, at load."""
+def time_panel_sums(names: list[str], x: torch.Tensor, weights: list[torch.Tensor], repeats: int):
+    """The best time (seconds) of a call with each of ``names``' sums, alternating, each call's
+    weight the next of ``weights`` (copies past the caches where more than one)."""
+    out_features = weights[0].shape[0] * PANEL_COLUMNS
+    best = dict.fromkeys(names, float("inf"))
+    for i in range(repeats):
+        for name in names:
+            weight = weights[i % len(weights)]
+            with panel_sums(name):
+                start = time.perf_counter()
+                torch.ops.llmq.panel_matmul(x, weight, out_features, None)
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def choose_panel_sums(repeats: int = 15) -> str:
+    """Time the matmul's sums, vdpbf16ps ("dot"), float32 FMAs ("fma", the same sums) and AMX
+    tiles ("amx", where available), on a prompt chunk's shape (64 rows of a 576-wide input into
+    1,536 outputs) and, for AMX, on a decode's (1 row of a 2,048-wide input into 2,048 outputs,
+    four weights of 8 MiB in turn: from memory, as a decode reads them). AMX serves every row
+    count where chosen, so it is taken only where faster on 64 rows and no slower than 1.05x
+    vdpbf16ps on 1 row (and never where the ``amx`` setting is false); else the FMAs if at least 10% faster than vdpbf16ps on 64 rows: which is
+    faster differs from CPU to CPU (docs/performance.md, "Choices: CPU kernels"). Timed once,
+    at load."""
     global _panel_sums
     if _panel_sums is not None:
         return _panel_sums
     g = torch.Generator().manual_seed(0)
-    weight = panels(torch.randn(1536, 576, generator=g).bfloat16())
-    x = torch.randn(64, 576, generator=g).bfloat16()
-    best = {False: float("inf"), True: float("inf")}
-    for _ in range(repeats):
-        for fma in best:
-            with panel_sums(fma):
-                start = time.perf_counter()
-                torch.ops.llmq.panel_matmul(x, weight, 1536, None)
-                best[fma] = min(best[fma], time.perf_counter() - start)
-    fma = best[True] < 0.9 * best[False]
-    torch.ops.llmq.panel_matmul_set_fma(fma)
-    _panel_sums = "fma" if fma else "dot"
+    names = ["dot", "fma", *(["amx"] if get_settings().amx and amx_available() else [])]
+    chunk = [panels(torch.randn(1536, 576, generator=g).bfloat16())]
+    best = time_panel_sums(names, torch.randn(64, 576, generator=g).bfloat16(), chunk, repeats)
+    choice = "fma" if best["fma"] < 0.9 * best["dot"] else "dot"
+    decode = {}
+    if "amx" in names:
+        big = [panels(torch.randn(2048, 2048, generator=g).bfloat16()) for _ in range(4)]
+        x = torch.randn(1, 2048, generator=g).bfloat16()
+        decode = time_panel_sums(["dot", "amx"], x, big, 2 * repeats)
+        if best["amx"] < best[choice] and decode["amx"] <= 1.05 * decode["dot"]:
+            choice = "amx"
+    torch.ops.llmq.panel_matmul_set_sums(SUMS_CODES[choice])
+    _panel_sums = choice
     log.info(
-        "panel matmul: %s sums (a 64-row chunk: vdpbf16ps %.0f us, float32 FMAs %.0f us)",
-        "float32 FMA" if fma else "vdpbf16ps",
-        best[False] * 1e6,
-        best[True] * 1e6,
+        "panel matmul: %s sums (a 64-row chunk: %s; 1 row of 2048x2048: %s)",
+        choice,
+        ", ".join(f"{name} {best[name] * 1e6:.0f} us" for name in names),
+        ", ".join(f"{name} {us * 1e6:.0f} us" for name, us in decode.items()) or "not timed",
     )
     return _panel_sums
 
