@@ -16,8 +16,9 @@ prompt rows' full logits are taken where the engine reduces them. The text
 tokens, each its own context (its first token the BOS where the model adds one), the second
 half of each scored (positions ctx/2 .. ctx-2 predicting the next token). Per form: the top-1
 disagreement (share of scored positions whose most likely next token differs from the float32
-model's), the mean KL(float32 || form), the perplexity and (``--speed``) llmq's lone-stream
-decode rate.
+model's), the mean KL(float32 || form), the perplexity and (``--speed``) the lone-stream
+decode rate: llmq's engine in-process, llama.cpp's ``llama-bench`` (``tg64``, where it is built:
+``ninja -C <llama.cpp>/build llama-bench``), each with the host's cores.
 
 llama.cpp's rows (where its binaries are built, ``--llama-cpp DIR``): an F32 GGUF of the same
 weights (the downloaded file's every tensor dequantized by the ``gguf`` package and written with
@@ -33,6 +34,7 @@ load) and the GGUF file itself. Its top-1 disagreement is 1 - its "Same top p".
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -189,17 +191,37 @@ def f32_gguf(gguf: Path, out: Path) -> Path:
 
 
 def llama_cpp(binaries: Path, args: list[str]) -> str:
+    """Run one of llama.cpp's tools. Where its repacked kernels die of a signal (on some hosts
+    with AMX: SIGILL or SIGSEGV on quantized files), run it again without repacking, and say so."""
     env = {**os.environ, "LD_LIBRARY_PATH": str(binaries)}
     run = subprocess.run(
         [str(binaries / args[0]), *args[1:]], env=env, capture_output=True, text=True
     )
+    if run.returncode < 0:
+        print(f"llama.cpp: {args[0]} died of signal {-run.returncode}: again without repacking")
+        if args[0] == "llama-bench":
+            args = [*args, "--repack", "0"]
+        env["LLAMA_ARG_REPACK"] = "false"
+        run = subprocess.run(
+            [str(binaries / args[0]), *args[1:]], env=env, capture_output=True, text=True
+        )
     if run.returncode != 0:
         raise RuntimeError(f"{args[0]} failed:\n{run.stderr[-3000:]}")
     return run.stdout + run.stderr
 
 
+def llama_cpp_speed(binaries: Path, gguf: Path) -> float | None:
+    """llama-bench's lone-stream decode rate of ``gguf`` (64 tokens, 3 repetitions); None
+    where it is not built."""
+    if not (binaries / "llama-bench").exists():
+        return None
+    args = ["llama-bench", "-m", str(gguf), "-p", "0", "-n", "64", "-r", "3"]
+    out = llama_cpp(binaries, [*args, "-t", str(os.cpu_count()), "-o", "json"])
+    return float(json.loads(out[out.index("[") : out.rindex("]") + 1])[0]["avg_ts"])
+
+
 def llama_cpp_rows(
-    binaries: Path, gguf: Path, extra: list[Path], ctx: int, count: int | None
+    binaries: Path, gguf: Path, extra: list[Path], ctx: int, count: int | None, speed: bool
 ) -> dict[str, dict]:
     """llama.cpp's figures by its form's name: the quantized forms of the F32 file, the GGUF
     file and ``extra`` files, each against the F32 file's logits."""
@@ -228,6 +250,7 @@ def llama_cpp_rows(
             "ppl": float(re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)", out).group(1)),
             "kl": float(re.search(r"Mean\s+KLD:\s*([\d.]+)", out).group(1)),
             "top1": 1 - float(re.search(r"Same top p:\s*([\d.]+)", out).group(1)) / 100,
+            "tok_s": llama_cpp_speed(binaries, path) if speed else None,
         }
     return rows
 
@@ -260,20 +283,22 @@ def table(name: str, positions: int, ref_ppl: float, runs: dict, peers: dict) ->
     """One row per llmq form, beside llama.cpp's counterpart (its own quantization of the same
     float weights, or the same file)."""
 
-    def speed(s: dict) -> str:
-        return "" if s["tok_s"] is None else f"{s['tok_s']:.0f}"
+    def speed(s: dict | None) -> str:
+        return "" if s is None or s.get("tok_s") is None else f"{s['tok_s']:.0f}"
 
     def cells(s: dict | None) -> str:
         return "| | | " if s is None else f"| {s['top1']:.3f} | {s['kl']:.4f} | {s['ppl']:.3f} "
 
     lines = [
-        f"| {name} | float32 reference ({positions} positions) | | | {ref_ppl:.3f} | | | | | |"
+        f"| {name} | float32 reference ({positions} positions) | | | {ref_ppl:.3f} | | | | | | |"
     ]
     for form, s in runs.items():
         peer_name = PEERS.get(form, form if form != "float32" else None)
         peer = peers.get(peer_name)
         label = ("the file" if form == "gguf" else peer_name) if peer else ""
-        lines.append(f"| {name} | {form} {cells(s)}| {speed(s)} | {label} {cells(peer)}|")
+        lines.append(
+            f"| {name} | {form} {cells(s)}| {speed(s)} | {label} {cells(peer)}| {speed(peer)} |"
+        )
     return lines
 
 
@@ -296,8 +321,8 @@ def main() -> None:
         f"{cpu}, {os.cpu_count()} cores; text {TEXT.name}, chunks of {args.ctx}",
         "",
         "| model | llmq form | top-1 disagreement | KL | ppl | tok/s (1 stream) "
-        "| llama.cpp form | top-1 disagreement | KL | ppl |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| llama.cpp form | top-1 disagreement | KL | ppl | tok/s (1 stream) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in args.models.split(","):
         gguf, positions, ref_ppl, runs = llmq_rows(
@@ -305,7 +330,7 @@ def main() -> None:
         )
         peers = {}
         if not args.no_llama_cpp and (args.llama_cpp / "llama-perplexity").exists():
-            peers = llama_cpp_rows(args.llama_cpp, gguf, extra, args.ctx, args.chunks)
+            peers = llama_cpp_rows(args.llama_cpp, gguf, extra, args.ctx, args.chunks, args.speed)
         out += table(name, positions, ref_ppl, runs, peers)
     print("\n".join(out))
 
