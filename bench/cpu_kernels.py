@@ -91,32 +91,33 @@ def us_per_call(linears: list, x) -> float:
 
 def projections(rows_list: list[int], bytes_cycled: int = 256 << 20) -> None:
     """Each projection on llmq's panels, with each of its sums (vdpbf16ps, float32 FMAs: the
-    kernel takes the FMAs from 8 rows where they are switched on), against oneDNN's packed
-    matmul, weights from memory: cycled through copies of ``bytes_cycled`` in all, far more than
-    a cache holds. GB/s and GFLOP/s: the faster sums'."""
+    kernel takes the FMAs from 8 rows where they are switched on; AMX tiles where available:
+    "-" where not), against oneDNN's packed matmul, weights from memory: cycled through copies
+    of ``bytes_cycled`` in all, far more than a cache holds. GB/s and GFLOP/s: the fastest
+    sums'."""
     import torch
 
-    from llmq.worker.runner.linear.packed_linear import Linear, panel_sums
+    from llmq.worker.runner.linear.packed_linear import Linear, amx_available, panel_sums
 
+    sums = ["dot", "fma", *(["amx"] if amx_available() else [])]
     print(f"{'projection':<12}{'rows':>6}{'oneDNN us':>11}{'dot us':>9}{'fma us':>9}"
-          f"{'oneDNN/best':>13}{'GB/s':>7}{'GFLOP/s':>9}")  # fmt: skip
+          f"{'amx us':>9}{'oneDNN/best':>13}{'GB/s':>7}{'GFLOP/s':>9}")  # fmt: skip
     for out_f, in_f in PROJECTIONS:
         n = max(2, bytes_cycled // (2 * out_f * in_f))
         weights = [torch.randn(out_f, in_f).bfloat16() for _ in range(n)]
         kinds = {k: [Linear(w, None, k) for w in weights] for k in ("onednn", "panels")}
         for rows in rows_list:
             x = torch.randn(rows, in_f).bfloat16()
-            us = {}
-            for name, kind, fma in (("oneDNN", "onednn", False), ("dot", "panels", False),
-                                    ("fma", "panels", True)):  # fmt: skip
-                linears = kinds[kind]
-                with panel_sums(fma):
-                    us[name] = us_per_call(linears, x)
-            best = min(us["dot"], us["fma"])
+            us = {"oneDNN": us_per_call(kinds["onednn"], x)}
+            for name in sums:  # side by side, in one process
+                with panel_sums(name):
+                    us[name] = us_per_call(kinds["panels"], x)
+            best = min(us[name] for name in sums)
             gbs = out_f * in_f * 2 / best / 1e3
             gflops = 2 * rows * out_f * in_f / best / 1e3
+            amx = f"{us['amx']:>9.1f}" if "amx" in us else f"{'-':>9}"
             print(f"{out_f}x{in_f:<7}{rows:>6}{us['oneDNN']:>11.1f}{us['dot']:>9.1f}"
-                  f"{us['fma']:>9.1f}{us['oneDNN'] / best:>12.2f}x{gbs:>7.1f}"
+                  f"{us['fma']:>9.1f}{amx}{us['oneDNN'] / best:>12.2f}x{gbs:>7.1f}"
                   f"{gflops:>9.0f}")  # fmt: skip
 
 
