@@ -56,16 +56,26 @@ async def unload(body: ModelAction, request: Request) -> dict:
 @router.post("/models/sleep")
 async def sleep(body: ModelAction, request: Request) -> dict:
     """vLLM's /sleep, per model: each worker holding it stops its engine and gives its memory
-    back once its requests are done, keeping its place. Answers once no worker holds it awake."""
+    back once its requests are done, keeping its place. Answers once no worker holds it awake
+    and no engine of it is listed (so a listing right after shows it sleeping)."""
     name = await _catalogue_name(request, body.model)
     on_demand = request.app.state.registry.on_demand
     await on_demand.sleep(name)
     deadline = current_deadline(request.app.state.settings.request_timeout)
-    while await on_demand.awake(name):
+    while await on_demand.awake(name) or await _listed(request, name):
         if deadline.passed():
             raise deadline.exceeded(f"{name!r} is still running requests")
         await asyncio.sleep(POLL_S)
     return {"model": name, "state": await _state(on_demand, name)}
+
+
+async def _listed(request: Request, name: str) -> bool:
+    """Whether a live engine of ``name`` is still listed (its heartbeat not yet withdrawn)."""
+    try:
+        await request.app.state.service.model(name)
+    except ModelNotFound:
+        return False
+    return True
 
 
 @router.post("/models/wake_up")
