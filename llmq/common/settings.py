@@ -96,11 +96,13 @@ class Settings(BaseSettings):
     speculative_ngram_max: int = Field(
         4, ge=1, description="Longest run of last tokens the n-gram proposer looks up."
     )
-    speculative_max_batch: int = Field(
-        4,
+    speculative_max_batch: int | None = Field(
+        None,
         ge=0,
-        description="Decoding sequences past which a step proposes nothing: in a large batch "
-        "checking proposals costs more than it saves.",
+        description="Decoding sequences past which a step proposes nothing (default: "
+        "LLMQ_MAX_BATCH_SIZE for `ngram` and `suffix`, 4 for `draft`, whose model drafts for "
+        "each sequence). Below it each sequence drafts while its drafts are kept often enough "
+        "to pay for their rows at the step costs the worker measures.",
     )
     max_loras: int = Field(
         8,

@@ -4,6 +4,7 @@ to the torch model runner and sampler; knows nothing of Redis."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -282,6 +283,16 @@ class LLMEngine:
             if self._num_building and not failed:
                 self._wait_for_builds()
             return failed
+        if self.speculator is None:
+            return failed + self._run(out)
+        start = time.perf_counter()
+        outputs = self._run(out)
+        if all(s.num_new_tokens == 1 + len(s.draft) for s in out.scheduled):
+            self.speculator.observe(out.num_tokens, time.perf_counter() - start)
+        return failed + outputs
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Run one scheduled step and sample its tokens."""
         if self.loras is not None and self.loras.resident:
             logits, entries, prompt_rows = self.runner.execute(out, self.loras.resident)
         else:
@@ -290,7 +301,7 @@ class LLMEngine:
             reduce_prompt_rows(logits[len(entries) :], prompt_rows)
             logits = logits[: len(entries)]
         if self.speculator is not None and any(s.draft for s in out.scheduled):
-            return failed + self._verify_drafts(out, logits, entries)
+            return self._verify_drafts(out, logits, entries)
         seqs = [out.scheduled[i].seq for i in entries]
         mask = None
         if self.constrained is not None and self.constrained.matchers:
@@ -305,7 +316,7 @@ class LLMEngine:
         if mask is not None:
             grammar = self.constrained.advance(seqs, sampled.token_ids, mask.rows)
         updates = self.scheduler.update(out, tokens, grammar.complete if grammar else ())
-        return failed + self._outputs(updates, logprobs, grammar)
+        return self._outputs(updates, logprobs, grammar)
 
     def _verify_drafts(
         self, out: SchedulerOutput, logits, entries: list[int]

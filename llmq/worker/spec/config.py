@@ -23,7 +23,7 @@ class SpecConfig:
     num_tokens: int = 6  # most draft tokens per sequence and step (measured: 6 over 4 and 8)
     ngram_min: int = 2
     ngram_max: int = 4
-    max_batch: int = 4  # decoding sequences past which no step proposes
+    max_batch: int = 4  # decoding sequences past which no step proposes (_max_batch)
     draft_model: str = ""  # method draft: the draft model's folder or GGUF file
     draft_quantization: str = "none"
     dtype: str = "auto"  # the draft model's, as the served model's
@@ -42,7 +42,7 @@ class SpecConfig:
             num_tokens=settings.speculative_tokens,
             ngram_min=settings.speculative_ngram_min,
             ngram_max=settings.speculative_ngram_max,
-            max_batch=settings.speculative_max_batch,
+            max_batch=_max_batch(settings),
             draft_model=settings.speculative_model,
             draft_quantization=settings.speculative_quantization,
             dtype=settings.dtype,
@@ -62,3 +62,12 @@ class SpecConfig:
         if self.method == "suffix":
             return SuffixProposer(max_requests=self.suffix_requests)
         raise ValueError(f"speculative method {self.method!r} needs its model; one of {METHODS}")
+
+
+def _max_batch(settings: Settings) -> int:
+    """Prompt lookup and suffix drafts cost next to nothing to propose, so every batch may
+    speculate, each sequence while it pays (StepCost); a draft model runs for each drafting
+    sequence and keeps a KV pool sized by this."""
+    if settings.speculative_max_batch is not None:
+        return settings.speculative_max_batch
+    return 4 if settings.speculative_method == "draft" else settings.max_batch_size

@@ -21,6 +21,10 @@ from llmq.common.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import ScheduledSequence
 from llmq.worker.engine.sequence import Sequence
 from llmq.worker.spec.proposer import Proposer
+from llmq.worker.spec.step_cost import StepCost
+
+KEPT_WEIGHT = 0.3  # a sequence's kept share: each verification moves it 30% of the way
+DRIFT = 0.05  # a sequence left out moves 5% of the way back to all kept each step
 
 
 @dataclass(slots=True)
@@ -86,26 +90,50 @@ class Speculator:
         max_model_len: int,
     ):
         """``num_tokens``: most draft tokens per sequence and step; ``max_batch``: decoding
-        sequences past which a step proposes nothing (verification would cost more than it
-        saves)."""
+        sequences past which a step proposes nothing."""
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.stats = SpecStats()
+        self.cost = StepCost()
         self._k: dict[str, int] = {}  # request id -> its draft length now (adaptive)
         # request id -> (drafts rejected whole in a row, steps it still sits out)
         self._misses: dict[str, tuple[int, int]] = {}
+        self._kept: dict[str, float] = {}  # request id -> share of its drafts kept lately
 
     def prepare(self, running: list[Sequence]) -> None:
-        """Set ``draft`` on the decoding sequences that speculate this step."""
+        """Set ``draft`` on the decoding sequences that speculate this step: those whose
+        drafts were kept often enough lately to pay for their rows in a step of this many
+        decoding sequences (StepCost)."""
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if len(decoding) > self.max_batch:
             return
-        seqs = [s for s in decoding if s.params.speculative and not self._sits_out(s)]
+        least = self.cost.least_acceptance(len(decoding))
+        seqs = [
+            s
+            for s in decoding
+            if s.params.speculative and not self._sits_out(s) and self._pays(s, least)
+        ]
         limits = [self._limit(s) for s in seqs]
         for seq, draft in zip(seqs, self.proposer.propose(seqs, limits), strict=True):
             seq.draft = draft
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decoding step (no prompt chunk) of ``rows`` rows took ``seconds``."""
+        self.cost.observe(rows, seconds)
+
+    def _pays(self, seq: Sequence, least: float) -> bool:
+        """Whether ``seq``'s drafts are kept often enough (``least``); one left out drifts
+        back toward all kept, so that it tries again (where its text turns to copying)."""
+        rid = seq.request_id
+        kept = self._kept.get(rid)
+        if kept is None:
+            return True
+        if kept >= least:
+            return True
+        self._kept[rid] = kept + DRIFT * (1.0 - kept)
+        return False
 
     def _sits_out(self, seq: Sequence) -> bool:
         """Whether ``seq`` proposes nothing this step: after drafts rejected whole twice in a
@@ -141,6 +169,8 @@ class Speculator:
         k = min(2 * len(draft), self.num_tokens) if accepted == len(draft) else accepted + 1
         rid = item.seq.request_id
         self._k[rid] = k
+        kept = self._kept.get(rid, accepted / len(draft))
+        self._kept[rid] = kept + KEPT_WEIGHT * (accepted / len(draft) - kept)
         misses = self._misses.get(rid, (0, 0))[0] + 1 if not accepted else 0
         self._misses[rid] = (misses, min(2 ** (misses - 1), 32) if misses >= 2 else 0)
         return run
@@ -148,4 +178,5 @@ class Speculator:
     def forget(self, seq: Sequence) -> None:
         self._k.pop(seq.request_id, None)
         self._misses.pop(seq.request_id, None)
+        self._kept.pop(seq.request_id, None)
         self.proposer.forget(seq)
