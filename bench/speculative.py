@@ -79,7 +79,7 @@ def child(config: str, tokens: int, folder: str, kinds: list[str], streams: int)
         device="cpu",
         dtype="bfloat16",
         speculative_method=method,
-        speculative_model=_draft_model(fields.get("draft", ""), folder),
+        speculative_model=draft_model(fields.get("draft", ""), folder),
         speculative_quantization=fields.get("draft_q", "none"),
         **given,
     )
@@ -90,9 +90,9 @@ def child(config: str, tokens: int, folder: str, kinds: list[str], streams: int)
     result = {}
     for name in kinds:
         prompts = loads[name]
-        before = _spec_counts(engine)
-        lone = [_lone(engine, p, params) for p in prompts]
-        after = _spec_counts(engine)
+        before = spec_counts(engine)
+        lone = [lone(engine, p, params) for p in prompts]
+        after = spec_counts(engine)
         batch = _streams(engine, (prompts * streams)[:streams], params) if streams else None
         result[name] = {
             "prompt_tokens": sum(map(len, prompts)) / len(prompts),
@@ -106,7 +106,7 @@ def child(config: str, tokens: int, folder: str, kinds: list[str], streams: int)
     return result
 
 
-def _draft_model(name: str, folder: str) -> str:
+def draft_model(name: str, folder: str) -> str:
     """``draft=`` of a config: ``gguf``, the Q4_1 GGUF of the float folder; ``self``, the
     float folder (quantized by ``draft_q=``); else a path."""
     from tests import real_models
@@ -143,7 +143,7 @@ def crossover(kind: str, tokens: int, folder: str) -> None:
         )
 
 
-def _spec_counts(engine) -> tuple[int, int, int]:
+def spec_counts(engine) -> tuple[int, int, int]:
     s = engine.speculator.stats if engine.speculator is not None else None
     return (s.verified, s.proposed, s.accepted) if s is not None else (0, 0, 0)
 
@@ -155,9 +155,9 @@ def _rate(before, after) -> tuple[float, float]:
     return (accepted / max(proposed, 1), (accepted + verified) / verified)
 
 
-def _lone(engine, prompt, params) -> tuple[int, float]:
+def lone(engine, prompt, params) -> tuple[int, float]:
     """Output tokens after the first and the seconds they took."""
-    engine.add_request("lone", prompt, params)
+    engine.add_request(f"lone-{engine.num_requests_total}", prompt, params)
     n, first = 0, None
     while engine.has_unfinished():
         for out in engine.step():

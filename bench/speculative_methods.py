@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,18 +33,16 @@ WORK = ["code edit", "multi-turn chat", "free writing"]
 def engine_for(config: str, folder: str):
     from llmq.common.settings import Settings
     from llmq.worker.service import build_backend
-    from tests import real_models
 
     method, *pairs = config.split(";")
     fields = dict(kv.split("=", 1) for kv in pairs if kv)
-    drafts = {"gguf": str(real_models.smollm2_gguf()), "self": folder}
     settings = Settings(
         model=folder,
         device="cpu",
         dtype="bfloat16",
         speculative_method=method,
         speculative_tokens=int(fields.get("k", 4)),
-        speculative_model=drafts.get(fields.get("draft", ""), fields.get("draft", "")),
+        speculative_model=speculative.draft_model(fields.get("draft", ""), folder),
         speculative_quantization=fields.get("draft_q", "none"),
     )
     return build_backend(settings)[0].engine
@@ -54,17 +51,10 @@ def engine_for(config: str, folder: str):
 def lone(engine, prompt, params) -> tuple[int, float, tuple[int, int, int]]:
     """Output tokens after the first, the seconds they took, and the speculation counters'
     growth (verified, proposed, accepted)."""
-    stats = engine.speculator.stats if engine.speculator is not None else None
-    before = (stats.verified, stats.proposed, stats.accepted) if stats else (0, 0, 0)
-    engine.add_request(f"lone-{engine.num_requests_total}", prompt, params)
-    n, first = 0, None
-    while engine.has_unfinished():
-        for out in engine.step():
-            n += len(out.token_ids)
-        if first is None and n:
-            first, n = time.perf_counter(), 0
-    after = (stats.verified, stats.proposed, stats.accepted) if stats else (0, 0, 0)
-    return n, time.perf_counter() - first, tuple(a - b for a, b in zip(after, before, strict=True))
+    before = speculative.spec_counts(engine)
+    n, seconds = speculative.lone(engine, prompt, params)
+    after = speculative.spec_counts(engine)
+    return n, seconds, tuple(a - b for a, b in zip(after, before, strict=True))
 
 
 def main() -> None:

@@ -37,6 +37,21 @@ def model_token(seq: Sequence, context_len: int) -> int:
     return (context_len * 3 + len(seq.request_id)) % 6
 
 
+def checked_run(speculator, item, stats: dict[str, int]) -> list[int] | None:
+    """The tokens a scheduled entry yields: the simulated model's draws at each position,
+    checked against its draft (``stats`` counts the drafts' tokens kept and drafts rejected)."""
+    if not item.samples:
+        return None
+    n = item.seq.num_tokens
+    draws = [model_token(item.seq, n + j) for j in range(len(item.draft) + 1)]
+    if not item.draft:
+        return draws
+    run = speculator.verify(item, draws)
+    stats["draft accepted"] += len(run) - 1
+    stats["draft rejected"] += len(run) <= len(item.draft)
+    return run
+
+
 class GuessingProposer:
     """Drafts the simulated model's tokens, each wrong with probability 1/4; none at times."""
 
@@ -188,7 +203,9 @@ class Workload:
             ]
             updates = sched.update(out, sampled)
         else:
-            updates = sched.update_runs(out, [self._run(i) for i in out.scheduled])
+            updates = sched.update_runs(
+                out, [checked_run(self.speculator, i, self.stats) for i in out.scheduled]
+            )
         for u in updates:
             tokens = u.accepted + [u.token_id]
             assert u.seq.output_token_ids[-len(tokens) :] == tokens
@@ -201,20 +218,6 @@ class Workload:
                 assert held >= bm.blocks_needed(u.seq.num_computed_tokens)
                 assert u.seq.num_computed_tokens == u.seq.num_tokens - 1
                 assert u.seq.num_registered_blocks * bs <= u.seq.num_computed_tokens
-
-    def _run(self, item) -> list[int] | None:
-        """The tokens a scheduled entry yields: its draws at each position, checked against
-        its draft."""
-        if not item.samples:
-            return None
-        n = item.seq.num_tokens
-        draws = [model_token(item.seq, n + j) for j in range(len(item.draft) + 1)]
-        if not item.draft:
-            return draws
-        run = self.speculator.verify(item, draws)
-        self.stats["draft accepted"] += len(run) - 1
-        self.stats["draft rejected"] += len(run) <= len(item.draft)
-        return run
 
     def check(self) -> None:
         live = self.live()

@@ -23,7 +23,10 @@ from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmq.worker.engine.windowed_blocks import WindowedBlockManager
 from llmq.worker.spec.speculator import Speculator
-from tests.worker.engine.test_scheduler_workloads import GuessingProposer, model_token
+from tests.worker.engine.test_scheduler_workloads import (
+    GuessingProposer,
+    checked_run,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +68,7 @@ class WindowedWorkload:
         self.stats = {"preemption": 0, "prefix cache hit": 0, "block given back": 0}
         self.speculator = None
         if spec:
-            self.stats["draft rejected"] = 0
+            self.stats |= {"draft accepted": 0, "draft rejected": 0}
             proposer = GuessingProposer(num_blocks * 1000 + max_batch_tokens)
             self.speculator = Speculator(proposer, spec, max_batch_size, self.max_model_len)
 
@@ -124,25 +127,14 @@ class WindowedWorkload:
             sampled = [(len(i.seq.token_ids) * 3) % 6 if i.samples else None for i in out.scheduled]
             sched.update(out, sampled)
         else:
-            sched.update_runs(out, [self._run(i) for i in out.scheduled])
+            sched.update_runs(
+                out, [checked_run(self.speculator, i, self.stats) for i in out.scheduled]
+            )
         live = [i.seq for i in out.scheduled if not i.seq.is_finished]
         if sum(sum(bm.held_blocks(s)) for s in live) < held_before and len(live) == len(
             out.scheduled
         ):
             self.stats["block given back"] += 1
-
-    def _run(self, item) -> list[int] | None:
-        """The tokens a scheduled entry yields: its draws at each position, checked against
-        its draft."""
-        if not item.samples:
-            return None
-        n = item.seq.num_tokens
-        draws = [model_token(item.seq, n + j) for j in range(len(item.draft) + 1)]
-        if not item.draft:
-            return draws
-        run = self.speculator.verify(item, draws)
-        self.stats["draft rejected"] += len(run) <= len(item.draft)
-        return run
 
     def check(self) -> None:
         live = self.live()

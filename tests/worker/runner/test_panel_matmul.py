@@ -37,10 +37,18 @@ def kernels():
         pytest.skip("this CPU has no AVX512-BF16")
 
 
+needs_amx = pytest.mark.skipif(
+    not (cpu_kernels.load() and amx_available()),
+    reason="no AMX tiles here (CPU, compiler or OS)",
+)
+SUMS = ["dot", "fma", pytest.param("amx", marks=needs_amx)]
+
+
 @pytest.fixture
 def sums(request):
-    """The kernel's sums set to ``request.param`` ("dot" or "fma") for the test, then back."""
-    with panel_sums(request.param == "fma"):
+    """The kernel's sums set to ``request.param`` ("dot", "fma" or "amx") for the test, then
+    back."""
+    with panel_sums(request.param):
         yield request.param
 
 
@@ -56,13 +64,17 @@ def assert_close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b
     assert (error <= allowed).all(), f"worst excess {(error - allowed).max().item()}"
 
 
-@pytest.mark.parametrize("sums", ["dot", "fma"], indirect=True)
+@pytest.mark.parametrize("sums", SUMS, indirect=True)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 40])
-@pytest.mark.parametrize("out_features, in_features", [(64, 576), (100, 64), (31, 2), (33, 258)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 33, 40])
+@pytest.mark.parametrize(
+    "out_features, in_features", [(64, 576), (100, 64), (31, 2), (33, 258), (50, 1070)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_exact_product(rows, out_features, in_features, with_bias, threads, sums):
-    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    """Around the 8-row passes and AMX's 16-row groups; whole tiles of K (16 pairs) and tails
+    (258, 1070: 1 and 7 pairs past them; 2: no whole tile); widths that end inside a panel."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
@@ -95,36 +107,6 @@ def test_both_sums_give_the_same_bits(rows, out_features, in_features):
             got[fma] = torch.ops.llmq.panel_matmul(x, panels(w), out_features, bias)
     assert torch.equal(got[False], got[True])
     assert_close_to_exact(got[True], x, w, bias)
-
-
-needs_amx = pytest.mark.skipif(
-    not (cpu_kernels.load() and amx_available()),
-    reason="no AMX tiles here (CPU, compiler or OS)",
-)
-
-
-@needs_amx
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 31, 32, 33, 40])
-@pytest.mark.parametrize(
-    "out_features, in_features", [(64, 576), (100, 64), (31, 2), (33, 258), (50, 1070)]
-)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_amx_matches_the_exact_product(rows, out_features, in_features, with_bias, threads):
-    """Whole tiles of K (16 pairs), tails of K (258, 1070: 1 and 7 pairs past them; 2: no whole
-    tile), widths that end inside a panel, groups of 16 rows and a last shorter one."""
-    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
-    w = torch.randn(out_features, in_features, generator=g).bfloat16()
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
-    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with panel_sums("amx"):
-            got = torch.ops.llmq.panel_matmul(x, panels(w), out_features, bias)
-    finally:
-        torch.set_num_threads(before)
-    assert_close_to_exact(got, x, w, bias)
 
 
 @needs_amx
