@@ -91,13 +91,13 @@ def child(config: str, tokens: int, folder: str, kinds: list[str], streams: int)
     for name in kinds:
         prompts = loads[name]
         before = spec_counts(engine)
-        lone = [lone(engine, p, params) for p in prompts]
+        runs = [lone(engine, p, params) for p in prompts]
         after = spec_counts(engine)
         batch = _streams(engine, (prompts * streams)[:streams], params) if streams else None
         result[name] = {
             "prompt_tokens": sum(map(len, prompts)) / len(prompts),
-            "lone_tps": sum(n for n, _ in lone) / sum(t for _, t in lone),
-            "lone_tokens": sum(n for n, _ in lone),
+            "lone_tps": sum(n for n, _ in runs) / sum(t for _, t in runs),
+            "lone_tokens": sum(n for n, _ in runs),
             "streams_tps": batch,
             "acceptance": _rate(before, after),
         }
