@@ -23,6 +23,17 @@ def llmq_bytecode():
     compileall.compile_dir(Path(llmq.__file__).parent, quiet=1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_test_process():
+    """Under pytest-xdist (`make test`: two test processes on 2 cores) each test process
+    computes with one torch thread: two processes of two threads spin against each other (a
+    sampler test ran 4x slower). The processes the tests start keep their own settings."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> callable:
     """model_dir(arch) -> path of a tiny random model of that architecture, built once."""
