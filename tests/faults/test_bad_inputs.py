@@ -93,7 +93,7 @@ BAD_IDS = ["..%2Fx", "a:b", "x" * 5000, "fïlé-ü", "%00", f"{uuid.uuid4().hex}
 
 def test_ids_in_url_paths_not_in_the_id_format_are_404_and_build_no_key(s):
     r: redis.Redis = s.redis()
-    keys = r.dbsize()
+    keys = set(r.keys())
     with monitored(s) as commands:
         for raw in BAD_IDS:
             for prefix in ("", "file-", "batch-"):
@@ -118,4 +118,5 @@ def test_ids_in_url_paths_not_in_the_id_format_are_404_and_build_no_key(s):
     # the index of active batches and the files' retention index are the workers' business.
     named = [c for c in commands if re.search(r'"llmq:(files|batches):(?!(active|expiry)")', c)]
     assert named and all(f'"llmq:files:{control}"' in c for c in named), named[:5]
-    assert r.dbsize() == keys
+    # No key made (an earlier test's request record may expire meanwhile: fewer is fine).
+    assert set(r.keys()) <= keys, set(r.keys()) - keys
