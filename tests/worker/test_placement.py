@@ -140,6 +140,10 @@ def full_hit(usage: dict) -> bool:
 def test_repeated_prompts_reach_the_worker_that_holds_them(fleet):
     convs = [messages(system_prompt(i), f"question {i}") for i in range(6)]
     first = gather(*(chat(fleet.base, m) for m in convs))
+    # Workers publish their cached blocks once a heartbeat interval: placement reads them.
+    for m in convs:
+        hashes = prompt_hashes(prompt_ids(fleet.base, m), 16)
+        wait_for(lambda h=hashes: fleet.holders(h), 10, "the workers publishing the prompts")
     again = gather(*(chat(fleet.base, m) for m in convs + convs))
     assert [t for t, _ in again] == [t for t, _ in first] * 2
     misses = [u for _, u in again if not full_hit(u)]
